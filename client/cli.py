@@ -1,0 +1,115 @@
+"""The ``tierstore`` command line: argument parsing and printing only.
+
+``tierstore daemon`` replaces this process with ``python -m tierstore.daemon`` (the
+client never imports the daemon); the other subcommands talk to a running daemon
+through ``tierstore.client``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+from tierstore._version import __version__
+from tierstore.errors import TierstoreError
+from tierstore.units import format_size
+
+__all__ = ["main"]
+
+
+def _socket_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierstore", description="Tiered tensor storage: one pool of GPU, "
+                                "pinned host and NVMe memory per node, shared by every training process.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.add_parser("version", help="print the version")
+    sub.add_parser("daemon", help="run the node daemon in the foreground (tierstore daemon --help)",
+                   add_help=False)
+    s = sub.add_parser("stat", help="tiers, namespaces, engine, prefetch counters of the running daemon")
+    _socket_flag(s)
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS")
+    ls = sub.add_parser("ls", help="list objects")
+    _socket_flag(ls)
+    ls.add_argument("--namespace", default="default")
+    ls.add_argument("--prefix", default="")
+    ls.add_argument("--json", action="store_true")
+    fr = sub.add_parser("free", help="free objects by key")
+    _socket_flag(fr)
+    fr.add_argument("--namespace", default="default")
+    fr.add_argument("keys", nargs="+", metavar="KEY")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["daemon"]:
+        # exec, not import: the client side never imports the daemon package
+        os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *argv[1:]])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd is None:
+            parser.print_help()
+            return 0
+        if args.cmd == "version":
+            print(f"tierstore {__version__}")
+            return 0
+        return _client_command(args)
+    except TierstoreError as e:
+        print(f"tierstore: {e.code}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"tierstore: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    from .cli_support import connect
+
+    if args.cmd == "stat":
+        from .statview import print_stat, watch
+
+        if args.watch:
+            return watch(lambda: connect(args.socket, "default"), args.watch, as_json=args.json)
+        with connect(args.socket, "default") as c:
+            st = c.stat()
+        if args.json:
+            print(json.dumps(st, indent=2, default=str))
+        else:
+            print_stat(st)
+        return 0
+    if args.cmd == "ls":
+        with connect(args.socket, args.namespace) as c:
+            rows = c.ls(prefix=args.prefix)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} TIERS")
+            for r in rows:
+                print(f"{str(r['key']):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
+                      f"{format_size(r['nbytes']):>10} {','.join(r['residency'])}")
+        return 0
+    if args.cmd == "free":
+        rc = 0
+        with connect(args.socket, args.namespace) as c:
+            for k in args.keys:
+                h = c.lookup(k)
+                if h is None:
+                    print(f"tierstore: no key {k!r} in namespace {args.namespace!r}", file=sys.stderr)
+                    rc = 1
+                    continue
+                c.free(h)
+                print(f"freed {k}")
+        return rc
+    raise AssertionError(args.cmd)  # argparse only yields the commands above
+
+

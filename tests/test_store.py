@@ -1,0 +1,271 @@
+"""The in-process store against real files with O_DIRECT."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import (Busy, CapacityExceeded, ChecksumMismatch, Handle, InvalidArgument, KeyExists, NotFound,
+                       StaleHandle)
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.complex64]
+
+
+def _rand(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tier", [None, "nvme"])
+def test_round_trip_every_dtype(make_store, dtype, tier):
+    s = make_store()
+    for shape in [(), (0,), (1,), (3, 5, 7), (1000, 3)]:
+        t = _rand(shape, dtype)
+        h = s.put(t, tier=tier)
+        got = s.get(h)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got, t)
+
+
+def test_numpy_round_trip_and_out(make_store):
+    s = make_store()
+    a = np.random.default_rng(0).standard_normal((33, 17)).astype(np.float32)
+    h = s.put(a, key="np")
+    got = s.get(h)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, a)
+    out = np.empty_like(a)
+    assert s.get(h, out=out) is out and np.array_equal(out, a)
+    be = a.astype(">f4")  # non-native byte order is stored as native
+    assert np.array_equal(s.get(s.put(be)), a)
+
+
+def test_non_contiguous_input_is_copied(make_store):
+    s = make_store()
+    t = torch.arange(100.0).reshape(10, 10).t()
+    assert not t.is_contiguous()
+    assert torch.equal(s.get(s.put(t)), t)
+
+
+@pytest.mark.parametrize("nbytes", [1, 511, 512, 513, 4095, 4096, 4097, (1 << 20) - 1, (1 << 20) + 1,
+                                    3 * (1 << 20) + 777])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_odd_sizes_are_never_truncated(make_store, nbytes, tier):
+    s = make_store()
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    h = s.put(t, tier=tier)
+    assert torch.equal(s.get(h), t)
+    out = torch.empty_like(t)
+    s.get(h, out=out)
+    assert torch.equal(out, t)
+
+
+def test_spill_when_host_full_then_exact_read_back(make_store):
+    s = make_store(host_bytes="8MiB")
+    data = [torch.randn(256 * 1024, generator=torch.Generator().manual_seed(i)) for i in range(12)]  # 12 MiB
+    hs = [s.put(t) for t in data]
+    st = s.stat()["tiers"]
+    assert st["nvme"]["objects"] > 0 and st["host"]["used_bytes"] <= 8 << 20
+    for h, t in zip(hs, data):
+        assert torch.equal(s.get(h), t)
+    # tier="host" demotes cold objects to make room
+    big = torch.randn(1 << 20)
+    h = s.put(big, tier="host")
+    assert "host" in s.info(h)["residency"]
+    assert s.stat()["counters"]["demotions"] > 0
+    for h2, t in zip(hs, data):
+        assert torch.equal(s.get(h2), t)
+
+
+def test_checkout_rw_is_zero_copy_and_persists(make_store):
+    s = make_store(host_bytes="4MiB")
+    h = s.put(torch.zeros(1024), key="x")
+    with s.checkout(h, mode="rw") as v:
+        v += 3
+    assert torch.equal(s.get(h), torch.full((1024,), 3.0))
+    # spill it, change it again after promotion
+    for _ in range(6):
+        s.put(torch.randn(128 * 1024), tier="host")
+    with s.checkout(h, mode="rw") as v:
+        assert torch.equal(v, torch.full((1024,), 3.0))
+        v *= 2
+    assert torch.equal(s.get(h), torch.full((1024,), 6.0))
+
+
+def test_leases_conflict(make_store):
+    s = make_store()
+    h = s.put(torch.ones(10))
+    r1 = s.checkout(h, "r")
+    r2 = s.checkout(h, "r")
+    with pytest.raises(Busy, match="conflicting"):
+        s.checkout(h, "rw", timeout_s=0.05)
+    with pytest.raises(Busy, match="checked out"):
+        s.free(h)
+    r1.release()
+    r2.release()
+    with s.checkout(h, "rw", timeout_s=0.05):
+        pass
+    s.free(h)
+
+
+def test_keys_lookup_replace_and_stale(make_store):
+    s = make_store()
+    h1 = s.put(torch.ones(3), key="opt/a/1")
+    s.put(torch.ones(3), key="opt/b/1")
+    s.put(torch.ones(3), key="param/1")
+    assert s.keys(prefix="opt/") == ["opt/a/1", "opt/b/1"]
+    assert s.lookup("opt/a/1") == h1
+    assert s.lookup("missing") is None
+    with pytest.raises(KeyExists, match="replace=True"):
+        s.put(torch.zeros(3), key="opt/a/1")
+    assert torch.equal(s.get(h1), torch.ones(3))  # a failed put changes nothing
+    h2 = s.put(torch.zeros(3), key="opt/a/1", replace=True)
+    assert torch.equal(s.get(s.lookup("opt/a/1")), torch.zeros(3))
+    with pytest.raises(StaleHandle):
+        s.get(h1)
+    s.free(h2)
+    with pytest.raises(StaleHandle):
+        s.free(h2)
+    with pytest.raises(NotFound):
+        s.get(Handle(10**9, 1))
+    assert Handle.parse(int(h1)) == h1 and Handle.parse(str(h1)) == h1
+    other = s.put(torch.ones(1), namespace="other-job", key="opt/a/1")
+    assert s.keys(namespace="other-job") == ["opt/a/1"]
+    with pytest.raises(NotFound):
+        s.get(other)  # handles are scoped to their namespace
+
+
+def test_bad_input_changes_nothing(make_store):
+    s = make_store(host_bytes="4MiB", nvme_bytes="16MiB")
+    h = s.put(torch.arange(6, dtype=torch.float32))
+    with pytest.raises(InvalidArgument, match="dtype"):
+        s.get(h, out=torch.empty(6, dtype=torch.float64))
+    with pytest.raises(InvalidArgument, match="bytes"):
+        s.get(h, out=torch.empty(5))
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        s.get(h, out=torch.empty(12)[::2])
+    with pytest.raises(InvalidArgument, match="torch.Tensor or numpy"):
+        s.put([1, 2, 3])
+    with pytest.raises(InvalidArgument, match="tier"):
+        s.put(torch.ones(1), tier="ssd")
+    with pytest.raises(InvalidArgument, match="mode"):
+        s.checkout(h, mode="w")
+    with pytest.raises(InvalidArgument, match="NUL"):
+        s.put(torch.ones(1), key="a\0b")
+    with pytest.raises(CapacityExceeded, match="every tier"):
+        s.put(torch.empty(32 << 20, dtype=torch.uint8))
+    with pytest.raises(CapacityExceeded, match="host tier"):
+        s.put(torch.empty(8 << 20, dtype=torch.uint8), tier="host")
+    assert s.stat()["namespaces"]["default"]["objects"] == 1
+    assert torch.equal(s.get(h), torch.arange(6, dtype=torch.float32))
+
+
+def test_flipped_byte_is_detected(make_store, nvme_dir):
+    s = make_store()
+    t = torch.randn(300_000)
+    h = s.put(t, tier="nvme")
+    ext = s._objects[h.id].nvme[0]
+    path = s.nvme.drives[ext.dev].path
+    with open(path, "r+b") as f:
+        f.seek(ext.file_offset + 123_457)
+        b = f.read(1)
+        f.seek(ext.file_offset + 123_457)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatch, match="block 0"):
+        s.get(h)
+    other = s.put(torch.ones(10), tier="nvme")
+    assert torch.equal(s.get(other), torch.ones(10))  # the rest keeps working
+
+
+def test_durable_objects_survive_reopen_and_frees_stick(make_store, nvme_dir):
+    s = make_store()
+    keep = {f"k{i}": torch.randn(1000 * (i + 1)) for i in range(5)}
+    for k, t in keep.items():
+        s.put(t, key=k, durable=True)
+    gone = s.put(torch.ones(5), key="gone", durable=True)
+    s.put(torch.ones(5), key="volatile")
+    h = s.lookup("k0")
+    with s.checkout(h, "rw") as v:
+        v.fill_(7.0)
+    keep["k0"] = torch.full((1000,), 7.0)
+    s.free(gone)
+    s.close()
+    s2 = make_store()
+    assert sorted(s2.keys()) == sorted(keep)
+    for k, t in keep.items():
+        assert torch.equal(s2.get(s2.lookup(k)), t)
+    assert s2.stat()["tiers"]["nvme"]["used_bytes"] == sum(((t.nbytes + 4095) // 4096) * 4096 for t in keep.values())
+
+
+def test_second_store_on_same_dir_is_refused(make_store):
+    make_store()
+    with pytest.raises(InvalidArgument, match="in use by pid"):
+        make_store()
+
+
+def test_full_filesystem_fails_only_that_request(make_store, tmpfs):
+    s = make_store(nvme_dirs=[tmpfs], nvme_bytes="256MiB", nvme_grow_bytes="1MiB", host_bytes="4MiB")
+    kept = [s.put(torch.full((256 * 1024,), float(i)), tier="nvme", durable=True) for i in range(4)]  # 4 MiB
+    from tierstore import NoSpace
+
+    with pytest.raises(NoSpace, match="no space"):
+        s.put(torch.empty(40 << 20, dtype=torch.uint8), tier="nvme")
+    for i, h in enumerate(kept):
+        assert torch.equal(s.get(h), torch.full((256 * 1024,), float(i)))
+    small = s.put(torch.ones(1000), tier="nvme")
+    assert torch.equal(s.get(small), torch.ones(1000))
+
+
+def test_threads_put_get_concurrently(make_store):
+    s = make_store(host_bytes="8MiB")
+    errors = []
+
+    def worker(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            mine = []
+            for i in range(40):
+                t = torch.randn(int(torch.randint(1, 80_000, (1,), generator=g)), generator=g)
+                mine.append((s.put(t, key=f"w{seed}/{i}", durable=i % 5 == 0), t))
+                h, ref = mine[int(torch.randint(0, len(mine), (1,), generator=g))]
+                assert torch.equal(s.get(h), ref)
+                if i % 7 == 0:
+                    with s.checkout(h, "r") as v:
+                        assert torch.equal(v, ref)
+            for h, ref in mine:
+                assert torch.equal(s.get(h), ref)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    st = s.stat()
+    assert st["leases"] == 0 and st["namespaces"]["default"]["objects"] == 160
+
+
+def test_prefetch_promotes(make_store):
+    s = make_store(host_bytes="4MiB")
+    hs = [s.put(torch.full((100_000,), float(i)), tier="nvme") for i in range(3)]
+    assert all(s.info(h)["residency"] == ["nvme"] for h in hs)
+    assert s.prefetch(hs).result(timeout=30) == 3
+    assert all("host" in s.info(h)["residency"] for h in hs)
+
+
+@pytest.mark.slow
+def test_object_larger_than_1gib(make_store):
+    s = make_store(host_bytes="64MiB", nvme_bytes="3GiB", io_chunk_bytes="8MiB")
+    n = (1 << 30) + 12345
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    h = s.put(t, durable=True)
+    assert torch.equal(s.get(h), t)

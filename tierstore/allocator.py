@@ -1,0 +1,116 @@
+"""Extent allocator: best-fit over aligned byte ranges with coalescing on free.
+
+Used for both the host arena (blocks of shared memory) and the NVMe data files
+(extents of a file). Pure bookkeeping: it never touches memory or disk. Not
+thread-safe; the store serialises calls under its lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from .units import PAGE, align_up
+
+__all__ = ["ExtentAllocator"]
+
+
+class ExtentAllocator:
+    """Hands out ``align``-aligned extents of ``[0, capacity)``.
+
+    Free extents are kept twice: by start (to coalesce neighbours on free) and by
+    (size, start) (for best fit), so fragmentation from mixed sizes is recovered
+    as soon as neighbours are freed.
+    """
+
+    def __init__(self, capacity: int, *, align: int = PAGE) -> None:
+        if capacity < 0 or align <= 0:
+            raise ValueError("capacity must be >= 0 and align > 0")
+        self.align = align
+        self.capacity = capacity // align * align
+        self._starts: list[int] = []
+        self._size_at: dict[int, int] = {}
+        self._by_size: list[tuple[int, int]] = []
+        self.used_bytes = 0
+        if self.capacity:
+            self._add_free(0, self.capacity)
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def rounded(self, nbytes: int) -> int:
+        """The size an allocation of ``nbytes`` really takes."""
+        return align_up(max(nbytes, 1), self.align)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        return [(s, self._size_at[s]) for s in self._starts]
+
+    # -- mutation ------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a new extent of ``rounded(nbytes)`` bytes, or None if none fits."""
+        size = self.rounded(nbytes)
+        i = bisect.bisect_left(self._by_size, (size, -1))
+        if i == len(self._by_size):
+            return None
+        fsize, start = self._by_size[i]
+        self._remove_free(start)
+        if fsize > size:
+            self._add_free(start + size, fsize - size)
+        self.used_bytes += size
+        return start
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return an extent obtained from ``alloc(nbytes)`` (or ``reserve``)."""
+        size = self.rounded(nbytes)
+        if offset % self.align or offset < 0 or offset + size > self.capacity:
+            raise ValueError(f"free of extent ({offset}, {size}) outside the allocator")
+        i = bisect.bisect_left(self._starts, offset)
+        if i < len(self._starts) and self._starts[i] < offset + size:
+            raise ValueError(f"double free of extent ({offset}, {size})")
+        if i > 0 and self._starts[i - 1] + self._size_at[self._starts[i - 1]] > offset:
+            raise ValueError(f"double free of extent ({offset}, {size})")
+        self.used_bytes -= size
+        start, end = offset, offset + size
+        # coalesce with the free neighbour after, then the one before
+        if i < len(self._starts) and self._starts[i] == end:
+            end += self._size_at[end]
+            self._remove_free(offset + size)
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._size_at[prev] == start:
+                start = prev
+                self._remove_free(prev)
+        self._add_free(start, end - start)
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Mark a specific extent used (journal replay). Raises if it is not free."""
+        size = self.rounded(nbytes)
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            raise ValueError(f"extent ({offset}, {size}) is not free")
+        start = self._starts[i]
+        fsize = self._size_at[start]
+        if offset + size > start + fsize:
+            raise ValueError(f"extent ({offset}, {size}) is not free")
+        self._remove_free(start)
+        if offset > start:
+            self._add_free(start, offset - start)
+        if offset + size < start + fsize:
+            self._add_free(offset + size, start + fsize - offset - size)
+        self.used_bytes += size
+
+    # -- internals -----------------------------------------------------------------------
+    def _add_free(self, start: int, size: int) -> None:
+        bisect.insort(self._starts, start)
+        self._size_at[start] = size
+        bisect.insort(self._by_size, (size, start))
+
+    def _remove_free(self, start: int) -> None:
+        size = self._size_at.pop(start)
+        del self._starts[bisect.bisect_left(self._starts, start)]
+        del self._by_size[bisect.bisect_left(self._by_size, (size, start))]

@@ -1,0 +1,75 @@
+"""Host tier memory: a shared ``memfd`` arena, pre-faulted, mappable by other processes.
+
+The arena knows nothing about objects; the store allocates blocks in it with an
+``ExtentAllocator`` and the daemon passes ``fd`` to clients over the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from .units import PAGE, align_up
+
+__all__ = ["Arena", "map_arena_fd"]
+
+log = logging.getLogger(__name__)
+
+
+class Arena:
+    """One memfd of ``size`` bytes mapped MAP_SHARED and pre-faulted.
+
+    Pre-faulting matters: a first-touch page fault costs far more than the copy
+    into the page, so the pages are allocated (fallocate) and mapped in
+    (MAP_POPULATE) here, once, instead of on the first put.
+    """
+
+    def __init__(self, size: int, *, name: str = "tierstore-host") -> None:
+        self.size = align_up(size, PAGE)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+        try:
+            if self.size:
+                # fallocate makes the shmem pages exist now, so a later touch cannot SIGBUS
+                os.posix_fallocate(self.fd, 0, self.size)
+            else:
+                os.ftruncate(self.fd, 0)
+            self.mm = _map(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self.mm, dtype=np.uint8) if self.size else np.empty(0, np.uint8)
+        log.info("host arena: %d bytes in memfd %d, pre-faulted", self.size, self.fd)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A uint8 view of ``[offset, offset + nbytes)`` (no copy)."""
+        return self.array[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self.array = np.empty(0, np.uint8)
+        try:
+            self.mm.close()
+        except BufferError:
+            # views handed out (checked-out tensors) still reference the mapping; the
+            # memory is released when the last of them is garbage-collected
+            log.warning("host arena still referenced by live views; unmapping deferred")
+        except ValueError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    if size == 0:
+        return mmap.mmap(-1, PAGE)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def map_arena_fd(fd: int, size: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map an arena fd received from the daemon; returns the mapping and a uint8 view."""
+    mm = _map(fd, size)
+    return mm, (np.frombuffer(mm, dtype=np.uint8) if size else np.empty(0, np.uint8))

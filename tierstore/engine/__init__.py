@@ -1,0 +1,30 @@
+"""I/O engines behind one interface; ``select_engine`` picks one and says why."""
+
+from __future__ import annotations
+
+import logging
+
+from .base import EngineFile, IOEngine
+from .posix import PosixEngine, probe_direct_io
+
+__all__ = ["IOEngine", "EngineFile", "PosixEngine", "probe_direct_io", "select_engine"]
+
+log = logging.getLogger(__name__)
+
+
+def select_engine(choice: str, threads: int) -> IOEngine:
+    """``auto``: kvikio when the CUDA driver loads and kvikio imports, else posix."""
+    from . import kvikio_engine
+
+    if choice == "posix":
+        return PosixEngine(threads, "posix engine requested by configuration")
+    ok, why = kvikio_engine.detect()
+    if choice == "kvikio":
+        if not ok:
+            raise RuntimeError(f"engine=kvikio requested but unusable: {why}")
+        return kvikio_engine.KvikioEngine(threads, f"requested by configuration; {why}")
+    if ok:
+        log.info("I/O engine kvikio: %s", why)
+        return kvikio_engine.KvikioEngine(threads, why)
+    log.info("I/O engine posix: kvikio unusable (%s)", why)
+    return PosixEngine(threads, f"kvikio unusable: {why}")

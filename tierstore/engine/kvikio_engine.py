@@ -1,0 +1,108 @@
+"""The KvikIO engine: ``kvikio.CuFile`` reads and writes, GPUDirect Storage where the
+driver and filesystem allow it, KvikIO's POSIX compat mode otherwise.
+
+This is the only module in tierstore that imports kvikio. KvikIO needs the CUDA
+driver (``libcuda.so.1``) even for host buffers, so ``detect()`` checks for it
+before importing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["KvikioEngine", "detect"]
+
+log = logging.getLogger(__name__)
+
+
+def detect() -> tuple[bool, str]:
+    """(usable, reason): kvikio is usable when libcuda loads and kvikio imports."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return False, f"no CUDA driver (libcuda.so.1: {e})"
+    try:
+        import kvikio  # noqa: F401
+        import kvikio.defaults
+    except Exception as e:  # ImportError, or a driver/runtime mismatch raised on import
+        return False, f"kvikio not importable: {type(e).__name__}: {e}"
+    compat = _compat_mode()
+    mode = "POSIX compat mode (no GPUDirect Storage)" if compat else "GPUDirect Storage"
+    return True, f"kvikio {getattr(kvikio, '__version__', '?')} with {mode}"
+
+
+def _compat_mode() -> bool:
+    import kvikio.defaults
+
+    for name in ("is_compat_mode_preferred", "compat_mode"):
+        fn = getattr(kvikio.defaults, name, None)
+        if fn is not None:
+            try:
+                val = fn()
+            except TypeError:
+                continue
+            return bool(val) if not hasattr(val, "name") else val.name != "OFF"
+    return True
+
+
+class KvikioFile:
+    def __init__(self, path: str, *, direct: bool) -> None:
+        import kvikio
+
+        self.path = path
+        self.direct = direct  # kvikio opens with O_DIRECT itself when GDS is active
+        open(path, "ab").close()
+        self._f = kvikio.CuFile(path, "r+")
+
+    def pread_into(self, buf: np.ndarray, offset: int) -> int:
+        return int(self._f.read(buf, buf.nbytes, offset))
+
+    def pwrite_from(self, buf: np.ndarray, offset: int) -> int:
+        return int(self._f.write(buf, buf.nbytes, offset))
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def sync(self) -> None:
+        import os
+
+        os.fdatasync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class KvikioEngine:
+    name = "kvikio"
+
+    def __init__(self, threads: int, reason: str) -> None:
+        import kvikio.defaults
+
+        self.threads = threads
+        self.reason = reason
+        setter = getattr(kvikio.defaults, "set", None)
+        if setter is not None:
+            try:
+                setter("num_threads", threads)
+            except Exception as e:  # older kvikio: keyword form only
+                log.info("kvikio thread count left at default: %s", e)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-kvikio")
+        self._closed = threading.Event()
+
+    def open(self, path: str, *, direct: bool) -> KvikioFile:
+        return KvikioFile(path, direct=direct)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._pool.shutdown(wait=True)
+            log.info("kvikio engine stopped")

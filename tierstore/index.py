@@ -1,0 +1,142 @@
+"""Object index records: handles and per-object metadata. Bookkeeping only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidArgument
+from .nvme import Extent
+from .tensors import TensorSpec
+
+__all__ = ["Handle", "ObjectMeta", "validate_key", "validate_namespace"]
+
+_ID_BITS = 48
+_GEN_MASK = 0xFFFF
+
+
+@dataclass(slots=True, frozen=True, order=True)
+class Handle:
+    """Names one object: a 48-bit id plus a 16-bit generation.
+
+    A handle is a plain value: ``int(h)`` and ``str(h)`` round-trip through
+    ``Handle.parse``. After a free (or a restart that lost a volatile object) the
+    id's generation no longer matches and the handle is reported stale.
+    """
+
+    id: int
+    gen: int
+
+    def __int__(self) -> int:
+        return (self.gen << _ID_BITS) | self.id
+
+    def __index__(self) -> int:
+        return int(self)
+
+    def __str__(self) -> str:
+        return f"{self.id}.{self.gen}"
+
+    @classmethod
+    def parse(cls, value: "Handle | int | str") -> "Handle":
+        if isinstance(value, Handle):
+            return value
+        if isinstance(value, bool):
+            raise InvalidArgument("a handle is a Handle, an int or an 'id.gen' string, not a bool")
+        if isinstance(value, int):
+            if value < 0 or value >= 1 << 64:
+                raise InvalidArgument(f"handle {value} is out of range")
+            return cls(value & ((1 << _ID_BITS) - 1), (value >> _ID_BITS) & _GEN_MASK)
+        if isinstance(value, str):
+            parts = value.split(".")
+            if len(parts) == 2 and all(p.isdigit() for p in parts):
+                oid, gen = int(parts[0]), int(parts[1])
+                if oid < 1 << _ID_BITS and gen <= _GEN_MASK:
+                    return cls(oid, gen)
+            raise InvalidArgument(f"{value!r} is not a handle ('id.gen')")
+        raise InvalidArgument(f"a handle is a Handle, an int or an 'id.gen' string, not {type(value).__name__}")
+
+
+@dataclass(slots=True, eq=False)
+class ObjectMeta:
+    id: int
+    gen: int
+    namespace: str
+    key: str | None
+    spec: TensorSpec
+    durable: bool
+    host_off: int | None = None
+    """Offset of the host-arena block, when one is allocated."""
+    host_valid: bool = False
+    """The host block holds the current bytes."""
+    nvme: list[Extent] | None = None
+    crcs: list[int] | None = None
+    nvme_valid: bool = False
+    readers: int = 0
+    """Shared leases (user check-outs in mode 'r')."""
+    writer: bool = False
+    """An exclusive lease (mode 'rw') is out."""
+    pins: int = 0
+    """Internal transient holds (a copy in progress); a free waits for them."""
+    moving: bool = False
+    """A tier move (promotion/demotion/write-back) is in flight."""
+    freeing: bool = False
+    version: int = 0
+    """Bumped by every rw check-in, so a concurrent demotion of old bytes is discarded."""
+    owner_uid: int | None = None
+    record: dict[str, Any] | None = None
+    """The last journal record written for this (durable) object; compaction rewrites it."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def handle(self) -> Handle:
+        return Handle(self.id, self.gen)
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    def residency(self) -> list[str]:
+        tiers = []
+        if self.host_valid:
+            tiers.append("host")
+        if self.nvme_valid:
+            tiers.append("nvme")
+        return tiers
+
+    def to_record(self) -> dict[str, Any]:
+        """The journal form of a durable object."""
+        return {"op": "put", "id": self.id, "gen": self.gen, "ns": self.namespace, "key": self.key,
+                "kind": self.spec.kind, "dtype": self.spec.dtype, "shape": list(self.spec.shape),
+                "nbytes": self.spec.nbytes, "ext": [e.to_wire() for e in self.nvme or []],
+                "crc": list(self.crcs or []), "extra": self.extra}
+
+    @classmethod
+    def from_record(cls, r: dict[str, Any]) -> "ObjectMeta":
+        spec = TensorSpec(r["kind"], r["dtype"], tuple(r["shape"]), int(r["nbytes"]))
+        return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=r["ns"], key=r.get("key"), spec=spec,
+                   durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
+                   nvme_valid=True, extra=dict(r.get("extra") or {}))
+
+
+def validate_key(key: Any) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise InvalidArgument(f"a key is a str, not {type(key).__name__}")
+    if not key or len(key.encode("utf-8", "surrogatepass")) > 1024:
+        raise InvalidArgument("a key must be 1 to 1024 bytes long")
+    if "\0" in key:
+        raise InvalidArgument("a key may not contain NUL")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("a key must be valid UTF-8") from None
+    return key
+
+
+def validate_namespace(ns: Any) -> str:
+    if not isinstance(ns, str) or not ns or len(ns) > 255:
+        raise InvalidArgument("a namespace is a non-empty str of at most 255 characters")
+    if "\0" in ns or any(p in ("", ".", "..") for p in ns.split("/")):
+        raise InvalidArgument(f"invalid namespace {ns!r}: use names like 'job-42' or 'job-42/rank3'")
+    return ns

@@ -1,0 +1,356 @@
+"""NVMe tier mechanism: extents in preallocated data files, chunked parallel I/O,
+a CRC32C per 1 MiB block written with the data and verified on every read.
+
+One data file per configured directory; an object larger than a few chunks is
+striped across the directories in chunk-aligned parts. Files grow by fallocate in
+``grow_bytes`` steps, so a full filesystem surfaces as ``NoSpace`` on the request
+that needed the space, never as a torn object. What to place here, and when, is
+the store's policy; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .allocator import ExtentAllocator
+from .checksum import BLOCK_BYTES, crc32c
+from .engine import IOEngine, probe_direct_io
+from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
+from .units import PAGE, align_up
+
+__all__ = ["Extent", "NvmeTier", "DATA_FILE", "LOCK_FILE"]
+
+log = logging.getLogger(__name__)
+
+DATA_FILE = "data.bin"
+LOCK_FILE = "lock"
+
+
+@dataclass(slots=True, frozen=True)
+class Extent:
+    """``nbytes`` of an object starting at ``obj_offset``, stored on drive ``dev`` at ``file_offset``."""
+
+    dev: int
+    file_offset: int
+    obj_offset: int
+    nbytes: int
+
+    def to_wire(self) -> list[int]:
+        return [self.dev, self.file_offset, self.obj_offset, self.nbytes]
+
+    @classmethod
+    def from_wire(cls, v: list[int]) -> "Extent":
+        return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]))
+
+
+class _Drive:
+    def __init__(self, index: int, directory: str, engine: IOEngine, direct_mode: str,
+                 capacity: int) -> None:
+        self.index = index
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._lock_fd)
+            raise InvalidArgument(f"NVMe directory {directory} is in use by pid {other}; "
+                                  "stop that store/daemon or configure another directory") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
+        if direct_mode == "off":
+            self.direct, self.direct_reason = False, "O_DIRECT disabled by configuration"
+        else:
+            self.direct, self.direct_reason = probe_direct_io(directory)
+            if direct_mode == "on" and not self.direct:
+                raise InvalidArgument(f"direct_io=on but {self.direct_reason}")
+        if not self.direct:
+            log.warning("NVMe dir %s: %s", directory, self.direct_reason)
+        self.path = os.path.join(directory, DATA_FILE)
+        self.file = engine.open(self.path, direct=self.direct)
+        self.file_size = os.fstat(self.file.fileno()).st_size
+        self.alloc = ExtentAllocator(capacity)
+        self.grow_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.file.close()
+        os.close(self._lock_fd)
+
+
+class _BouncePool:
+    """Page-aligned staging buffers for O_DIRECT I/O of unaligned user memory."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self._maps = [mmap.mmap(-1, size) for _ in range(count)]
+        for m in self._maps:
+            self._free.put(np.frombuffer(m, dtype=np.uint8))
+
+    def get(self) -> np.ndarray:
+        return self._free.get()
+
+    def put(self, buf: np.ndarray) -> None:
+        self._free.put(buf)
+
+
+def _aligned(buf: np.ndarray) -> bool:
+    return buf.ctypes.data % PAGE == 0
+
+
+class NvmeTier:
+    """Extent-managed, checksummed storage over one data file per directory."""
+
+    def __init__(self, dirs: list[str], capacity_bytes: int, engine: IOEngine, *,
+                 direct_io: str = "auto", chunk_bytes: int = 8 << 20, grow_bytes: int = 256 << 20) -> None:
+        if not dirs:
+            raise InvalidArgument("the NVMe tier needs at least one directory (nvme_dirs)")
+        self.engine = engine
+        self.chunk_bytes = chunk_bytes
+        self.grow_bytes = max(align_up(grow_bytes, PAGE), PAGE)
+        per_drive = capacity_bytes // len(dirs) // PAGE * PAGE
+        self.drives: list[_Drive] = []
+        try:
+            for i, d in enumerate(dirs):
+                self.drives.append(_Drive(i, d, engine, direct_io, per_drive))
+        except BaseException:
+            for drv in self.drives:
+                drv.close()
+            raise
+        self.capacity_bytes = per_drive * len(dirs)
+        self.direct = all(d.direct for d in self.drives)
+        self.direct_reason = "; ".join(sorted({d.direct_reason for d in self.drives}))
+        self._bounce = _BouncePool(engine.threads + 2, chunk_bytes)
+        self._lock = threading.Lock()  # guards the allocators and the stripe cursor
+        self._next_drive = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- space -----------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return sum(d.alloc.used_bytes for d in self.drives)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return align_up(max(nbytes, 1), PAGE) <= self.capacity_bytes
+
+    def alloc(self, nbytes: int) -> list[Extent]:
+        """Extents for an object of ``nbytes``; striped when it spans several chunks."""
+        ndrv = len(self.drives)
+        with self._lock:
+            if ndrv > 1 and nbytes >= 2 * self.chunk_bytes:
+                part = align_up(-(-nbytes // ndrv), self.chunk_bytes)
+                parts = [(o, min(part, nbytes - o)) for o in range(0, nbytes, part)]
+            else:
+                parts = [(0, nbytes)]
+            start = self._next_drive
+            self._next_drive = (self._next_drive + 1) % ndrv
+            extents: list[Extent] = []
+            for k, (obj_off, n) in enumerate(parts):
+                drv = self._pick_drive((start + k) % ndrv, n, taken={e.dev for e in extents})
+                off = None if drv is None else drv.alloc.alloc(n)
+                if off is None:
+                    for e in extents:
+                        self.drives[e.dev].alloc.free(e.file_offset, e.nbytes)
+                    raise CapacityExceeded(
+                        f"NVMe tier full: {nbytes} bytes requested, {self.free_bytes} free of "
+                        f"{self.capacity_bytes}; free objects or raise nvme_bytes")
+                extents.append(Extent(drv.index, off, obj_off, n))
+        try:
+            for e in extents:
+                self._ensure_file_size(self.drives[e.dev], e.file_offset + align_up(max(e.nbytes, 1), PAGE))
+        except BaseException:
+            self.free(extents)
+            raise
+        return extents
+
+    def _pick_drive(self, first: int, n: int, taken: set[int]) -> _Drive | None:
+        ndrv = len(self.drives)
+        for k in range(ndrv):
+            drv = self.drives[(first + k) % ndrv]
+            if drv.index not in taken and drv.alloc.largest_free >= align_up(max(n, 1), PAGE):
+                return drv
+        for k in range(ndrv):  # striping could not use distinct drives: allow reuse
+            drv = self.drives[(first + k) % ndrv]
+            if drv.alloc.largest_free >= align_up(max(n, 1), PAGE):
+                return drv
+        return None
+
+    def free(self, extents: list[Extent]) -> None:
+        with self._lock:
+            for e in extents:
+                self.drives[e.dev].alloc.free(e.file_offset, e.nbytes)
+
+    def reserve(self, extents: list[Extent]) -> None:
+        """Mark extents used (journal replay)."""
+        with self._lock:
+            for e in extents:
+                if e.dev >= len(self.drives):
+                    raise InvalidArgument(f"extent on drive {e.dev}, but only {len(self.drives)} configured")
+                self.drives[e.dev].alloc.reserve(e.file_offset, e.nbytes)
+
+    def _ensure_file_size(self, drv: _Drive, end: int) -> None:
+        if end <= drv.file_size:
+            return
+        with drv.grow_lock:
+            if end <= drv.file_size:
+                return
+            new_size = min(max(align_up(end, self.grow_bytes), end), drv.alloc.capacity)
+            try:
+                os.posix_fallocate(drv.file.fileno(), drv.file_size, new_size - drv.file_size)
+            except OSError as e:
+                if e.errno != errno.ENOSPC or new_size == end:
+                    raise _io_error(e, drv.path, "growing") from None
+                # the growth step does not fit: take just what this request needs
+                try:
+                    os.posix_fallocate(drv.file.fileno(), drv.file_size, end - drv.file_size)
+                except OSError as e2:
+                    raise _io_error(e2, drv.path, "growing") from None
+                new_size = end
+            drv.file_size = new_size
+
+    # -- data ------------------------------------------------------------------------------
+    def write(self, extents: list[Extent], src: np.ndarray, *, src_padded: np.ndarray | None = None,
+              sync: bool = False) -> list[int]:
+        """Write ``src`` (uint8, the whole object) to ``extents``; return per-block CRC32C.
+
+        ``src_padded``, when given, is the same memory extended to a 4 KiB multiple
+        (a host-arena block), so even the tail goes out without a bounce copy.
+        """
+        nbytes = src.nbytes
+        crcs = [0] * (-(-nbytes // BLOCK_BYTES))
+        futures = []
+        for e, c_off, c_len in self._chunks(extents):
+            futures.append(self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, crcs))
+        self._gather(futures, extents)
+        if sync:
+            for dev in {e.dev for e in extents}:
+                drv = self.drives[dev]
+                try:
+                    drv.file.sync()  # the journal record that names these bytes comes after this
+                except OSError as err:
+                    raise _io_error(err, drv.path, "syncing") from None
+        self.bytes_written += nbytes
+        return crcs
+
+    def read(self, extents: list[Extent], dst: np.ndarray, checksums: list[int], *,
+             dst_padded: np.ndarray | None = None) -> None:
+        """Read the object into ``dst`` (uint8), verifying every block's CRC32C."""
+        futures = []
+        for e, c_off, c_len in self._chunks(extents):
+            futures.append(self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums))
+        self._gather(futures, extents)
+        self.bytes_read += dst.nbytes
+
+    def _chunks(self, extents: list[Extent]):
+        for e in extents:
+            for c in range(0, e.nbytes, self.chunk_bytes):
+                yield e, e.obj_offset + c, min(self.chunk_bytes, e.nbytes - c)
+
+    def _io_buffer(self, buf: np.ndarray, padded: np.ndarray | None, off: int, n: int, direct: bool):
+        """The slice to hand the kernel directly, or None when a bounce is needed."""
+        if not direct:
+            return buf[off:off + n]
+        if n % PAGE == 0:
+            view = buf[off:off + n]
+            return view if _aligned(view) else None
+        if padded is not None:
+            view = padded[off:off + align_up(n, PAGE)]
+            return view if _aligned(view) and view.nbytes == align_up(n, PAGE) else None
+        return None
+
+    def _write_chunk(self, e: Extent, off: int, n: int, src: np.ndarray, padded: np.ndarray | None,
+                     crcs: list[int]) -> None:
+        drv = self.drives[e.dev]
+        data = src[off:off + n]
+        for b in range(0, n, BLOCK_BYTES):
+            crcs[(off + b) // BLOCK_BYTES] = crc32c(data[b:b + BLOCK_BYTES])
+        pos = e.file_offset + (off - e.obj_offset)
+        io = self._io_buffer(src, padded, off, n, drv.direct)
+        if io is not None:
+            drv.file.pwrite_from(io, pos)
+            return
+        bounce = self._bounce.get()
+        try:
+            padded_n = align_up(n, PAGE)
+            bounce[:n] = data
+            if padded_n > n:
+                bounce[n:padded_n] = 0
+            drv.file.pwrite_from(bounce[:padded_n], pos)
+        finally:
+            self._bounce.put(bounce)
+
+    def _read_chunk(self, e: Extent, off: int, n: int, dst: np.ndarray, padded: np.ndarray | None,
+                    crcs: list[int]) -> None:
+        drv = self.drives[e.dev]
+        pos = e.file_offset + (off - e.obj_offset)
+        io = self._io_buffer(dst, padded, off, n, drv.direct)
+        if io is not None:
+            drv.file.pread_into(io, pos)
+            self._verify(dst[off:off + n], off, crcs, drv.path, pos)
+            return
+        bounce = self._bounce.get()
+        try:
+            drv.file.pread_into(bounce[:align_up(n, PAGE)], pos)
+            self._verify(bounce[:n], off, crcs, drv.path, pos)
+            dst[off:off + n] = bounce[:n]
+        finally:
+            self._bounce.put(bounce)
+
+    @staticmethod
+    def _verify(data: np.ndarray, off: int, crcs: list[int], path: str, pos: int) -> None:
+        for b in range(0, data.nbytes, BLOCK_BYTES):
+            i = (off + b) // BLOCK_BYTES
+            if i >= len(crcs) or crc32c(data[b:b + BLOCK_BYTES]) != crcs[i]:
+                raise ChecksumMismatch(
+                    f"block {i} (object bytes {off + b}..{off + min(b + BLOCK_BYTES, data.nbytes)}) "
+                    f"read from {path} at offset {pos + b} fails its CRC32C; the stored copy is "
+                    "corrupt and was not served")
+
+    def _gather(self, futures: list[Future], extents: list[Extent]) -> None:
+        first: BaseException | None = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # keep waiting: no chunk may still be writing into a buffer we return
+                first = first or e
+        if first is None:
+            return
+        if isinstance(first, OSError):
+            path = self.drives[extents[0].dev].path if extents else "?"
+            raise _io_error(first, path, "I/O on") from None
+        raise first
+
+    def close(self) -> None:
+        for d in self.drives:
+            d.close()
+
+    def describe(self) -> list[dict]:
+        return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason,
+                 "capacity_bytes": d.alloc.capacity, "used_bytes": d.alloc.used_bytes,
+                 "file_bytes": d.file_size} for d in self.drives]
+
+
+def _io_error(e: OSError, path: str, doing: str) -> Exception:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpace(f"no space left {doing} {path}: free space on that filesystem or lower nvme_bytes")
+    return StorageError(f"{os.strerror(e.errno) if e.errno else e} {doing} {path}; "
+                        "check the drive and the directory's permissions")
+
+

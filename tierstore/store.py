@@ -1,0 +1,890 @@
+"""The store: one pool of tiers (host arena + NVMe), an object index, leases and placement.
+
+The store owns the invariants: where each object lives, who holds it, what may move.
+Bytes move through ``Arena`` (memory) and ``NvmeTier`` (disk); the eviction order
+comes from a policy object. The daemon serves this same class over a socket; the
+in-process API below is the same contract as ``tierstore.client.Client``.
+
+Locking: one condition variable (``_cv``) guards every index field. Disk I/O and
+large copies run with it released; an object being moved is flagged ``moving`` and
+an object being copied holds a ``pin``, and whoever waits on those waits on ``_cv``.
+The journal lock is always taken before ``_cv``, never the other way around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from ._version import __version__
+from .allocator import ExtentAllocator
+from .arena import Arena
+from .config import Config
+from .engine import select_engine
+from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists, NotFound,
+                     StaleHandle, TierstoreError)
+from .index import Handle, ObjectMeta, validate_key, validate_namespace
+from .journal import Journal
+from .nvme import NvmeTier
+from .policy import make_policy
+from .tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
+from .units import PAGE, align_up
+
+__all__ = ["Store", "Lease", "Reservation", "LeaseInfo"]
+
+log = logging.getLogger(__name__)
+
+_TIERS = (None, "host", "nvme", "gpu")
+_LOCAL = "local"  # owner of leases taken through the in-process API
+
+
+@dataclass(slots=True)
+class Reservation:
+    """First phase of a two-phase put: a host block the writer fills, then commits."""
+
+    rid: int
+    owner: Any
+    host_off: int
+    meta: ObjectMeta
+    tier: str | None
+    replace: bool
+
+
+@dataclass(slots=True)
+class LeaseInfo:
+    lid: int
+    owner: Any
+    oid: int
+    gen: int
+    mode: str
+    host_off: int
+    spec: TensorSpec
+    since: float
+
+
+class Lease:
+    """A check-out: ``tensor`` is a zero-copy view into the host arena, valid until release.
+
+    Use as a context manager; leaving the block checks the object back in. After a
+    ``rw`` lease the object is dirty (and, if durable, written back before release
+    returns).
+    """
+
+    def __init__(self, store: "Store", info: LeaseInfo, tensor: Any) -> None:
+        self._store = store
+        self._info = info
+        self.tensor = tensor
+        self.handle = Handle(info.oid, info.gen)
+        self.mode = info.mode
+
+    def release(self) -> None:
+        if self._info is not None:
+            info, self._info = self._info, None
+            self.tensor = None
+            self._store.release(info.lid)
+
+    def __enter__(self) -> Any:
+        return self.tensor
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class Store:
+    """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
+
+    def __init__(self, config: Config | None = None, *, namespace: str = "default", **overrides: Any) -> None:
+        cfg = config or Config()
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        self.config = cfg = cfg.resolved()
+        self.namespace = validate_namespace(namespace)
+        self._started = time.monotonic()
+        self._cv = threading.Condition(threading.Lock())
+        self._closed = False
+        self._objects: dict[int, ObjectMeta] = {}
+        self._keys: dict[tuple[str, str], int] = {}
+        self._ns_owner: dict[str, int] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, LeaseInfo] = {}
+        self._ids = itertools.count(1)
+        self._next_id = 1
+        self._epoch = 1
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
+             "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
+             "prefetches", "prefetched_bytes", "steps"), 0)
+        self.engine = select_engine(cfg.engine, cfg.io_threads)
+        try:
+            self.arena = Arena(cfg.host_bytes)
+            self.host = ExtentAllocator(self.arena.size)
+            self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
+                                 chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.policy = make_policy(cfg.policy)
+        self.journal = Journal(cfg.nvme_dirs[0])
+        self.replay_info = self._replay()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
+        self._demoter_wake = threading.Event()
+        self._demoter = threading.Thread(target=self._demote_loop, name="tierstore-demoter", daemon=True)
+        self._demoter.start()
+        log.info("store open: host %d B, nvme %d B in %s, engine %s (%s); %d durable objects recovered",
+                 self.arena.size, self.nvme.capacity_bytes, cfg.nvme_dirs, self.engine.name,
+                 self.engine.reason, len(self._objects))
+
+    # ------------------------------------------------------------------ public API
+    def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
+            replace: bool = False, namespace: str | None = None, wait_s: float = 0.0) -> Handle:
+        """Store a copy of ``tensor``; returns its handle.
+
+        ``tier``: ``None`` (host if it has room, else NVMe), ``"host"`` (demote others
+        to make room, waiting up to ``wait_s``), ``"nvme"``. ``durable=True`` returns
+        only once the bytes and the index record are on NVMe.
+        """
+        u8, spec = to_bytes(tensor)
+        ns = self._ns(namespace)
+        key = validate_key(key)
+        tier = self._check_tier(tier)
+        self._check_fits(spec.nbytes, tier)
+        use_host = tier == "host" or (tier is None and self._host_has_room(spec.nbytes))
+        if use_host:
+            res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace,
+                                   namespace=ns, owner=_LOCAL, wait_s=wait_s)
+            try:
+                if spec.nbytes:
+                    # the reservation keeps this block ours until commit; no lock needed to fill it
+                    self.arena.view(res.host_off, spec.nbytes)[:] = u8
+            except BaseException:
+                self.abort_put(res.rid)
+                raise
+            return self.commit_put(res.rid)
+        return self._put_nvme(u8, spec, key, durable, replace, ns)
+
+    def get(self, handle: Handle | int | str, out: Any = None, *, namespace: str | None = None) -> Any:
+        """A new CPU tensor with the object's bytes, or the bytes copied into ``out``."""
+        meta = self._pin(handle, namespace)
+        try:
+            spec = meta.spec
+            dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
+            if spec.nbytes:
+                self._read_pinned(meta, dst)
+            self.counters["gets"] += 1
+            self.counters["get_bytes"] += spec.nbytes
+        finally:
+            self._unpin(meta)
+        return out if out is not None else from_bytes(dst, spec)
+
+    def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
+                 timeout_s: float | None = None) -> Lease:
+        """Lease the object and return a ``Lease`` whose tensor views the host arena (zero copy)."""
+        info = self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s)
+        view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
+        return Lease(self, info, from_bytes(view, info.spec))
+
+    def free(self, handle: Handle | int | str, *, namespace: str | None = None) -> None:
+        """Delete the object. Once this returns, the object is gone for good (also after a crash)."""
+        h = Handle.parse(handle)
+        with self._cv:
+            meta = self._get_meta(h, self._ns(namespace))
+            self._wait_free_to_go(meta)
+            meta.freeing = True
+            if meta.key is not None:
+                self._keys.pop((meta.namespace, meta.key), None)
+        self._drop(meta)
+        self.counters["frees"] += 1
+
+    def lookup(self, key: str, *, namespace: str | None = None) -> Handle | None:
+        key = validate_key(key)
+        with self._cv:
+            oid = self._keys.get((self._ns(namespace), key))
+            return None if oid is None else self._objects[oid].handle
+
+    def keys(self, prefix: str = "", *, namespace: str | None = None) -> list[str]:
+        if not isinstance(prefix, str):
+            raise InvalidArgument("prefix must be a str")
+        ns = self._ns(namespace)
+        with self._cv:
+            return sorted(k for (n, k) in self._keys if n == ns and k.startswith(prefix))
+
+    def info(self, handle: Handle | int | str, *, namespace: str | None = None) -> dict[str, Any]:
+        """Metadata of one object: key, dtype, shape, nbytes, residency, leases, durability."""
+        h = Handle.parse(handle)
+        with self._cv:
+            m = self._get_meta(h, self._ns(namespace))
+            return {"handle": str(m.handle), "key": m.key, "namespace": m.namespace, "kind": m.spec.kind,
+                    "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes,
+                    "residency": m.residency(), "dirty": m.host_valid and not m.nvme_valid,
+                    "readers": m.readers, "writer": m.writer, "durable": m.durable}
+
+    def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None) -> Future:
+        """Start bringing these objects into the host tier; the future completes when done."""
+        hs = [Handle.parse(h) for h in handles]
+        ns = self._ns(namespace)
+        self._check_open()
+        return self._pool.submit(self._prefetch_all, hs, ns)
+
+    def step(self) -> None:
+        """Iteration boundary (feeds the access-order policy)."""
+        with self._cv:
+            self.counters["steps"] += 1
+            self.policy.step()
+
+    def stat(self) -> dict[str, Any]:
+        with self._cv:
+            host_objs = sum(1 for m in self._objects.values() if m.host_valid)
+            nvme_objs = sum(1 for m in self._objects.values() if m.nvme_valid)
+            namespaces: dict[str, dict[str, int]] = {}
+            for m in self._objects.values():
+                d = namespaces.setdefault(m.namespace, {"objects": 0, "bytes": 0})
+                d["objects"] += 1
+                d["bytes"] += m.nbytes
+            return {
+                "tiers": {
+                    "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
+                             "free_bytes": self.host.free_bytes, "objects": host_objs,
+                             "pinned": False, "pinned_reason": "no CUDA device: host memory is not page-locked"},
+                    "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
+                             "free_bytes": self.nvme.free_bytes, "objects": nvme_objs,
+                             "engine": self.engine.name, "engine_reason": self.engine.reason,
+                             "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
+                             "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
+                             "drives": self.nvme.describe()},
+                },
+                "prefetch": {"hits": int(self.counters["host_hits"]), "late": 0,
+                             "misses": int(self.counters["nvme_reads"]), "stall_s": 0.0,
+                             "prefetched_bytes": int(self.counters["prefetched_bytes"]), "wasted_bytes": 0},
+                "namespaces": namespaces,
+                "leases": len(self._leases),
+                "reservations": len(self._reservations),
+                "policy": self.policy.name,
+                "counters": dict(self.counters),
+                "journal": {"bytes": self.journal.size(), "torn_bytes": self.replay_info["torn_bytes"],
+                            "corrupt_records": self.replay_info["corrupt_records"]},
+                "uptime_s": time.monotonic() - self._started,
+                "version": __version__,
+            }
+
+    def close(self) -> None:
+        """Stop background work, drain in-flight I/O, flush the journal, release memory."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._demoter_wake.set()
+        self._demoter.join()
+        self._pool.shutdown(wait=True)
+        self.engine.close()
+        self.journal.close()
+        self.nvme.close()
+        self.arena.close()
+        log.info("store closed")
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ two-phase put / leases
+    def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
+                    namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None) -> Reservation:
+        """Allocate a host block for a new object; the caller fills it, then ``commit_put``."""
+        tier = self._check_tier(tier)
+        self._check_fits(spec.nbytes, tier if tier != "nvme" else "host")
+        if key is not None:
+            with self._cv:
+                if (namespace, key) in self._keys and not replace:
+                    raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
+                                    "pass replace=True to overwrite it or free it first")
+        off = self._alloc_host(spec.nbytes, wait_s=wait_s, evict=True) if spec.nbytes else -1
+        with self._cv:
+            oid = self._new_id()
+            meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
+                              durable=durable, owner_uid=owner_uid)
+            meta.host_off = None if off < 0 else off
+            res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace)
+            self._reservations[oid] = res
+            return res
+
+    def commit_put(self, rid: int, *, owner: Any = _LOCAL) -> Handle:
+        """Second phase: make the reserved object visible (and durable, if asked)."""
+        with self._cv:
+            res = self._reservations.get(rid)
+            if res is None or res.owner != owner:
+                raise NotFound(f"no open reservation {rid} for this connection")
+            meta = res.meta
+            meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
+        try:
+            if meta.durable or res.tier == "nvme":
+                self._write_down(meta, sync=meta.durable)
+            # journal lock held across check, append and publish: no other put can bind
+            # the same key in between, and compaction sees either both or neither
+            with self.journal.lock:
+                with self._cv:
+                    self._check_key(meta, res.replace)
+                if meta.durable:
+                    self._journal_put(meta)
+                with self._cv:
+                    self._reservations.pop(rid, None)
+                    old = self._bind(meta, res.replace)
+                    meta.host_valid = meta.host_off is not None or meta.nbytes == 0
+                    if res.tier == "nvme" and meta.host_off is not None:
+                        self.host.free(meta.host_off, meta.nbytes)
+                        meta.host_off, meta.host_valid = None, False
+                    self._objects[meta.id] = meta
+                    if meta.host_valid and meta.host_off is not None:
+                        self.policy.insert(meta.id)
+                    meta.moving = False
+                    self._cv.notify_all()
+        except BaseException:
+            self.abort_put(rid, owner=owner)
+            raise
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += meta.nbytes
+        if old is not None:
+            self._drop_replaced(old)
+        self._maybe_demote()
+        return meta.handle
+
+    def abort_put(self, rid: int, *, owner: Any = _LOCAL) -> None:
+        with self._cv:
+            res = self._reservations.get(rid)
+            if res is None or res.owner != owner:
+                return
+            del self._reservations[rid]
+            meta = res.meta
+            if meta.host_off is not None:
+                self.host.free(meta.host_off, meta.nbytes)
+                meta.host_off = None
+            extents, meta.nvme = meta.nvme, None
+            self._cv.notify_all()
+        if extents:
+            self.nvme.free(extents)
+
+    def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
+                timeout_s: float | None = None) -> LeaseInfo:
+        """Lease an object in the host tier (promoting it first if needed)."""
+        if mode not in ("r", "rw"):
+            raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
+        h = Handle.parse(handle)
+        ns = self._ns(namespace)
+        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        while True:
+            with self._cv:
+                meta = self._get_meta(h, ns)
+                if meta.host_valid and not meta.moving and self._lease_ok(meta, mode):
+                    if mode == "r":
+                        meta.readers += 1
+                    else:
+                        meta.writer = True
+                    self.policy.touch(meta.id)
+                    self.counters["checkouts"] += 1
+                    self.counters["host_hits"] += 1
+                    lid = next(self._ids) + (1 << 40)
+                    info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec, time.monotonic())
+                    self._leases[lid] = info
+                    return info
+                if not meta.host_valid and not meta.moving:
+                    meta.moving = True
+                    promote = True
+                else:
+                    promote = False
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise Busy(f"object {h} is leased in a conflicting mode (readers={meta.readers}, "
+                                   f"writer={meta.writer}); check it in elsewhere or wait longer")
+                    self._cv.wait(min(remaining, 1.0))
+                    continue
+            if promote:
+                self.counters["nvme_reads"] += 1
+                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()))
+
+    def release(self, lid: int, *, owner: Any = _LOCAL) -> None:
+        """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
+        with self._cv:
+            info = self._leases.get(lid)
+            if info is None or info.owner != owner:
+                raise NotFound(f"no lease {lid} held by this connection")
+            del self._leases[lid]
+            meta = self._objects.get(info.oid)
+            if meta is None:
+                return
+            if info.mode == "r":
+                meta.readers -= 1
+                self._cv.notify_all()
+                return
+            meta.version += 1
+            meta.nvme_valid = False
+            stale = meta.nvme
+            meta.nvme, meta.crcs = None, None
+            if meta.durable:
+                meta.moving = True  # write-back below; holds off other movers, keeps the writer flag
+            else:
+                meta.writer = False
+                self._cv.notify_all()
+        if not meta.durable:
+            if stale:
+                self.nvme.free(stale)
+            return
+        try:
+            # durable: the new bytes reach NVMe and the journal before the check-in returns
+            self._write_down(meta, sync=True)
+            with self.journal.lock:
+                self._journal_put(meta)
+        finally:
+            with self._cv:
+                meta.moving = False
+                meta.writer = False
+                self._cv.notify_all()
+        if stale:
+            self.nvme.free(stale)  # only after the journal names the new copy
+
+    def release_owner(self, owner: Any) -> tuple[int, int]:
+        """End every lease and reservation of ``owner`` (a connection that went away)."""
+        with self._cv:
+            lids = [lid for lid, i in self._leases.items() if i.owner == owner]
+            rids = [rid for rid, r in self._reservations.items() if r.owner == owner]
+        for lid in lids:
+            try:
+                self.release(lid, owner=owner)
+            except TierstoreError as e:
+                log.error("releasing lease %d of a closed connection failed: %s", lid, e)
+        for rid in rids:
+            self.abort_put(rid, owner=owner)
+        return len(lids), len(rids)
+
+    def claim_namespace(self, namespace: str, uid: int) -> None:
+        """Bind a namespace to the uid that first uses it (journaled); others are refused."""
+        from .errors import PermissionDenied
+
+        ns = validate_namespace(namespace)
+        root = ns.split("/")[0]
+        with self.journal.lock:
+            with self._cv:
+                owner = self._ns_owner.get(root)
+                if owner is not None:
+                    if owner != uid and uid != 0:
+                        raise PermissionDenied(f"namespace {root!r} belongs to uid {owner}; use another namespace")
+                    return
+            self.journal.append({"op": "ns", "name": root, "uid": uid})
+            with self._cv:
+                self._ns_owner[root] = uid
+
+    def namespace_owner(self, namespace: str) -> int | None:
+        with self._cv:
+            return self._ns_owner.get(namespace.split("/")[0])
+
+    # ------------------------------------------------------------------ internals: index
+    def _ns(self, namespace: str | None) -> str:
+        return self.namespace if namespace is None else validate_namespace(namespace)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("the store is closed")
+
+    def _check_tier(self, tier: str | None) -> str | None:
+        if tier not in _TIERS:
+            raise InvalidArgument(f"tier must be one of None, 'host', 'nvme', 'gpu'; got {tier!r}")
+        if tier == "gpu":
+            raise InvalidArgument("the gpu tier is not available in this store (no CUDA device / gpu_bytes=0)")
+        return tier
+
+    def _check_fits(self, nbytes: int, tier: str | None) -> None:
+        host_ok = align_up(max(nbytes, 1), PAGE) <= self.host.capacity
+        nvme_ok = self.nvme.fits(nbytes)
+        if tier == "host" and not host_ok:
+            raise CapacityExceeded(f"{nbytes} bytes exceed the host tier ({self.host.capacity} bytes); "
+                                   "use tier='nvme' or raise host_bytes")
+        if tier == "nvme" and not nvme_ok:
+            raise CapacityExceeded(f"{nbytes} bytes exceed the NVMe tier ({self.nvme.capacity_bytes} bytes); "
+                                   "raise nvme_bytes")
+        if not host_ok and not nvme_ok:
+            raise CapacityExceeded(f"{nbytes} bytes exceed every tier (host {self.host.capacity}, "
+                                   f"nvme {self.nvme.capacity_bytes})")
+
+    def _new_id(self) -> int:
+        oid = self._next_id
+        self._next_id += 1
+        return oid
+
+    def _get_meta(self, h: Handle, ns: str) -> ObjectMeta:
+        self._check_open()
+        meta = self._objects.get(h.id)
+        if meta is None or meta.freeing:
+            if h.id < self._next_id:
+                raise StaleHandle(f"handle {h} names a freed object; look the key up again")
+            raise NotFound(f"no object with handle {h}")
+        if meta.gen != h.gen:
+            raise StaleHandle(f"handle {h} is stale (the object now has generation {meta.gen})")
+        if meta.namespace != ns:
+            raise NotFound(f"no object with handle {h} in namespace {ns!r}")
+        return meta
+
+    def _bind(self, meta: ObjectMeta, replace: bool) -> ObjectMeta | None:
+        """Bind meta's key (under _cv, after ``_check_key``); returns the object it replaced."""
+        if meta.key is None:
+            return None
+        k = (meta.namespace, meta.key)
+        old_id = self._keys.get(k)
+        self._keys[k] = meta.id
+        if old_id is None:
+            return None
+        old = self._objects[old_id]
+        old.freeing = True
+        return old
+
+    def _journal_put(self, meta: ObjectMeta) -> None:
+        """Append meta's put record (caller holds the journal lock)."""
+        rec = meta.to_record()
+        self.journal.append(rec)
+        meta.record = rec
+
+    def _check_key(self, meta: ObjectMeta, replace: bool) -> None:
+        if meta.key is not None and (meta.namespace, meta.key) in self._keys and not replace:
+            raise KeyExists(f"key {meta.key!r} already exists in namespace {meta.namespace!r}; "
+                            "pass replace=True to overwrite it or free it first")
+
+    def _drop_replaced(self, old: ObjectMeta) -> None:
+        with self._cv:
+            while old.pins or old.moving or old.readers or old.writer:
+                # a replaced object may still be leased; it goes when its leases end
+                if not self._cv.wait(timeout=self.config.lease_wait_s):
+                    log.warning("replaced object %s still leased; freed when released", old.handle)
+                    return
+        self._drop(old)
+
+    def _wait_free_to_go(self, meta: ObjectMeta) -> None:
+        if meta.readers or meta.writer:
+            raise Busy(f"object {meta.handle} is checked out; check it in before freeing it")
+        while meta.pins or meta.moving:
+            self._cv.wait()
+            if meta.freeing:
+                raise StaleHandle(f"handle {meta.handle} names a freed object")
+
+    def _drop(self, meta: ObjectMeta) -> None:
+        """Remove a ``freeing`` object: journal first (a returned free is never undone)."""
+        if meta.durable:
+            with self.journal.lock:
+                self.journal.append({"op": "free", "id": meta.id})
+        with self._cv:
+            self._objects.pop(meta.id, None)
+            if meta.key is not None and self._keys.get((meta.namespace, meta.key)) == meta.id:
+                del self._keys[(meta.namespace, meta.key)]
+            self.policy.remove(meta.id)
+            if meta.host_off is not None:
+                self.host.free(meta.host_off, meta.nbytes)
+                meta.host_off, meta.host_valid = None, False
+            extents, meta.nvme = meta.nvme, None
+            meta.nvme_valid = False
+            self._cv.notify_all()
+        if extents:
+            self.nvme.free(extents)
+        self._maybe_compact()
+
+    def _pin(self, handle: Handle | int | str, namespace: str | None) -> ObjectMeta:
+        h = Handle.parse(handle)
+        ns = self._ns(namespace)
+        with self._cv:
+            while True:
+                meta = self._get_meta(h, ns)
+                if not meta.writer and not meta.moving:
+                    meta.pins += 1
+                    return meta
+                if not self._cv.wait(timeout=self.config.lease_wait_s):
+                    raise Busy(f"object {h} is checked out for writing; try again after it is checked in")
+
+    def _unpin(self, meta: ObjectMeta) -> None:
+        with self._cv:
+            meta.pins -= 1
+            self._cv.notify_all()
+
+    def _lease_ok(self, meta: ObjectMeta, mode: str) -> bool:
+        if mode == "r":
+            return not meta.writer
+        return not meta.writer and meta.readers == 0 and meta.pins == 0
+
+    # ------------------------------------------------------------------ internals: data
+    def _host_has_room(self, nbytes: int) -> bool:
+        with self._cv:
+            need = align_up(max(nbytes, 1), PAGE)
+            return (self.host.largest_free >= need
+                    and self.host.used_bytes + need <= self.config.high_watermark * self.host.capacity)
+
+    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool) -> int:
+        """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            victim = None
+            with self._cv:
+                self._check_open()
+                off = self.host.alloc(nbytes)
+                if off is not None:
+                    return off
+                if evict:
+                    victim = self._pick_victim()
+                if victim is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.counters["capacity_errors"] += 1
+                        raise CapacityExceeded(
+                            f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
+                            f"{self.host.capacity} and nothing can be demoted (leased or in flight); "
+                            "check objects in, free some, or pass a longer wait")
+                    self._cv.wait(min(remaining, 0.5))
+                    continue
+            self._demote(victim)
+
+    def _pick_victim(self) -> ObjectMeta | None:
+        """Coldest host-resident object that may move now (under _cv); marks it moving."""
+        for oid in self.policy.candidates():
+            m = self._objects.get(oid)
+            if m is None or not m.host_valid or m.host_off is None:
+                continue
+            if m.moving or m.pins or m.readers or m.writer or m.freeing:
+                continue
+            m.moving = True
+            return m
+        return None
+
+    def _demote(self, meta: ObjectMeta) -> None:
+        """Move a host-resident object (flagged moving) down to NVMe and free its host block."""
+        try:
+            if not meta.nvme_valid:
+                self._write_down(meta, sync=meta.durable)
+                if meta.durable:
+                    with self.journal.lock:
+                        self._journal_put(meta)
+            with self._cv:
+                self.policy.remove(meta.id)
+                if meta.host_off is not None:
+                    self.host.free(meta.host_off, meta.nbytes)
+                meta.host_off, meta.host_valid = None, False
+                self.counters["demotions"] += 1
+                self.counters["demoted_bytes"] += meta.nbytes
+        finally:
+            with self._cv:
+                meta.moving = False
+                self._cv.notify_all()
+
+    def _write_down(self, meta: ObjectMeta, *, sync: bool) -> None:
+        """Write the host copy of ``meta`` to fresh NVMe extents (meta.moving is set by the caller)."""
+        n = meta.nbytes
+        extents = self.nvme.alloc(n)
+        try:
+            if n:
+                src = self.arena.view(meta.host_off, n)
+                padded = self.arena.view(meta.host_off, align_up(n, PAGE))
+                crcs = self.nvme.write(extents, src, src_padded=padded, sync=sync)
+            else:
+                crcs = []
+        except BaseException:
+            self.nvme.free(extents)
+            raise
+        with self._cv:
+            old = meta.nvme
+            meta.nvme, meta.crcs, meta.nvme_valid = extents, crcs, True
+        if old:
+            self.nvme.free(old)
+
+    def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
+                  ns: str) -> Handle:
+        if key is not None:
+            with self._cv:
+                if (ns, key) in self._keys and not replace:
+                    raise KeyExists(f"key {key!r} already exists in namespace {ns!r}; "
+                                    "pass replace=True to overwrite it or free it first")
+        extents = self.nvme.alloc(spec.nbytes)
+        try:
+            crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
+            with self._cv:
+                meta = ObjectMeta(id=self._new_id(), gen=self._epoch, namespace=ns, key=key, spec=spec,
+                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True)
+            with self.journal.lock:
+                with self._cv:
+                    self._check_key(meta, replace)
+                if durable:
+                    self._journal_put(meta)
+                with self._cv:
+                    old = self._bind(meta, replace)
+                    self._objects[meta.id] = meta
+        except BaseException:
+            self.nvme.free(extents)
+            raise
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += spec.nbytes
+        if old is not None:
+            self._drop_replaced(old)
+        return meta.handle
+
+    def _read_pinned(self, meta: ObjectMeta, dst: np.ndarray) -> None:
+        """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them."""
+        n = meta.nbytes
+        with self._cv:
+            host_off = meta.host_off if meta.host_valid else None
+            if host_off is not None:
+                self.policy.touch(meta.id)
+        if host_off is not None:
+            self.counters["host_hits"] += 1
+            dst[:] = self.arena.view(host_off, n)
+            return
+        self.counters["nvme_reads"] += 1
+        if self.config.promote_on_get and self._host_has_room(n):
+            with self._cv:
+                off = self.host.alloc(n) if not meta.moving else None
+                if off is not None:
+                    meta.moving = True
+            if off is not None:
+                try:
+                    self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
+                                   dst_padded=self.arena.view(off, align_up(n, PAGE)))
+                except BaseException:
+                    with self._cv:
+                        self.host.free(off, n)
+                        meta.moving = False
+                        self._cv.notify_all()
+                    raise
+                with self._cv:
+                    meta.host_off, meta.host_valid, meta.moving = off, True, False
+                    self.policy.insert(meta.id)
+                    self.counters["promotions"] += 1
+                    self.counters["promoted_bytes"] += n
+                    self._cv.notify_all()
+                dst[:] = self.arena.view(off, n)
+                return
+        padded = dst if (dst.ctypes.data % PAGE == 0 and n % PAGE == 0) else None
+        self.nvme.read(meta.nvme, dst, meta.crcs, dst_padded=padded)
+
+    def _promote(self, meta: ObjectMeta, *, wait_s: float) -> None:
+        """Bring an NVMe-only object (flagged moving by the caller) into the host tier."""
+        n = meta.nbytes
+        try:
+            off = self._alloc_host(n, wait_s=wait_s, evict=True) if n else -1
+            try:
+                if n:
+                    self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
+                                   dst_padded=self.arena.view(off, align_up(n, PAGE)))
+            except BaseException:
+                with self._cv:
+                    self.host.free(off, n)
+                raise
+            with self._cv:
+                meta.host_off = None if off < 0 else off
+                meta.host_valid = True
+                if off >= 0:
+                    self.policy.insert(meta.id)
+                self.counters["promotions"] += 1
+                self.counters["promoted_bytes"] += n
+        finally:
+            with self._cv:
+                meta.moving = False
+                self._cv.notify_all()
+
+    def _prefetch_all(self, hs: list[Handle], ns: str) -> int:
+        done = 0
+        for h in hs:
+            with self._cv:
+                meta = self._get_meta(h, ns)
+                if meta.host_valid or meta.moving:
+                    continue
+                meta.moving = True
+            self._promote(meta, wait_s=0.0)
+            self.counters["prefetches"] += 1
+            self.counters["prefetched_bytes"] += meta.nbytes
+            done += 1
+        return done
+
+    # ------------------------------------------------------------------ background demotion
+    def _maybe_demote(self) -> None:
+        if self.host.used_bytes > self.config.high_watermark * self.host.capacity:
+            self._demoter_wake.set()
+
+    def _demote_loop(self) -> None:
+        log.debug("demoter started")
+        while True:
+            self._demoter_wake.wait(timeout=1.0)
+            self._demoter_wake.clear()
+            if self._closed:
+                break
+            low = self.config.low_watermark * self.host.capacity
+            if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
+                continue
+            while not self._closed and self.host.used_bytes > low:
+                with self._cv:
+                    victim = self._pick_victim()
+                if victim is None:
+                    break
+                try:
+                    self._demote(victim)
+                except TierstoreError as e:
+                    # one failed object (NVMe full, I/O error) must not stop the worker
+                    log.error("background demotion of %s failed: %s", victim.handle, e)
+                    break
+        log.info("demoter stopped")
+
+    # ------------------------------------------------------------------ journal
+    def _replay(self) -> dict[str, int]:
+        res = self.journal.replay()
+        objs: dict[int, dict] = {}
+        epoch, next_id = 0, 1
+        for r in res.records:
+            op = r.get("op")
+            if op == "open":
+                epoch = max(epoch, int(r.get("epoch", 0)))
+                next_id = max(next_id, int(r.get("next_id", 1)))
+            elif op == "put":
+                objs[int(r["id"])] = r
+                next_id = max(next_id, int(r["id"]) + 1)
+            elif op == "free":
+                objs.pop(int(r["id"]), None)
+            elif op == "ns":
+                self._ns_owner[str(r["name"])] = int(r["uid"])
+        by_key: dict[tuple[str, str], int] = {}
+        for oid in sorted(objs):
+            r = objs[oid]
+            meta = ObjectMeta.from_record(r)
+            meta.record = r
+            try:
+                self.nvme.reserve(meta.nvme)
+            except (ValueError, TierstoreError) as e:
+                log.error("journal names object %s with extents that overlap another; dropped: %s", oid, e)
+                continue
+            if meta.key is not None:
+                k = (meta.namespace, meta.key)
+                prev = by_key.get(k)
+                if prev is not None:  # crash between a replace's put and its free: the newer wins
+                    old = self._objects.pop(prev)
+                    self.nvme.free(old.nvme)
+                by_key[k] = oid
+            self._objects[oid] = meta
+        self._keys = by_key
+        self._epoch = (epoch % 0xFFFF) + 1
+        self._next_id = next_id
+        self.journal.open_for_append()
+        self.journal.append({"op": "open", "epoch": self._epoch, "next_id": self._next_id})
+        self._maybe_compact(force=res.torn_bytes > 0 or res.corrupt_records > 0)
+        return {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records, "objects": len(self._objects)}
+
+    def _maybe_compact(self, force: bool = False) -> None:
+        size = self.journal.size()
+        if not force and size < self.config.journal_compact_bytes:
+            return
+        with self.journal.lock:
+            with self._cv:
+                records = [{"op": "open", "epoch": self._epoch, "next_id": self._next_id}]
+                records += [{"op": "ns", "name": n, "uid": u} for n, u in self._ns_owner.items()]
+                records += [m.record for m in self._objects.values() if m.durable and m.record is not None]
+            est = sum(len(str(r)) for r in records)
+            if not force and size < 2 * est:
+                return
+            self.journal.rewrite(iter(records))

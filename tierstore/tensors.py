@@ -1,0 +1,121 @@
+"""Conversions between user tensors (torch or NumPy) and raw bytes.
+
+torch is imported lazily: the daemon handles bytes only and starts without it.
+Non-contiguous inputs are copied to a contiguous tensor first (documented behaviour);
+CUDA tensors are copied to host memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgument
+from .units import PAGE
+
+__all__ = ["TensorSpec", "to_bytes", "from_bytes", "aligned_empty", "out_bytes", "is_tensor"]
+
+
+@dataclass(slots=True, frozen=True)
+class TensorSpec:
+    kind: str  # "torch" | "numpy"
+    dtype: str  # torch dtype name without "torch." / numpy dtype name
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def is_tensor(obj: Any) -> bool:
+    if isinstance(obj, np.ndarray):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def to_bytes(obj: Any) -> tuple[np.ndarray, TensorSpec]:
+    """A uint8 view (copy only when needed) of ``obj``'s bytes, and its spec."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.dtype.fields is not None:
+            raise InvalidArgument(f"cannot store a NumPy array of dtype {obj.dtype}: only plain numeric/bool dtypes")
+        arr = obj
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        arr = np.ascontiguousarray(arr)
+        spec = TensorSpec("numpy", arr.dtype.name, tuple(int(s) for s in arr.shape), int(arr.nbytes))
+        return arr.reshape(-1).view(np.uint8), spec
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        raise InvalidArgument(f"expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
+    t = obj.detach()
+    if t.layout != torch.strided:
+        raise InvalidArgument(f"cannot store a tensor with layout {t.layout}; call .to_dense() first")
+    if t.is_quantized:
+        raise InvalidArgument("cannot store a quantized tensor; dequantize it first")
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    spec = TensorSpec("torch", str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+    if spec.nbytes == 0:
+        return np.empty(0, np.uint8), spec
+    return t.reshape(-1).view(torch.uint8).numpy(), spec
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 buffer (so NVMe reads can land in it with O_DIRECT)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + nbytes]
+
+
+def from_bytes(u8: np.ndarray, spec: TensorSpec) -> Any:
+    """A tensor of ``spec`` viewing ``u8`` (no copy)."""
+    if spec.kind == "numpy":
+        dt = np.dtype(spec.dtype)
+        if spec.nbytes == 0:
+            return np.empty(spec.shape, dtype=dt)
+        return u8[:spec.nbytes].view(dt).reshape(spec.shape)
+    torch = _torch()
+    dt = torch_dtype(spec.dtype)
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=dt)
+    return torch.from_numpy(u8[:spec.nbytes]).view(dt).reshape(spec.shape)
+
+
+def torch_dtype(name: str):
+    torch = _torch()
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidArgument(f"unknown torch dtype {name!r}")
+    return dt
+
+
+def out_bytes(out: Any, spec: TensorSpec) -> np.ndarray:
+    """Validate ``out`` for an object of ``spec`` and return a writable uint8 view of it."""
+    if isinstance(out, np.ndarray):
+        got_dtype, got_n = out.dtype.name, int(out.nbytes)
+        ok_layout = out.flags.c_contiguous and out.flags.writeable
+        view = (lambda: out.reshape(-1).view(np.uint8))
+    else:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(out, torch.Tensor):
+            raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, got {type(out).__name__}")
+        if out.device.type != "cpu":
+            raise InvalidArgument("out must be a CPU tensor (GPU tensors come with the GPU tier)")
+        got_dtype, got_n = str(out.dtype).removeprefix("torch."), out.numel() * out.element_size()
+        ok_layout = out.is_contiguous() and out.layout == torch.strided
+        view = (lambda: out.reshape(-1).view(torch.uint8).numpy() if got_n else np.empty(0, np.uint8))
+    if got_dtype != spec.dtype:
+        raise InvalidArgument(f"out has dtype {got_dtype}, the object is {spec.dtype}")
+    if got_n != spec.nbytes:
+        raise InvalidArgument(f"out holds {got_n} bytes, the object has {spec.nbytes} (shape {list(spec.shape)})")
+    if not ok_layout:
+        raise InvalidArgument("out must be contiguous and writable")
+    return view()
