@@ -259,9 +259,12 @@ class NvmeTier:
         self.bytes_read += dst.nbytes
 
     def _chunks(self, extents: list[Extent]):
+        total = sum(e.nbytes for e in extents)
+        # at least ~4 requests in flight per object, but never below one checksum block
+        step = min(self.chunk_bytes, max(BLOCK_BYTES, total // 4 // BLOCK_BYTES * BLOCK_BYTES))
         for e in extents:
-            for c in range(0, e.nbytes, self.chunk_bytes):
-                yield e, e.obj_offset + c, min(self.chunk_bytes, e.nbytes - c)
+            for c in range(0, e.nbytes, step):
+                yield e, e.obj_offset + c, min(step, e.nbytes - c)
 
     def _io_buffer(self, buf: np.ndarray, padded: np.ndarray | None, off: int, n: int, direct: bool):
         """The slice to hand the kernel directly, or None when a bounce is needed."""

@@ -1,0 +1,69 @@
+"""Shared benchmark helpers: timing, page-cache control, tables and the JSON last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def drop_cache(path: str) -> None:
+    """Evict ``path`` from the page cache so the next read comes from the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def repeat(fn: Callable[[], float], runs: int, warmup: int = 1) -> dict:
+    """Run ``fn`` (which returns seconds) warmup + runs times; median and spread of the runs."""
+    for _ in range(warmup):
+        fn()
+    xs = [fn() for _ in range(runs)]
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": runs}
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def machine() -> dict:
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(headers)]
+    widths = [max(len(c) for c in col) for col in cols]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+
+def emit_json(obj: dict) -> None:
+    """The last line of stdout: one JSON object for machines."""
+    print(json.dumps(obj, default=float), flush=True)
+
+
+def size_label(n: int) -> str:
+    for unit, s in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= s and n % s == 0:
+            return f"{n // s}{unit}"
+    return f"{n}B"

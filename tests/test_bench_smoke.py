@@ -1,0 +1,26 @@
+"""Each benchmark runs end to end at a tiny size and ends stdout with one JSON line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
+
+
+def _run(name: str, *args: str, cwd) -> dict:
+    r = subprocess.run([sys.executable, os.path.join(BENCH, name), *args], capture_output=True, text=True,
+                       cwd=cwd, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    return json.loads(last)
+
+
+def test_io_throughput_smoke(tmp_path):
+    out = _run("io_throughput.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
+    assert out["bench"] == "io_throughput" and len(out["results"]) == 2
+    for r in out["results"]:
+        assert r["write_gbps"]["tierstore"] > 0 and r["read_gbps"]["tierstore"] > 0
+        assert r["ceiling_read_gbps"] > 0 and r["memcpy_gbps"] > 0
