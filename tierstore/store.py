@@ -38,12 +38,20 @@ from .policy import make_policy
 from .tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 from .units import PAGE, align_up
 
-__all__ = ["Store", "Lease", "Reservation", "LeaseInfo"]
+__all__ = ["Store", "Lease", "Reservation", "LeaseInfo", "WouldBlock"]
 
 log = logging.getLogger(__name__)
 
 _TIERS = (None, "host", "nvme", "gpu")
 _LOCAL = "local"  # owner of leases taken through the in-process API
+
+
+class WouldBlock(Exception):
+    """Internal: a ``nowait=True`` call would have to wait or touch the disk.
+
+    The daemon's event loop calls the store with ``nowait=True`` and, on this,
+    hands the request to a worker thread instead; it never reaches a client.
+    """
 
 
 @dataclass(slots=True)
@@ -226,6 +234,33 @@ class Store:
                     "residency": m.residency(), "dirty": m.host_valid and not m.nvme_valid,
                     "readers": m.readers, "writer": m.writer, "durable": m.durable}
 
+    def ls(self, prefix: str = "", *, namespace: str | None = None) -> list[dict[str, Any]]:
+        """``info`` of every keyed object in the namespace whose key starts with ``prefix``."""
+        ns = self._ns(namespace)
+        with self._cv:
+            hs = sorted((k, self._objects[oid].handle) for (n, k), oid in self._keys.items()
+                        if n == ns and k.startswith(prefix))
+        out = []
+        for _, h in hs:
+            try:
+                out.append(self.info(h, namespace=ns))
+            except NotFound:  # freed meanwhile
+                continue
+        return out
+
+    def expire_leases(self, max_age_s: float) -> int:
+        """Revoke leases older than ``max_age_s`` (a client that stopped answering)."""
+        now = time.monotonic()
+        with self._cv:
+            old = [(i.lid, i.owner) for i in self._leases.values() if now - i.since > max_age_s]
+        for lid, owner in old:
+            log.warning("revoking lease %d held for more than %.0f s", lid, max_age_s)
+            try:
+                self.release(lid, owner=owner)
+            except TierstoreError as e:
+                log.error("revoking lease %d failed: %s", lid, e)
+        return len(old)
+
     def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None) -> Future:
         """Start bringing these objects into the host tier; the future completes when done."""
         hs = [Handle.parse(h) for h in handles]
@@ -298,7 +333,8 @@ class Store:
 
     # ------------------------------------------------------------ two-phase put / leases
     def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
-                    namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None) -> Reservation:
+                    namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None,
+                    nowait: bool = False) -> Reservation:
         """Allocate a host block for a new object; the caller fills it, then ``commit_put``."""
         tier = self._check_tier(tier)
         self._check_fits(spec.nbytes, tier if tier != "nvme" else "host")
@@ -307,7 +343,13 @@ class Store:
                 if (namespace, key) in self._keys and not replace:
                     raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
                                     "pass replace=True to overwrite it or free it first")
-        off = self._alloc_host(spec.nbytes, wait_s=wait_s, evict=True) if spec.nbytes else -1
+        if nowait and spec.nbytes:
+            with self._cv:
+                off = self.host.alloc(spec.nbytes)
+            if off is None:
+                raise WouldBlock()
+        else:
+            off = self._alloc_host(spec.nbytes, wait_s=wait_s, evict=True) if spec.nbytes else -1
         with self._cv:
             oid = self._new_id()
             meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
@@ -317,14 +359,20 @@ class Store:
             self._reservations[oid] = res
             return res
 
-    def commit_put(self, rid: int, *, owner: Any = _LOCAL) -> Handle:
+    def commit_put(self, rid: int, *, owner: Any = _LOCAL, nowait: bool = False) -> Handle:
         """Second phase: make the reserved object visible (and durable, if asked)."""
         with self._cv:
             res = self._reservations.get(rid)
             if res is None or res.owner != owner:
                 raise NotFound(f"no open reservation {rid} for this connection")
             meta = res.meta
+            if nowait and (meta.durable or res.tier == "nvme"):
+                raise WouldBlock()
             meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
+        if nowait and not self.journal.lock.acquire(blocking=False):
+            with self._cv:
+                meta.moving = False
+            raise WouldBlock()  # a durable op is syncing the journal; do not wait on the event loop
         try:
             if meta.durable or res.tier == "nvme":
                 self._write_down(meta, sync=meta.durable)
@@ -350,6 +398,9 @@ class Store:
         except BaseException:
             self.abort_put(rid, owner=owner)
             raise
+        finally:
+            if nowait:
+                self.journal.lock.release()
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
         if old is not None:
@@ -373,7 +424,7 @@ class Store:
             self.nvme.free(extents)
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                timeout_s: float | None = None) -> LeaseInfo:
+                timeout_s: float | None = None, nowait: bool = False) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed)."""
         if mode not in ("r", "rw"):
             raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
@@ -395,6 +446,8 @@ class Store:
                     info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec, time.monotonic())
                     self._leases[lid] = info
                     return info
+                if nowait:
+                    raise WouldBlock()
                 if not meta.host_valid and not meta.moving:
                     meta.moving = True
                     promote = True
@@ -410,14 +463,16 @@ class Store:
                 self.counters["nvme_reads"] += 1
                 self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()))
 
-    def release(self, lid: int, *, owner: Any = _LOCAL) -> None:
+    def release(self, lid: int, *, owner: Any = _LOCAL, nowait: bool = False) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
         with self._cv:
             info = self._leases.get(lid)
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
-            del self._leases[lid]
             meta = self._objects.get(info.oid)
+            if nowait and info.mode == "rw" and meta is not None and meta.durable:
+                raise WouldBlock()
+            del self._leases[lid]
             if meta is None:
                 return
             if info.mode == "r":

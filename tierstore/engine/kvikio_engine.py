@@ -26,7 +26,7 @@ def detect() -> tuple[bool, str]:
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as e:
-        return False, f"no CUDA driver (libcuda.so.1: {e})"
+        return False, f"no CUDA driver ({e})"
     try:
         import kvikio  # noqa: F401
         import kvikio.defaults

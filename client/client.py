@@ -1,0 +1,228 @@
+"""The client library: ``Client.connect(...)`` and the same methods as ``tierstore.Store``.
+
+Tensor bytes never cross the socket. At hello the daemon passes the host arena's
+memfd; the client maps it once and copies straight into (put) or out of (get) the
+block the daemon names, or hands out a view of it (checkout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from tierstore.arena import map_arena_fd
+from tierstore.config import default_socket_path
+from tierstore.errors import DaemonUnavailable, InvalidArgument, TierstoreError
+from tierstore.index import Handle, validate_key, validate_namespace
+from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
+
+from .connection import Connection
+
+__all__ = ["Client", "ClientLease"]
+
+log = logging.getLogger(__name__)
+
+
+def _wire(h: Handle | int | str) -> int:
+    return int(Handle.parse(h))
+
+
+class ClientLease:
+    """A check-out through the daemon; ``tensor`` views the shared arena until release."""
+
+    def __init__(self, client: "Client", reply: dict[str, Any]) -> None:
+        self._client = client
+        self._lid: int | None = reply["lid"]
+        self.mode = reply.get("mode")
+        self.handle = Handle.parse(reply["handle"])
+        spec = _spec_of(reply)
+        self.tensor = from_bytes(client._view(reply["offset"], spec.nbytes), spec)
+
+    def release(self) -> None:
+        if self._lid is not None:
+            lid, self._lid = self._lid, None
+            self.tensor = None
+            self._client._conn.request("release", lid=lid)
+
+    def __enter__(self) -> Any:
+        return self.tensor
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _spec_of(r: dict[str, Any]) -> TensorSpec:
+    return TensorSpec(r["kind"], r["dtype"], tuple(r["shape"]), int(r["nbytes"]))
+
+
+class Client:
+    """A connection to the node daemon, bound to one namespace."""
+
+    def __init__(self, conn: Connection, namespace: str, hello: dict[str, Any], arena_fd: int) -> None:
+        self._conn = conn
+        self.namespace = namespace
+        self.server = hello
+        self._arena_fd = arena_fd
+        self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ connecting
+    @classmethod
+    def connect(cls, socket: str | None = None, namespace: str = "default", autostart: bool = False,
+                timeout_s: float = 30.0) -> "Client":
+        """Connect to the daemon on ``socket`` (default: $TIERSTORE_SOCKET or the standard path).
+
+        ``autostart=True`` starts a daemon with the defaults in the background when
+        none is listening (its log goes to ``~/.cache/tierstore/daemon.log``).
+        """
+        path = socket or os.environ.get("TIERSTORE_SOCKET") or default_socket_path()
+        ns = validate_namespace(namespace)
+        try:
+            conn = Connection(path, timeout_s=timeout_s)
+        except DaemonUnavailable:
+            if not autostart:
+                raise
+            conn = _autostart(path, timeout_s)
+        try:
+            hello, fd = conn.hello(ns)
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, ns, hello, fd)
+
+    # ------------------------------------------------------------------ data
+    def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
+            replace: bool = False, wait_s: float = 0.0) -> Handle:
+        u8, spec = to_bytes(tensor)
+        key = validate_key(key)
+        r = self._conn.request("put_reserve", kind=spec.kind, dtype=spec.dtype, shape=list(spec.shape),
+                               nbytes=spec.nbytes, key=key, tier=tier, durable=durable, replace=replace,
+                               wait_s=float(wait_s))
+        try:
+            if spec.nbytes:
+                # the reservation makes this block ours until commit
+                self._arena[r["offset"]:r["offset"] + spec.nbytes] = u8
+        except BaseException:
+            self._conn.submit("put_abort", rid=r["rid"])
+            raise
+        return Handle.parse(self._conn.request("put_commit", rid=r["rid"])["handle"])
+
+    def get(self, handle: Handle | int | str, out: Any = None) -> Any:
+        r = self._conn.request("get", handle=_wire(handle))
+        try:
+            spec = _spec_of(r)
+            dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
+            if spec.nbytes:
+                dst[:] = self._arena[r["offset"]:r["offset"] + spec.nbytes]
+        finally:
+            # the read lease only guards the copy above; its release needs no answer
+            self._conn.submit("release", lid=r["lid"])
+        return out if out is not None else from_bytes(dst, spec)
+
+    def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None) -> ClientLease:
+        if mode not in ("r", "rw"):
+            raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
+        r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s)
+        r["mode"] = mode
+        return ClientLease(self, r)
+
+    def put_async(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False,
+                  **kw: Any) -> Future:
+        """``put`` on a background thread; the tensor must not change until the future completes."""
+        return self._pool().submit(self.put, tensor, key, tier, durable, **kw)
+
+    def get_async(self, handle: Handle | int | str, out: Any = None) -> Future:
+        return self._pool().submit(self.get, handle, out)
+
+    # ------------------------------------------------------------------ index
+    def free(self, handle: Handle | int | str) -> None:
+        self._conn.request("free", handle=_wire(handle))
+
+    def lookup(self, key: str) -> Handle | None:
+        h = self._conn.request("lookup", key=validate_key(key))
+        return None if h is None else Handle.parse(h)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._conn.request("keys", prefix=prefix)
+
+    def ls(self, prefix: str = "") -> list[dict[str, Any]]:
+        return self._conn.request("ls", prefix=prefix)
+
+    def info(self, handle: Handle | int | str) -> dict[str, Any]:
+        return self._conn.request("info", handle=_wire(handle))
+
+    def prefetch(self, handles: Iterable[Handle | int | str]) -> None:
+        """Hint: bring these up now. Returns once the daemon has queued them."""
+        self._conn.request("prefetch", handles=[_wire(h) for h in handles])
+
+    def step(self) -> None:
+        self._conn.request("step")
+
+    def stat(self) -> dict[str, Any]:
+        return self._conn.request("stat")
+
+    def ping(self) -> None:
+        self._conn.request("ping")
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._conn.close()
+        self._arena = np.empty(0, np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("arena still referenced by checked-out views; unmapped when they are collected")
+        if self._arena_fd >= 0:
+            os.close(self._arena_fd)
+            self._arena_fd = -1
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _view(self, offset: int, nbytes: int) -> np.ndarray:
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
+        if offset < 0 or offset + nbytes > self._arena.nbytes:
+            raise TierstoreError(f"daemon named arena bytes [{offset}, {offset + nbytes}) outside the arena")
+        return self._arena[offset:offset + nbytes]
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-client")
+        return self._executor
+
+
+def _autostart(path: str, timeout_s: float) -> Connection:
+    log_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierstore"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "daemon.log"
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", path],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+    log.info("started a tierstore daemon (pid %d) on %s; log in %s", proc.pid, path, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise DaemonUnavailable(f"autostarted daemon exited with status {proc.returncode}; log tail:\n{tail}")
+        try:
+            return Connection(path, timeout_s=timeout_s)
+        except DaemonUnavailable:
+            time.sleep(0.05)
+    raise DaemonUnavailable(f"autostarted daemon (pid {proc.pid}) did not open {path} within {timeout_s} s; "
+                            f"see {log_path}")

@@ -1,0 +1,178 @@
+"""One SOCK_SEQPACKET connection to the daemon, shared by any number of threads.
+
+Requests are sent under a lock and matched to replies by id, so several can be in
+flight and replies may come in any order. Whichever waiting thread finds the
+receive lock free reads replies for everybody (leader/follower), so a single
+thread doing one request at a time pays no thread hand-off on its round trip.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from tierstore.errors import DaemonUnavailable, ProtocolError, TierstoreError, error_for_code
+from tierstore.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, encode
+
+__all__ = ["Connection"]
+
+log = logging.getLogger(__name__)
+
+
+class Connection:
+    def __init__(self, path: str, *, timeout_s: float) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout_s)
+        try:
+            self.sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            self.sock.close()
+            raise DaemonUnavailable(
+                f"no tierstore daemon on {path} ({e.strerror}); start one with `tierstore daemon` "
+                "(or `systemctl start tierstore`), set TIERSTORE_SOCKET, or pass autostart=True") from None
+        except PermissionError:
+            self.sock.close()
+            raise error_for_code("PermissionDenied", f"cannot reach {path}: permission denied (the socket is "
+                                 "0660 in a 0750 directory; ask the operator to add you to allowed_groups)") from None
+        except OSError as e:
+            self.sock.close()
+            raise DaemonUnavailable(f"cannot connect to {path}: {e}") from None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._send_lock = threading.Lock()  # one sendmsg at a time keeps id registration and send together
+        self._recv_lock = threading.Lock()  # held by the thread currently reading replies for everybody
+        self._cv = threading.Condition()
+        self._closed: BaseException | None = None
+
+    # ------------------------------------------------------------------ handshake
+    def hello(self, namespace: str) -> tuple[dict[str, Any], int]:
+        """First exchange: returns the daemon's reply and the arena fd it passed."""
+        self.sock.send(encode({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": namespace}))
+        try:
+            data, fds, _flags, _ = socket.recv_fds(self.sock, MAX_REPLY_BYTES, 4)
+        except socket.timeout:
+            raise DaemonUnavailable(f"the daemon on {self.path} did not answer hello") from None
+        if not data:
+            raise DaemonUnavailable(f"the daemon on {self.path} closed the connection during hello")
+        reply = _unpack(data)
+        if "err" in reply:
+            for fd in fds:
+                _close_fd(fd)
+            err = reply["err"]
+            raise error_for_code(err.get("code", ""), err.get("message", "hello refused"))
+        if len(fds) != 1:
+            for fd in fds:
+                _close_fd(fd)
+            raise ProtocolError(f"hello reply carried {len(fds)} file descriptors, expected 1")
+        self.sock.settimeout(None)  # from here on a long durable put may legitimately take a while
+        return reply["ok"], fds[0]
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, op: str, **fields: Any) -> Future:
+        fut: Future = Future()
+        with self._send_lock:
+            if self._closed is not None:
+                raise DaemonUnavailable(f"connection to {self.path} is closed: {self._closed}")
+            rid = next(self._ids)
+            fields["id"] = rid
+            fields["op"] = op
+            self._pending[rid] = fut
+            try:
+                self.sock.send(encode(fields))
+            except OSError as e:
+                self._pending.pop(rid, None)
+                self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"))
+                raise DaemonUnavailable(f"lost the daemon on {self.path}: {e}") from None
+        return fut
+
+    def request(self, op: str, **fields: Any) -> Any:
+        return self.wait(self.submit(op, **fields))
+
+    def wait(self, fut: Future) -> Any:
+        while not fut.done():
+            if self._recv_lock.acquire(blocking=False):
+                try:
+                    while not fut.done():
+                        self._recv_one()
+                finally:
+                    self._recv_lock.release()
+                    with self._cv:
+                        self._cv.notify_all()  # let a follower take over reading
+            else:
+                with self._cv:
+                    self._cv.wait_for(lambda: fut.done() or not self._recv_lock.locked(), timeout=0.2)
+        return fut.result()
+
+    def _recv_one(self) -> None:
+        try:
+            data = self.sock.recv(MAX_REPLY_BYTES)
+        except OSError as e:
+            self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"))
+            return
+        if not data:
+            self._fail_all(DaemonUnavailable(f"the daemon on {self.path} closed the connection "
+                                             "(stopped or restarted); reconnect"))
+            return
+        try:
+            reply = _unpack(data)
+        except ProtocolError as e:
+            self._fail_all(e)
+            return
+        rid = reply.get("id")
+        fut = self._pending.pop(rid, None) if isinstance(rid, int) else None
+        if fut is None:
+            if "err" in reply:  # an error about no request in particular (e.g. the daemon is closing us)
+                err = reply["err"]
+                self._fail_all(error_for_code(err.get("code", ""), err.get("message", "")))
+            return
+        if "err" in reply:
+            err = reply["err"]
+            fut.set_exception(error_for_code(err.get("code", ""), err.get("message", "")))
+        else:
+            fut.set_result(reply.get("ok"))
+        with self._cv:
+            self._cv.notify_all()
+
+    def _fail_all(self, exc: TierstoreError) -> None:
+        self._closed = self._closed or exc
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        with self._cv:
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        if self._closed is None:
+            self._closed = DaemonUnavailable("closed by the client")
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self._fail_all(DaemonUnavailable("connection closed by the client"))
+
+
+def _unpack(data: bytes) -> dict[str, Any]:
+    import msgpack
+
+    try:
+        reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        raise ProtocolError("undecodable reply from the daemon") from None
+    if not isinstance(reply, dict):
+        raise ProtocolError("reply is not a map")
+    return reply
+
+
+def _close_fd(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,89 @@
+"""Human rendering of ``stat()`` for ``tierstore stat`` (and its ``--watch`` mode)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from tierstore.errors import TierstoreError
+from tierstore.units import format_size
+
+__all__ = ["render", "print_stat", "watch"]
+
+
+def _bar(used: int, cap: int, width: int = 30) -> str:
+    frac = used / cap if cap else 0.0
+    n = round(frac * width)
+    return "[" + "#" * n + "." * (width - n) + f"] {frac * 100:5.1f}%"
+
+
+def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: float | None = None) -> str:
+    lines = [f"tierstore {st.get('version', '?')}  pid {st.get('pid', '?')}  uptime {st.get('uptime_s', 0):.0f} s  "
+             f"clients {st.get('clients', 0)}  leases {st.get('leases', 0)}  policy {st.get('policy', '?')}"]
+    tiers = st.get("tiers", {})
+    for name in ("gpu", "host", "nvme"):
+        t = tiers.get(name)
+        if not t:
+            continue
+        cap, used = t["capacity_bytes"], t["used_bytes"]
+        lines.append(f"  {name:5} {_bar(used, cap)}  used {format_size(used)} / {format_size(cap)}  "
+                     f"free {format_size(cap - used)}  objects {t['objects']}")
+    h = tiers.get("host", {})
+    if h:
+        lines.append(f"        host pinned: {h.get('pinned')} ({h.get('pinned_reason', '')})")
+    n = tiers.get("nvme", {})
+    if n:
+        lines.append(f"        engine: {n.get('engine')} ({n.get('engine_reason')})")
+        lines.append(f"        O_DIRECT: {n.get('direct_io')} ({n.get('direct_io_reason')})")
+        if prev and interval_s:
+            pn = prev["tiers"]["nvme"]
+            rd = (n["bytes_read"] - pn["bytes_read"]) / interval_s
+            wr = (n["bytes_written"] - pn["bytes_written"]) / interval_s
+            lines.append(f"        bandwidth: read {format_size(rd)}/s  write {format_size(wr)}/s")
+        else:
+            lines.append(f"        total: read {format_size(n.get('bytes_read', 0))}  "
+                         f"written {format_size(n.get('bytes_written', 0))}")
+    p = st.get("prefetch", {})
+    total = p.get("hits", 0) + p.get("misses", 0) + p.get("late", 0)
+    rate = p.get("hits", 0) / total if total else 0.0
+    lines.append(f"  prefetch: hit rate {rate * 100:.1f}%  hits {p.get('hits', 0)}  late {p.get('late', 0)}  "
+                 f"misses {p.get('misses', 0)}  stall {p.get('stall_s', 0):.3f} s  "
+                 f"prefetched {format_size(p.get('prefetched_bytes', 0))}  wasted {format_size(p.get('wasted_bytes', 0))}")
+    ns = st.get("namespaces", {})
+    lines.append(f"  namespaces ({len(ns)}):")
+    for name in sorted(ns):
+        lines.append(f"    {name:30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
+    if st.get("errors"):
+        lines.append("  errors: " + ", ".join(f"{k}={v}" for k, v in sorted(st["errors"].items())))
+    return "\n".join(lines)
+
+
+def print_stat(st: dict[str, Any]) -> None:
+    print(render(st))
+
+
+def watch(connect: Callable[[], Any], interval_s: float, *, as_json: bool = False,
+          iterations: int | None = None) -> int:
+    """Redraw every ``interval_s`` until interrupted (or ``iterations`` frames)."""
+    prev = None
+    n = 0
+    with connect() as c:
+        while iterations is None or n < iterations:
+            try:
+                st = c.stat()
+            except TierstoreError as e:
+                print(f"tierstore: {e}", file=sys.stderr)
+                return 1
+            if as_json:
+                print(json.dumps(st, default=str), flush=True)
+            else:
+                if sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                print(render(st, prev, interval_s if prev else None), flush=True)
+            prev = st
+            n += 1
+            if iterations is None or n < iterations:
+                time.sleep(interval_s)
+    return 0

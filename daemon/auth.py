@@ -1,0 +1,60 @@
+"""Who may talk to the daemon: peer credentials (SO_PEERCRED) checked on every accept.
+
+Admitted: the daemon's own uid, root, and members of the configured groups (primary
+or supplementary). Namespace ownership (one uid per namespace) is the store's
+business; this module only answers "may this peer connect at all".
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import socket
+import struct
+from dataclasses import dataclass
+
+__all__ = ["PeerCred", "peer_cred", "resolve_groups", "admitted"]
+
+_UCRED = struct.Struct("3i")
+
+
+@dataclass(slots=True, frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return PeerCred(pid, uid, gid)
+
+
+def resolve_groups(names: list[str]) -> set[int]:
+    """Group names or numeric gids to gids; unknown names raise ValueError."""
+    gids = set()
+    for n in names:
+        if n.isdigit():
+            gids.add(int(n))
+            continue
+        try:
+            gids.add(grp.getgrnam(n).gr_gid)
+        except KeyError:
+            raise ValueError(f"allowed_groups: no group named {n!r}") from None
+    return gids
+
+
+def _groups_of(uid: int, gid: int) -> set[int]:
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return {gid}
+    return set(os.getgrouplist(name, gid))
+
+
+def admitted(cred: PeerCred, allowed_gids: set[int], own_uid: int | None = None) -> bool:
+    own = os.geteuid() if own_uid is None else own_uid
+    if cred.uid in (own, 0):
+        return True
+    return bool(allowed_gids and _groups_of(cred.uid, cred.gid) & allowed_gids)

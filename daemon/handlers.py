@@ -1,0 +1,168 @@
+"""Request handlers: validate each request's fields and call the store.
+
+One function per op. A handler called with ``nowait=True`` (on the event loop)
+raises ``WouldBlock`` rather than wait or touch the disk; the server then runs it
+again on a worker thread with ``nowait=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+from tierstore._version import __version__
+from tierstore.errors import InvalidArgument, ProtocolError
+from tierstore.index import Handle
+from tierstore.protocol import PROTOCOL_VERSION, field
+from tierstore.store import Store, WouldBlock
+from tierstore.tensors import TensorSpec
+
+if TYPE_CHECKING:
+    from .server import Session
+
+__all__ = ["Handlers", "ITEMSIZE"]
+
+ITEMSIZE = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16, "complex32": 4,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+"""Element sizes of the dtypes the daemon accepts (torch and NumPy names)."""
+
+_MAX_NBYTES = 1 << 50
+_MAX_DIMS = 64
+
+
+def _handle(msg: dict[str, Any], name: str = "handle") -> Handle:
+    return Handle.parse(field(msg, name, (int, str)))
+
+
+def _spec(msg: dict[str, Any]) -> TensorSpec:
+    kind = field(msg, "kind", str)
+    if kind not in ("torch", "numpy"):
+        raise InvalidArgument("field 'kind' must be 'torch' or 'numpy'")
+    dtype = field(msg, "dtype", str)
+    if dtype not in ITEMSIZE:
+        raise InvalidArgument(f"unsupported dtype {dtype[:40]!r}")
+    shape = field(msg, "shape", list)
+    if len(shape) > _MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _MAX_NBYTES
+                                         for d in shape):
+        raise InvalidArgument("field 'shape' must be a list of at most 64 non-negative ints")
+    nbytes = field(msg, "nbytes", int, min_value=0, max_value=_MAX_NBYTES)
+    if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
+        raise InvalidArgument(f"nbytes {nbytes} does not match shape {shape} of {dtype}")
+    return TensorSpec(kind, dtype, tuple(shape), nbytes)
+
+
+def _lease_reply(info) -> dict[str, Any]:
+    s = info.spec
+    return {"lid": info.lid, "offset": info.host_off, "handle": int(Handle(info.oid, info.gen)), "kind": s.kind,
+            "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes}
+
+
+class Handlers:
+    def __init__(self, store: Store, stats: Callable[[], dict[str, Any]]) -> None:
+        self.store = store
+        self._server_stats = stats
+        self.table: dict[str, Callable[["Session", dict[str, Any], bool], Any]] = {
+            "hello": self.hello, "put_reserve": self.put_reserve, "put_commit": self.put_commit,
+            "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
+            "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
+            "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
+        }
+
+    # -- session ---------------------------------------------------------------------------
+    def hello(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        if nowait:
+            raise WouldBlock()  # claiming a namespace appends to the journal
+        version = field(msg, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}; "
+                                "install matching tierstore versions")
+        ns = field(msg, "namespace", str)
+        self.store.claim_namespace(ns, sess.cred.uid)
+        sess.namespace = ns
+        return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
+                "session": sess.cid, "pid": sess.server_pid}
+
+    # -- puts ------------------------------------------------------------------------------
+    def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        spec = _spec(msg)
+        key = field(msg, "key", str, None)
+        tier = field(msg, "tier", str, None)
+        durable = field(msg, "durable", bool, False)
+        replace = field(msg, "replace", bool, False)
+        wait_s = float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600))
+        if key is not None:
+            from tierstore.index import validate_key
+
+            validate_key(key)
+        res = self.store.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace,
+                                     namespace=sess.namespace, owner=sess, wait_s=wait_s, owner_uid=sess.cred.uid,
+                                     nowait=nowait)
+        return {"rid": res.rid, "offset": res.host_off}
+
+    def put_commit(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        rid = field(msg, "rid", int, min_value=0)
+        return {"handle": int(self.store.commit_put(rid, owner=sess, nowait=nowait))}
+
+    def put_abort(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        self.store.abort_put(field(msg, "rid", int, min_value=0), owner=sess)
+        return {}
+
+    # -- leases ----------------------------------------------------------------------------
+    def get(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        info = self.store.acquire(_handle(msg), "r", owner=sess, namespace=sess.namespace, nowait=nowait)
+        return _lease_reply(info)
+
+    def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        mode = field(msg, "mode", str, "r")
+        timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
+        info = self.store.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
+                                  nowait=nowait)
+        return _lease_reply(info)
+
+    def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        self.store.release(field(msg, "lid", int, min_value=0), owner=sess, nowait=nowait)
+        return {}
+
+    # -- index -----------------------------------------------------------------------------
+    def free(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        if nowait:
+            raise WouldBlock()  # may append to the journal or wait for a copy in flight
+        self.store.free(_handle(msg), namespace=sess.namespace)
+        return {}
+
+    def lookup(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        h = self.store.lookup(field(msg, "key", str), namespace=sess.namespace)
+        return None if h is None else int(h)
+
+    def keys(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        return self.store.keys(field(msg, "prefix", str, ""), namespace=sess.namespace)
+
+    def ls(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        return self.store.ls(field(msg, "prefix", str, ""), namespace=sess.namespace)
+
+    def info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        return self.store.info(_handle(msg), namespace=sess.namespace)
+
+    def prefetch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        hs = field(msg, "handles", list)
+        if len(hs) > 65536:
+            raise InvalidArgument("at most 65536 handles per prefetch")
+        self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace)
+        return {}
+
+    def step(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        self.store.step()
+        return {}
+
+    def stat(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        st = self.store.stat()
+        st.update(self._server_stats())
+        return st
+
+    def ping(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        return {}
+
+

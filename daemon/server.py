@@ -1,0 +1,469 @@
+"""The daemon's socket server: accept, authenticate, read requests, dispatch, reply.
+
+One event-loop thread owns every socket. A request that can finish without waiting
+(a lookup, a get of a host-resident object, a volatile put) runs right there;
+anything that may wait or touch the disk goes to a worker pool, and its reply comes
+back through a queue plus a wake-up pipe. So the loop never blocks on disk I/O, a
+lock held across an fsync, or a slow client (replies that do not fit in the socket
+buffer wait in a per-connection outbox).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import queue
+import selectors
+import signal
+import socket
+import stat as stat_mod
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierstore.config import Config
+from tierstore.errors import PermissionDenied, ProtocolError, TierstoreError
+from tierstore.protocol import MAX_REPLY_BYTES, OPS, decode, reply_err, reply_ok
+from tierstore.store import Store, WouldBlock
+
+from .auth import PeerCred, admitted, peer_cred, resolve_groups
+from .handlers import Handlers
+from .sdnotify import Notifier
+
+__all__ = ["Server", "Session", "DaemonAlreadyRunning"]
+
+log = logging.getLogger(__name__)
+
+_HELLO_TIMEOUT_S = 10.0
+_OUTBOX_LIMIT = 4096
+_MAX_REQUEST_ID = (1 << 63) - 1
+
+
+class DaemonAlreadyRunning(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Session:
+    """One client connection. Owns its leases and reservations in the store."""
+
+    cid: int
+    sock: socket.socket
+    cred: PeerCred
+    server_pid: int
+    namespace: str | None = None
+    hello_pending: bool = False
+    opened: float = field(default_factory=time.monotonic)
+    outbox: deque = field(default_factory=deque)
+    inflight: int = 0
+    closed: bool = False
+    requests: int = 0
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class Server:
+    def __init__(self, config: Config, *, notifier: Notifier | None = None) -> None:
+        self.config = config.resolved()
+        self.notifier = notifier or Notifier()
+        self.allowed_gids = resolve_groups(self.config.allowed_groups)
+        self.store: Store | None = None
+        self._sel = selectors.DefaultSelector()
+        self._listen: socket.socket | None = None
+        self._sessions: dict[int, Session] = {}
+        self._cids = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.io_threads), thread_name_prefix="tierstore-op")
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self.errors_by_code: dict[str, int] = {}
+        self.accepted = 0
+        self.refused = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Open the store (journal replay), bind the socket, then tell systemd READY=1."""
+        path = self.config.socket
+        self.notifier.status("replaying the journal and mapping the host arena")
+        self._check_no_live_daemon(path)
+        self.store = Store(self.config)
+        self.handlers = Handlers(self.store, self._server_stats)
+        try:
+            self._listen = self._bind(path)
+        except BaseException:
+            self.store.close()
+            raise
+        self._sel.register(self._listen, selectors.EVENT_READ, ("listen", None))
+        self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        st = self.store.stat()["tiers"]
+        status = (f"serving on {path}: host {st['host']['capacity_bytes']} B, nvme {st['nvme']['capacity_bytes']} B, "
+                  f"engine {st['nvme']['engine']}, {self.store.replay_info['objects']} durable objects recovered")
+        log.info(status)
+        self.notifier.ready(status)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake()
+
+    def serve_forever(self) -> None:
+        last_tick = time.monotonic()
+        watchdog = self.notifier.watchdog_interval_s
+        last_watchdog = 0.0
+        try:
+            while not self._stop.is_set():
+                for key, events in self._sel.select(timeout=0.5):
+                    kind, sess = key.data
+                    if kind == "listen":
+                        self._accept()
+                    elif kind == "wake":
+                        self._drain_wake()
+                    else:
+                        if events & selectors.EVENT_READ and not sess.closed:
+                            self._read(sess)
+                        if events & selectors.EVENT_WRITE and not sess.closed:
+                            self._flush(sess)
+                self._drain_done()
+                now = time.monotonic()
+                if now - last_tick >= 1.0:
+                    last_tick = now
+                    self._tick(now)
+                if watchdog and now - last_watchdog >= watchdog:
+                    last_watchdog = now
+                    self.notifier.watchdog()
+        finally:
+            self._shutdown()
+
+    def _tick(self, now: float) -> None:
+        for sess in list(self._sessions.values()):
+            if sess.namespace is None and not sess.hello_pending and now - sess.opened > _HELLO_TIMEOUT_S:
+                log.info("session %d (pid %d) sent no hello in %.0f s; closing", sess.cid, sess.cred.pid,
+                         _HELLO_TIMEOUT_S)
+                self._close(sess)
+        if self.config.lease_timeout_s > 0:
+            self._pool.submit(self.store.expire_leases, self.config.lease_timeout_s)
+
+    def _shutdown(self) -> None:
+        log.info("stopping: draining in-flight requests")
+        self.notifier.stopping()
+        if self._listen is not None:
+            self._sel.unregister(self._listen)
+            self._listen.close()
+            try:
+                os.unlink(self.config.socket)
+            except FileNotFoundError:
+                pass
+        self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
+        self._drain_done()
+        for sess in list(self._sessions.values()):
+            self._close(sess, sync=True)
+        if self.store is not None:
+            self.store.close()  # drains I/O, flushes the journal
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._sel.close()
+        log.info("daemon stopped")
+
+    # ------------------------------------------------------------------ socket setup
+    def _check_no_live_daemon(self, path: str) -> None:
+        if not os.path.exists(path):
+            return
+        if not stat_mod.S_ISSOCK(os.lstat(path).st_mode):
+            raise DaemonAlreadyRunning(f"{path} exists and is not a socket; remove it or choose another --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        probe.settimeout(2.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("replacing stale socket %s of a daemon that is gone", path)
+            os.unlink(path)
+            return
+        except OSError as e:
+            raise DaemonAlreadyRunning(f"cannot probe existing socket {path}: {e}") from None
+        else:
+            pid = peer_cred(probe).pid
+            raise DaemonAlreadyRunning(f"a tierstore daemon (pid {pid}) is already serving {path}; "
+                                       "stop it first or use another --socket")
+        finally:
+            probe.close()
+
+    def _bind(self, path: str) -> socket.socket:
+        d = os.path.dirname(path) or "."
+        if not os.path.isdir(d):
+            os.makedirs(d, mode=0o750, exist_ok=True)
+            os.chmod(d, 0o750)
+        mode = stat_mod.S_IMODE(os.stat(d).st_mode)
+        if mode & 0o027:
+            log.warning("socket directory %s has mode %o; 0750 keeps other users from even reaching the socket",
+                        d, mode)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        old = os.umask(0o117)  # the socket file is born 0660: no window where others could connect
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o660)
+        if self.allowed_gids:
+            # members of the first allowed group reach the socket through group permissions;
+            # admission is still decided per connection from SO_PEERCRED
+            gid = sorted(self.allowed_gids)[0]
+            os.chown(path, -1, gid)
+            if stat_mod.S_IMODE(os.stat(d).st_mode) == 0o750 and os.stat(d).st_uid == os.geteuid():
+                os.chown(d, -1, gid)
+        sock.listen(128)
+        return sock
+
+    # ------------------------------------------------------------------ connections
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listen.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                log.error("accept failed: %s", e)
+                return
+            conn.setblocking(False)
+            cred = peer_cred(conn)
+            reason = None
+            if not admitted(cred, self.allowed_gids):
+                reason = PermissionDenied(f"uid {cred.uid} may not use this daemon; ask its operator to add one "
+                                          "of your groups to allowed_groups")
+            elif len(self._sessions) >= self.config.max_clients:
+                reason = TierstoreError(f"the daemon already serves {self.config.max_clients} connections "
+                                        "(max_clients); close idle clients or raise the limit")
+            if reason is not None:
+                self.refused += 1
+                self._count_error(reason.code)
+                log.warning("refused connection from pid %d uid %d: %s", cred.pid, cred.uid, reason.message)
+                try:
+                    conn.send(reply_err(None, reason))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            sess = Session(next(self._cids), conn, cred, os.getpid())
+            self._sessions[sess.cid] = sess
+            self.accepted += 1
+            self._sel.register(conn, selectors.EVENT_READ, ("sess", sess))
+            log.debug("session %d: pid %d uid %d connected", sess.cid, cred.pid, cred.uid)
+
+    def _read(self, sess: Session) -> None:
+        limit = self.config.max_message_bytes
+        for _ in range(64):  # bounded, so one chatty client cannot starve the others
+            try:
+                data, _anc, flags, _ = sess.sock.recvmsg(limit + 1)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._close(sess)
+                return
+            if not data:
+                self._close(sess)
+                return
+            if flags & socket.MSG_TRUNC or len(data) > limit:
+                self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
+                return
+            self._handle(sess, data)
+            if sess.closed:
+                return
+
+    def _handle(self, sess: Session, data: bytes) -> None:
+        try:
+            msg = decode(data, self.config.max_message_bytes)
+        except ProtocolError as e:
+            self._fatal(sess, e)
+            return
+        rid = msg.get("id")
+        if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= _MAX_REQUEST_ID:
+            self._fatal(sess, ProtocolError("every request needs an integer 'id' in [0, 2**63)"))
+            return
+        op = msg.get("op")
+        if not isinstance(op, str) or op not in OPS:
+            self._reply_error(sess, rid, ProtocolError(f"unknown op {str(op)[:40]!r}"))
+            return
+        if sess.namespace is None and op != "hello":
+            self._fatal(sess, ProtocolError(f"'{op}' before 'hello'; the first request must be hello"), rid)
+            return
+        if op == "hello":
+            if sess.namespace is not None or sess.hello_pending:
+                self._reply_error(sess, rid, ProtocolError("hello was already sent on this connection"))
+                return
+            sess.hello_pending = True
+        sess.requests += 1
+        fn = self.handlers.table[op]
+        try:
+            result = fn(sess, msg, True)
+        except WouldBlock:
+            sess.inflight += 1
+            self._pool.submit(self._run_blocking, sess, fn, msg, rid, op)
+            return
+        except TierstoreError as e:
+            self._reply_error(sess, rid, e)
+            return
+        except Exception as e:  # a bug must cost one request, not the daemon
+            log.exception("op %s failed", op)
+            self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
+            return
+        self._send(sess, reply_ok(rid, result))
+
+    def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str) -> None:
+        try:
+            result = fn(sess, msg, False)
+            out = (reply_ok(rid, result), op, None)
+        except TierstoreError as e:
+            out = (reply_err(rid, e), op, e.code)
+        except Exception as e:
+            log.exception("op %s failed", op)
+            out = (reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal")
+        if sess.closed:
+            # the client went away while this ran: whatever it acquired is released now
+            self.store.release_owner(sess)
+        self._done.put((sess, out))
+        self._wake()
+
+    def _drain_done(self) -> None:
+        while True:
+            try:
+                sess, (blob, op, code) = self._done.get_nowait()
+            except queue.Empty:
+                return
+            sess.inflight -= 1
+            if op == "hello":
+                sess.hello_pending = False
+            if code:
+                self._count_error(code)
+            if sess.closed:
+                continue
+            fds = [self.store.arena.fd] if op == "hello" and code is None else None
+            self._send(sess, blob, fds)
+
+    # ------------------------------------------------------------------ replies
+    def _reply_error(self, sess: Session, rid: int | None, e: TierstoreError) -> None:
+        self._count_error(e.code)
+        self._send(sess, reply_err(rid, e))
+
+    def _fatal(self, sess: Session, e: TierstoreError, rid: int | None = None) -> None:
+        log.warning("session %d (pid %d): %s", sess.cid, sess.cred.pid, e.message)
+        self._count_error(e.code)
+        try:
+            sess.sock.send(reply_err(rid, e))
+        except OSError:
+            pass
+        self._close(sess)
+
+    def _send(self, sess: Session, blob: bytes, fds: list[int] | None = None) -> None:
+        if sess.closed:
+            return
+        if len(blob) > MAX_REPLY_BYTES:
+            blob = reply_err(None, TierstoreError("reply too large; narrow the request (e.g. a key prefix)"))
+        if sess.outbox:
+            self._queue(sess, blob, fds)
+            return
+        try:
+            if fds:
+                socket.send_fds(sess.sock, [blob], fds)
+            else:
+                sess.sock.send(blob)
+        except BlockingIOError:
+            self._queue(sess, blob, fds)
+        except OSError:
+            self._close(sess)
+
+    def _queue(self, sess: Session, blob: bytes, fds: list[int] | None) -> None:
+        if len(sess.outbox) >= _OUTBOX_LIMIT:
+            log.warning("session %d does not read its replies; closing", sess.cid)
+            self._close(sess)
+            return
+        sess.outbox.append((blob, fds))
+        self._sel.modify(sess.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sess", sess))
+
+    def _flush(self, sess: Session) -> None:
+        while sess.outbox:
+            blob, fds = sess.outbox[0]
+            try:
+                if fds:
+                    socket.send_fds(sess.sock, [blob], fds)
+                else:
+                    sess.sock.send(blob)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._close(sess)
+                return
+            sess.outbox.popleft()
+        self._sel.modify(sess.sock, selectors.EVENT_READ, ("sess", sess))
+
+    def _close(self, sess: Session, sync: bool = False) -> None:
+        if sess.closed:
+            return
+        sess.closed = True
+        self._sessions.pop(sess.cid, None)
+        try:
+            self._sel.unregister(sess.sock)
+        except (KeyError, ValueError):
+            pass
+        sess.sock.close()
+        log.debug("session %d closed after %d requests", sess.cid, sess.requests)
+        # every lease and unfinished put of the connection ends with it, however it ended;
+        # a durable rw write-back may touch the disk, so not on the loop thread
+        if sync:
+            self.store.release_owner(sess)
+        else:
+            self._pool.submit(self._release_owner, sess)
+
+    def _release_owner(self, sess: Session) -> None:
+        leases, puts = self.store.release_owner(sess)
+        if leases or puts:
+            log.info("session %d ended holding %d leases and %d unfinished puts; released", sess.cid, leases, puts)
+
+    # ------------------------------------------------------------------ misc
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full, so the loop is already going to wake
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _count_error(self, code: str) -> None:
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+    def _server_stats(self) -> dict[str, Any]:
+        return {"clients": len(self._sessions), "pid": os.getpid(), "socket": self.config.socket,
+                "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
+                "connections_accepted": self.accepted, "connections_refused": self.refused}
+
+
+def run(config: Config) -> int:
+    """Run a daemon in the foreground until SIGTERM/SIGINT."""
+    server = Server(config)
+    try:
+        server.start()
+    except DaemonAlreadyRunning as e:
+        log.error("%s", e)
+        return 1
+    except OSError as e:
+        if e.errno == errno.EACCES:
+            log.error("permission denied: %s; choose a --socket and --nvme-dir you can write", e)
+            return 1
+        raise
+
+    def on_signal(signum, _frame):
+        log.info("received %s", signal.Signals(signum).name)
+        server.request_stop()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.serve_forever()
+    return 0

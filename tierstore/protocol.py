@@ -1,0 +1,77 @@
+"""The wire protocol shared by daemon and client: framing, message shapes, validation.
+
+Control messages are msgpack maps over a Unix ``SOCK_SEQPACKET`` socket (one
+message per packet, boundaries kept by the kernel). Every request carries an
+integer ``id`` and a string ``op``; every reply carries the same ``id`` and either
+``ok`` (the result) or ``err`` (``{code, message}``). The first request on a
+connection must be ``hello``; its reply carries the host arena's memfd via
+``SCM_RIGHTS``. Tensor bytes never travel on the socket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .errors import InvalidArgument, ProtocolError, TierstoreError
+
+__all__ = ["PROTOCOL_VERSION", "OPS", "encode", "decode", "reply_ok", "reply_err", "field", "MAX_REPLY_BYTES"]
+
+PROTOCOL_VERSION = 1
+MAX_REPLY_BYTES = 16 << 20
+"""Replies (a large ``ls`` or ``stat``) may be bigger than requests; SEQPACKET allows it."""
+
+OPS = frozenset({
+    "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "release", "free", "lookup",
+    "keys", "ls", "info", "prefetch", "step", "stat", "ping",
+})
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(data: bytes, max_bytes: int) -> dict[str, Any]:
+    """Parse one request; ``ProtocolError`` for anything that is not a well-formed map."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"undecodable message: {type(e).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("a message must be a msgpack map")
+    return msg
+
+
+def reply_ok(rid: int, result: Any) -> bytes:
+    return encode({"id": rid, "ok": result})
+
+
+def reply_err(rid: int | None, err: TierstoreError) -> bytes:
+    return encode({"id": rid, "err": {"code": err.code, "message": err.message}})
+
+
+_MISSING = object()
+
+
+def field(msg: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING, *,
+          min_value: int | float | None = None, max_value: int | float | None = None) -> Any:
+    """Fetch and type-check one field of a request; ``InvalidArgument`` when wrong."""
+    if name not in msg:
+        if default is _MISSING:
+            raise InvalidArgument(f"field {name!r} is required")
+        return default
+    v = msg[name]
+    if v is None and default is None:
+        return None
+    bad_bool = isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+    if not isinstance(v, types) or bad_bool:
+        tn = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise InvalidArgument(f"field {name!r} must be {tn}, got {type(v).__name__}")
+    if min_value is not None and v < min_value:
+        raise InvalidArgument(f"field {name!r} must be >= {min_value}")
+    if max_value is not None and v > max_value:
+        raise InvalidArgument(f"field {name!r} must be <= {max_value}")
+    return v
