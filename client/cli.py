@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _socket_flag(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS")
+    s.add_argument("--iterations", type=int, help=argparse.SUPPRESS)  # bounded --watch (tests)
     ls = sub.add_parser("ls", help="list objects")
     _socket_flag(ls)
     ls.add_argument("--namespace", default="default")
@@ -79,7 +80,8 @@ def _client_command(args: argparse.Namespace) -> int:
         from .statview import print_stat, watch
 
         if args.watch:
-            return watch(lambda: connect(args.socket, "default"), args.watch, as_json=args.json)
+            return watch(lambda: connect(args.socket, "default"), args.watch, as_json=args.json,
+                         iterations=args.iterations)
         with connect(args.socket, "default") as c:
             st = c.stat()
         if args.json:
@@ -113,3 +115,7 @@ def _client_command(args: argparse.Namespace) -> int:
     raise AssertionError(args.cmd)  # argparse only yields the commands above
 
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())

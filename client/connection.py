@@ -57,6 +57,8 @@ class Connection:
             data, fds, _flags, _ = socket.recv_fds(self.sock, MAX_REPLY_BYTES, 4)
         except socket.timeout:
             raise DaemonUnavailable(f"the daemon on {self.path} did not answer hello") from None
+        except OSError as e:
+            raise DaemonUnavailable(f"the daemon on {self.path} dropped the connection during hello: {e}") from None
         if not data:
             raise DaemonUnavailable(f"the daemon on {self.path} closed the connection during hello")
         reply = _unpack(data)

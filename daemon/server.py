@@ -77,6 +77,7 @@ class Server:
         self._sel = selectors.DefaultSelector()
         self._listen: socket.socket | None = None
         self._sessions: dict[int, Session] = {}
+        self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.io_threads), thread_name_prefix="tierstore-op")
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,6 +125,8 @@ class Server:
                         self._accept()
                     elif kind == "wake":
                         self._drain_wake()
+                    elif kind == "refused":
+                        self._drain_refused(sess)
                     else:
                         if events & selectors.EVENT_READ and not sess.closed:
                             self._read(sess)
@@ -140,7 +143,25 @@ class Server:
         finally:
             self._shutdown()
 
+    def _drain_refused(self, conn: socket.socket) -> None:
+        try:
+            while conn.recv(65536):
+                pass
+            self._drop_refused(conn)  # EOF: the peer read the refusal and left
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._drop_refused(conn)
+
+    def _drop_refused(self, conn: socket.socket) -> None:
+        if self._refused.pop(conn, None) is not None:
+            self._sel.unregister(conn)
+            conn.close()
+
     def _tick(self, now: float) -> None:
+        for conn, since in list(self._refused.items()):
+            if now - since > 2.0:
+                self._drop_refused(conn)
         for sess in list(self._sessions.values()):
             if sess.namespace is None and not sess.hello_pending and now - sess.opened > _HELLO_TIMEOUT_S:
                 log.info("session %d (pid %d) sent no hello in %.0f s; closing", sess.cid, sess.cred.pid,
@@ -245,8 +266,14 @@ class Server:
                 try:
                     conn.send(reply_err(None, reason))
                 except OSError:
-                    pass
-                conn.close()
+                    conn.close()
+                    continue
+                # closing now, with the peer's hello unread, would reset the connection and
+                # destroy the error reply; drain it and close shortly instead
+                self._refused[conn] = time.monotonic()
+                self._sel.register(conn, selectors.EVENT_READ, ("refused", conn))
+                if len(self._refused) > 64:
+                    self._drop_refused(next(iter(self._refused)))
                 continue
             sess = Session(next(self._cids), conn, cred, os.getpid())
             self._sessions[sess.cid] = sess

@@ -64,3 +64,109 @@ def tmpfs(tmp_path):
 
 def run_py(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
+
+
+class DaemonProc:
+    """A real daemon process on a socket in tmp_path, ready when it says READY=1."""
+
+    def __init__(self, base, extra_args=(), env=None):
+        import socket as _s
+
+        self.base = base
+        self.socket = str(base / "run" / "tierstore.sock")
+        self.nvme = str(base / "nvme")
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.log = base / "daemon.log"
+        self.notify_path = str(base / "notify.sock")
+        self.notify = _s.socket(_s.AF_UNIX, _s.SOCK_DGRAM)
+        self.notify.bind(self.notify_path)
+        self.notify.settimeout(60)
+        self.messages: list[str] = []
+        self.proc = None
+
+    def start(self, expect_ready=True):
+        env = dict(os.environ)
+        env.update({"NOTIFY_SOCKET": self.notify_path, "PYTHONUNBUFFERED": "1"})
+        env.update(self.env)
+        args = [sys.executable, "-m", "tierstore.daemon", "--socket", self.socket, "--nvme-dir", self.nvme,
+                "--host-bytes", "64MiB", "--nvme-bytes", "1GiB", "--log-level", "DEBUG", *self.extra_args]
+        self.logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(args, env=env, stdout=self.logf, stderr=self.logf)
+        if expect_ready:
+            self.wait_for("READY=1")
+        return self
+
+    def wait_for(self, needle):
+        """Block until the daemon sends a notify datagram containing ``needle`` (no sleeps)."""
+        while True:
+            if any(needle in m for m in self.messages):
+                return [m for m in self.messages if needle in m][0]
+            try:
+                msg = self.notify.recv(4096).decode()
+            except TimeoutError:
+                raise AssertionError(f"daemon never sent {needle!r}; log:\n{self.log.read_text()[-3000:]}")
+            self.messages.append(msg)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        self.messages.clear()
+        return self.proc.returncode
+
+    def kill(self):
+        import signal
+
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.messages.clear()
+
+    def restart(self):
+        self.stop()
+        return self.start()
+
+    def client(self, namespace="default", **kw):
+        from tierstore.client import Client
+
+        return Client.connect(socket=self.socket, namespace=namespace, **kw)
+
+    def close(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+        if hasattr(self, "logf"):
+            self.logf.close()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    import pathlib
+    import tempfile
+
+    made = []
+    public_dirs = []
+
+    def make(*extra_args, env=None, start=True, name="d", public=False):
+        if public:  # reachable by other uids (tmp_path's parents are 0700)
+            base = pathlib.Path(tempfile.mkdtemp(prefix="tierstore-test-", dir="/tmp"))
+            base.chmod(0o755)
+            public_dirs.append(base)
+        else:
+            base = tmp_path / f"{name}{len(made)}"
+            base.mkdir()
+        d = DaemonProc(base, extra_args, env)
+        made.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in made:
+        d.close()
+    for p in public_dirs:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(daemon_factory):
+    return daemon_factory()

@@ -207,6 +207,7 @@ def add_config_flags(p: "argparse.ArgumentParser") -> None:
     g.add_argument("--allowed-group", action="append", dest="allowed_groups", help="admit this group too")
     g.add_argument("--lease-timeout-s", type=float)
     g.add_argument("--max-clients", type=int)
+    g.add_argument("--max-message-bytes", help="largest control message accepted")
 
 
 def config_from_args(args: "argparse.Namespace") -> Config:

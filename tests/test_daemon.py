@@ -1,0 +1,428 @@
+"""A real daemon process, real client processes, real sockets."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import Busy, CapacityExceeded, DaemonUnavailable, KeyExists, NotFound, PermissionDenied, StaleHandle
+from tierstore.client import Client
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]
+
+
+def test_round_trips_through_the_daemon(daemon):
+    with daemon.client("job") as c:
+        for dt in DTYPES:
+            for shape in [(), (0,), (7,), (33, 65)]:
+                t = (torch.randn(shape) * 10).to(dt) if dt != torch.bool else torch.rand(shape) > 0.5
+                h = c.put(t)
+                got = c.get(h)
+                assert got.dtype == t.dtype and torch.equal(got, t)
+        a = np.arange(12, dtype=np.int16).reshape(3, 4)
+        h = c.put(a, key="np")
+        assert np.array_equal(c.get(h), a)
+        out = np.empty_like(a)
+        c.get(h, out=out)
+        assert np.array_equal(out, a)
+        big = torch.randn(3 << 20)
+        assert torch.equal(c.get(c.put(big, tier="nvme")), big)
+        assert torch.equal(c.get(c.put(big, durable=True)), big)
+        f1, f2 = c.put_async(torch.ones(5), key="async"), c.get_async(h)
+        h_async = f1.result()
+        assert np.array_equal(f2.result(), a) and c.lookup("async") == h_async
+
+
+def test_errors_cross_the_wire_typed(daemon):
+    with daemon.client("job") as c:
+        h = c.put(torch.ones(3), key="k")
+        with pytest.raises(KeyExists, match="replace=True"):
+            c.put(torch.ones(3), key="k")
+        c.free(h)
+        with pytest.raises(StaleHandle):
+            c.get(h)
+        with pytest.raises(CapacityExceeded, match="every tier"):
+            c.put(torch.empty(2 << 30, dtype=torch.uint8))
+        lease = c.checkout(c.put(torch.ones(2)), "rw")
+        with pytest.raises(Busy):
+            c.checkout(lease.handle, "r", timeout_s=0.05)
+        lease.release()
+        assert c.keys() == []
+
+
+WRITER = r"""
+import sys, torch
+from tierstore.client import Client
+with Client.connect(socket=sys.argv[1], namespace="shared") as c:
+    h = c.lookup("x")
+    with c.checkout(h, "rw") as v:
+        v.add_(41)
+    print("written", flush=True)
+"""
+
+
+def test_checkout_written_in_one_process_is_seen_by_another(daemon):
+    with daemon.client("shared") as c:
+        h = c.put(torch.ones(1000), key="x")
+        with c.checkout(h, "r") as before:
+            ptr_before = before.data_ptr()
+        r = subprocess.run([sys.executable, "-c", WRITER, daemon.socket], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(c.get(h), torch.full((1000,), 42.0))
+        with c.checkout(h, "r") as v:  # the same arena memory, not a copy
+            assert v.data_ptr() == ptr_before and torch.equal(v, torch.full((1000,), 42.0))
+
+
+HOLDER = r"""
+import sys, time
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="shared")
+lease = c.checkout(c.lookup("x"), "rw")
+r = c.put(__import__("numpy").ones(1 << 20, dtype="uint8"), key="held-put-done")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_leases_released_when_client_is_sigkilled(daemon):
+    with daemon.client("shared") as c:
+        h = c.put(torch.zeros(10), key="x")
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, daemon.socket], stdout=subprocess.PIPE,
+                             stdin=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(Busy):
+            c.checkout(h, "r", timeout_s=0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        with c.checkout(h, "rw", timeout_s=30) as v:  # waits until the daemon notices the dead peer
+            v.add_(1)
+        st = c.stat()
+        assert st["leases"] == 0 and st["reservations"] == 0
+        assert c.lookup("held-put-done") is not None  # its objects stay; only its leases went
+
+
+def test_unfinished_put_is_aborted_when_client_dies(daemon):
+    code = r"""
+import sys, os
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="job")
+r = c._conn.request("put_reserve", kind="numpy", dtype="uint8", shape=[8 << 20], nbytes=8 << 20, key="half")
+os._exit(0)  # die between reserve and commit
+"""
+    before = None
+    with daemon.client("job") as c:
+        before = c.stat()["tiers"]["host"]["used_bytes"]
+    subprocess.run([sys.executable, "-c", code, daemon.socket], check=True, timeout=60)
+    with daemon.client("job") as c:
+        for _ in range(200):
+            st = c.stat()
+            if st["reservations"] == 0:
+                break
+            c.ping()
+        assert st["reservations"] == 0 and c.lookup("half") is None
+        assert st["tiers"]["host"]["used_bytes"] == before
+
+
+def _as_nobody(fn_code: str, sock: str, ns: str) -> subprocess.CompletedProcess:
+    # everything is imported before dropping to nobody, who cannot read root's Python install
+    code = r"""
+import os, sys, pwd, traceback
+import numpy as np, msgpack
+from tierstore.client import Client
+from tierstore import TierstoreError
+import tierstore.errors, tierstore.tensors, tierstore.arena
+pw = pwd.getpwnam("nobody")
+os.setgroups([]); os.setgid(pw.pw_gid); os.setuid(pw.pw_uid)
+try:
+""" + "\n".join("    " + line for line in fn_code.strip().splitlines()) + r"""
+except TierstoreError as e:
+    print("ERR", e.code, e)
+    sys.exit(3)
+"""
+    return subprocess.run([sys.executable, "-c", code, sock, ns], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "HOME": "/tmp"})
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+
+
+@pytest.fixture
+def public_daemon(daemon_factory):
+    return daemon_factory(public=True)
+
+
+@needs_root
+def test_socket_and_directory_modes(daemon):
+    st_sock = os.stat(daemon.socket)
+    st_dir = os.stat(os.path.dirname(daemon.socket))
+    assert oct(st_sock.st_mode & 0o777) == "0o660"
+    assert oct(st_dir.st_mode & 0o777) == "0o750"
+
+
+@needs_root
+def test_other_uid_is_refused(public_daemon):
+    daemon = public_daemon
+    r = _as_nobody("Client.connect(socket=sys.argv[1], namespace=sys.argv[2])", daemon.socket, "x")
+    assert r.returncode == 3 and "PermissionDenied" in r.stdout and "0750" in r.stdout, r.stdout + r.stderr
+    # even with the filesystem opened up, SO_PEERCRED keeps it out
+    os.chmod(os.path.dirname(daemon.socket), 0o755)
+    os.chmod(daemon.socket, 0o666)
+    r = _as_nobody("Client.connect(socket=sys.argv[1], namespace=sys.argv[2])", daemon.socket, "x")
+    assert r.returncode == 3 and "PermissionDenied" in r.stdout and "may not use this daemon" in r.stdout, r.stdout
+    with daemon.client() as c:
+        assert c.stat()["connections_refused"] >= 1
+
+
+@needs_root
+def test_namespace_isolation_between_uids(daemon_factory):
+    import grp
+    import pwd
+
+    group = grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name
+    d = daemon_factory("--allowed-group", group, public=True)
+    with d.client("root-job") as c:
+        h = c.put(torch.ones(4), key="secret")
+    r = _as_nobody("Client.connect(socket=sys.argv[1], namespace=sys.argv[2])", d.socket, "root-job")
+    assert r.returncode == 3 and "PermissionDenied" in r.stdout and "belongs to uid 0" in r.stdout, r.stdout
+    r = _as_nobody("Client.connect(socket=sys.argv[1], namespace=sys.argv[2]).get(%d)" % int(h), d.socket,
+                   "nobody-job")
+    assert r.returncode == 3 and "NotFound" in r.stdout, r.stdout
+    ok = r"""
+import numpy as np
+c = Client.connect(socket=sys.argv[1], namespace=sys.argv[2])
+h = c.put(np.arange(5), key="mine")
+assert (c.get(h) == np.arange(5)).all() and c.keys() == ["mine"]
+print("OK")
+"""
+    r = _as_nobody(ok, d.socket, "nobody-job/rank0")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    with d.client("nobody-job/rank0") as c:  # root may look in
+        assert c.keys() == ["mine"]
+
+
+MIXED = r"""
+import sys, numpy as np
+from tierstore.client import Client
+from tierstore import CapacityExceeded
+sock, me = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(me)
+with Client.connect(socket=sock, namespace=f"load/rank{me}") as c:
+    mine = {}
+    for i in range(60):
+        op = rng.random()
+        if op < 0.4 or not mine:
+            a = rng.integers(0, 255, int(rng.integers(1, 200_000)), dtype=np.uint8)
+            try:
+                h = c.put(a, key=f"k{i}", durable=bool(rng.random() < 0.1), tier="nvme" if rng.random() < 0.2 else None)
+            except CapacityExceeded:
+                continue
+            mine[h] = a
+        elif op < 0.7:
+            h = list(mine)[int(rng.integers(len(mine)))]
+            assert np.array_equal(c.get(h), mine[h]), "wrong bytes"
+        elif op < 0.85:
+            h = list(mine)[int(rng.integers(len(mine)))]
+            with c.checkout(h, "rw") as v:
+                assert np.array_equal(v, mine[h])
+                v[:1] += np.uint8(1)  # wraps at 256
+            mine[h] = mine[h].copy(); mine[h][:1] += np.uint8(1)
+        else:
+            h = list(mine)[int(rng.integers(len(mine)))]
+            c.free(h)
+            del mine[h]
+    for h, a in mine.items():
+        assert np.array_equal(c.get(h), a), "wrong bytes at the end"
+    assert sorted(c.keys()) == sorted(c.info(h)["key"] for h in mine)
+print("OK", len(mine))
+"""
+
+
+def test_32_concurrent_clients_mixed_operations(daemon):
+    procs = [subprocess.Popen([sys.executable, "-c", MIXED, daemon.socket, str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(32)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("OK"), err[-2000:]
+    with daemon.client() as c:
+        st = c.stat()
+        assert st["leases"] == 0 and st["reservations"] == 0
+        assert sum(v["objects"] for k, v in st["namespaces"].items() if k.startswith("load/")) == \
+            sum(int(o.split()[1]) for o, _ in outs)
+
+
+def test_sigkill_and_sigterm_restarts_keep_durable_objects(daemon):
+    with daemon.client("job") as c:
+        data = {f"d{i}": torch.randn(1000 + i * 5000) for i in range(6)}
+        for k, t in data.items():
+            c.put(t, key=k, durable=True)
+        c.put(torch.ones(3), key="volatile")
+        gone = c.put(torch.ones(3), key="gone", durable=True)
+        c.free(gone)
+    daemon.kill()
+    assert os.path.exists(daemon.socket)  # a stale socket is left behind ...
+    daemon.start()  # ... and replaced
+    with daemon.client("job") as c:
+        assert sorted(c.keys()) == sorted(data)
+        for k, t in data.items():
+            assert torch.equal(c.get(c.lookup(k)), t)
+    assert daemon.stop() == 0
+    assert not os.path.exists(daemon.socket)  # SIGTERM removes the socket
+    daemon.start()
+    with daemon.client("job") as c:
+        assert sorted(c.keys()) == sorted(data)
+
+
+def test_second_daemon_on_a_live_socket_refuses(daemon, tmp_path):
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", daemon.socket, "--nvme-dir",
+                        str(tmp_path / "other"), "--host-bytes", "16MiB"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 1 and "already serving" in r.stderr
+    with daemon.client() as c:
+        c.ping()
+
+
+def test_sd_notify_messages(daemon_factory):
+    d = daemon_factory(env={"WATCHDOG_USEC": "400000"})
+    ready = d.wait_for("READY=1")
+    assert "STATUS=serving on" in ready and f"MAINPID={d.proc.pid}" in ready
+    assert d.wait_for("WATCHDOG=1") == "WATCHDOG=1"
+    d.proc.terminate()
+    assert "STOPPING=1" in d.wait_for("STOPPING=1")
+    d.proc.wait(timeout=60)
+
+
+def test_daemon_unavailable_and_autostart(tmp_path, monkeypatch):
+    sock = str(tmp_path / "auto" / "ts.sock")
+    with pytest.raises(DaemonUnavailable, match="tierstore daemon"):
+        Client.connect(socket=sock)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIERSTORE_HOST_BYTES", "32MiB")
+    with Client.connect(socket=sock, autostart=True, namespace="auto") as c:
+        h = c.put(torch.ones(3), key="a")
+        pid = c.stat()["pid"]
+    with Client.connect(socket=sock, namespace="auto") as c:
+        assert c.lookup("a") == h
+    os.kill(pid, signal.SIGTERM)
+
+
+def test_cli_stat_ls_free(daemon):
+    with daemon.client("job") as c:
+        c.put(torch.ones(3), key="opt/a")
+        c.put(torch.ones(3), key="opt/b")
+    env = {**os.environ, "TIERSTORE_SOCKET": daemon.socket}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "tierstore.client.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+    r = cli("stat")
+    assert r.returncode == 0 and "host" in r.stdout and "engine: posix" in r.stdout and "job" in r.stdout
+    import json
+
+    r = cli("stat", "--json")
+    st = json.loads(r.stdout)
+    assert st["namespaces"]["job"]["objects"] == 2 and st["tiers"]["nvme"]["engine"] == "posix"
+    r = cli("ls", "--namespace", "job", "--json")
+    assert [row["key"] for row in json.loads(r.stdout)] == ["opt/a", "opt/b"]
+    r = cli("free", "--namespace", "job", "opt/a", "nope")
+    assert r.returncode == 1 and "freed opt/a" in r.stdout and "no key 'nope'" in r.stderr
+    r = cli("stat", "--watch", "0.1", "--json", "--iterations", "2")
+    assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 2
+    r = subprocess.run([sys.executable, "-m", "tierstore.client.cli", "stat"], capture_output=True, text=True,
+                       env={**os.environ, "TIERSTORE_SOCKET": str(daemon.base / "nothing.sock")}, timeout=60)
+    assert r.returncode == 1 and "DaemonUnavailable" in r.stderr and "tierstore daemon" in r.stderr
+
+
+def test_malformed_input_never_hurts_others(daemon_factory):
+    import msgpack
+
+    daemon = daemon_factory("--max-message-bytes", "64KiB")
+    good = daemon.client("job")
+    h = good.put(torch.arange(10), key="keep")
+
+    def raw():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        s.connect(daemon.socket)
+        return s
+
+    def exchange(s, payload):
+        s.send(payload)
+        try:
+            data = s.recv(1 << 20)
+        except (ConnectionResetError, TimeoutError):
+            return None
+        return msgpack.unpackb(data, raw=False) if data else None
+
+    def hello(s):
+        rep, fds, _, _ = socket.recv_fds(s, 1 << 16, 4) if not s.send(
+            msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": "evil"})) is None else (None,) * 4
+        for fd in fds:
+            os.close(fd)
+        return msgpack.unpackb(rep)
+
+    cases = [
+        os.urandom(64),  # random bytes
+        msgpack.packb([1, 2, 3]),  # not a map
+        msgpack.packb({"op": "hello"}),  # no id
+        msgpack.packb({"id": "x", "op": "hello"}),  # wrong id type
+        msgpack.packb({"id": 1, "op": "get", "handle": 1}),  # before hello
+        msgpack.packb({"id": 2**64 - 1, "op": "hello"}),  # id out of range
+        msgpack.packb({"id": 1, "op": "hello", "version": 99, "namespace": "x"}),  # wrong version
+    ]
+    for payload in cases:
+        s = raw()
+        rep = exchange(s, payload)
+        assert rep is None or rep["err"]["code"] == "ProtocolError"
+        s.close()
+    s = raw()
+    assert "ok" in hello(s)
+    after_hello = [
+        ({"id": 2, "op": "nope"}, "ProtocolError"),
+        ({"id": 3, "op": "get"}, "InvalidArgument"),  # missing field
+        ({"id": 4, "op": "get", "handle": [1, 2]}, "InvalidArgument"),  # wrong type
+        ({"id": 5, "op": "get", "handle": -5}, "InvalidArgument"),
+        ({"id": 6, "op": "put_reserve", "kind": "torch", "dtype": "float32", "shape": [-1], "nbytes": -4},
+         "InvalidArgument"),
+        ({"id": 7, "op": "put_reserve", "kind": "torch", "dtype": "float32", "shape": [1 << 40], "nbytes": 1 << 42},
+         "CapacityExceeded"),
+        ({"id": 77, "op": "put_reserve", "kind": "torch", "dtype": "uint8", "shape": [1 << 60], "nbytes": 1 << 60},
+         "InvalidArgument"),
+        ({"id": 8, "op": "put_reserve", "kind": "torch", "dtype": "float32", "shape": [2], "nbytes": 9},
+         "InvalidArgument"),
+        ({"id": 9, "op": "put_reserve", "kind": "torch", "dtype": "object", "shape": [2], "nbytes": 8},
+         "InvalidArgument"),
+        ({"id": 10, "op": "put_commit", "rid": 1}, "NotFound"),  # someone else's (or no) reservation
+        ({"id": 11, "op": "release", "lid": 12345}, "NotFound"),
+        ({"id": 12, "op": "hello", "version": 1, "namespace": "again"}, "ProtocolError"),
+        ({"id": 13, "op": "checkout", "handle": int(h), "mode": "r"}, "NotFound"),  # other namespace
+        ({"id": 16, "op": "checkout", "handle": int(h), "mode": "x"}, "InvalidArgument"),
+        ({"id": 14, "op": "lookup", "key": {"nested": [1, {"a": None}]}}, "InvalidArgument"),
+        ({"id": 15, "op": "prefetch", "handles": "all"}, "InvalidArgument"),
+    ]
+    for msg, code in after_hello:
+        rep = exchange(s, msgpack.packb(msg))
+        assert rep["id"] == msg["id"] and rep["err"]["code"] == code, (msg, rep)
+    # a reservation of a well-behaved client cannot be committed by another connection
+    r = good._conn.request("put_reserve", kind="numpy", dtype="uint8", shape=[10], nbytes=10, key="race")
+    rep = exchange(s, msgpack.packb({"id": 20, "op": "put_commit", "rid": r["rid"]}))
+    assert rep["err"]["code"] == "NotFound"
+    good._conn.request("put_abort", rid=r["rid"])
+    # oversized message: error and the connection is closed
+    rep = exchange(s, msgpack.packb({"id": 30, "op": "ping", "pad": "x" * (100 << 10)}))
+    assert rep is None or rep["err"]["code"] == "ProtocolError"
+    s.close()
+    # a client that connects and never speaks does not hold anyone up
+    silent = raw()
+    assert torch.equal(good.get(h), torch.arange(10))
+    silent.close()
+    assert torch.equal(good.get(good.lookup("keep")), torch.arange(10))
+    with pytest.raises(NotFound):
+        good.get(10**6)
+    good.close()
