@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
-from tierstore.index import Handle
+from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.protocol import PROTOCOL_VERSION, field
 from tierstore.store import Store, WouldBlock
 from tierstore.tensors import TensorSpec
@@ -73,14 +73,13 @@ class Handlers:
 
     # -- session ---------------------------------------------------------------------------
     def hello(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        if nowait:
-            raise WouldBlock()  # claiming a namespace appends to the journal
         version = field(msg, "version", int)
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}; "
                                 "install matching tierstore versions")
-        ns = field(msg, "namespace", str)
-        self.store.claim_namespace(ns, sess.cred.uid)
+        ns = validate_namespace(field(msg, "namespace", str))
+        # a namespace is claimed by its first put, so `tierstore stat` claims nothing
+        self.store.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid}
@@ -93,10 +92,11 @@ class Handlers:
         durable = field(msg, "durable", bool, False)
         replace = field(msg, "replace", bool, False)
         wait_s = float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600))
-        if key is not None:
-            from tierstore.index import validate_key
-
-            validate_key(key)
+        validate_key(key)
+        if self.store.namespace_owner(sess.namespace) is None:
+            if nowait:
+                raise WouldBlock()  # the first put claims the namespace: a journal append
+            self.store.claim_namespace(sess.namespace, sess.cred.uid)
         res = self.store.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace,
                                      namespace=sess.namespace, owner=sess, wait_s=wait_s, owner_uid=sess.cred.uid,
                                      nowait=nowait)

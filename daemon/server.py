@@ -332,11 +332,18 @@ class Server:
             self._pool.submit(self._run_blocking, sess, fn, msg, rid, op)
             return
         except TierstoreError as e:
+            if op == "hello":
+                sess.hello_pending = False
             self._reply_error(sess, rid, e)
             return
         except Exception as e:  # a bug must cost one request, not the daemon
             log.exception("op %s failed", op)
+            sess.hello_pending = False
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
+            return
+        if op == "hello":
+            sess.hello_pending = False
+            self._send(sess, reply_ok(rid, result), [self.store.arena.fd])
             return
         self._send(sess, reply_ok(rid, result))
 

@@ -536,6 +536,15 @@ class Store:
             with self._cv:
                 self._ns_owner[root] = uid
 
+    def check_namespace(self, namespace: str, uid: int) -> None:
+        """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
+        from .errors import PermissionDenied
+
+        owner = self.namespace_owner(validate_namespace(namespace))
+        if owner is not None and owner != uid and uid != 0:
+            raise PermissionDenied(f"namespace {namespace.split('/')[0]!r} belongs to uid {owner}; "
+                                   "use another namespace")
+
     def namespace_owner(self, namespace: str) -> int | None:
         with self._cv:
             return self._ns_owner.get(namespace.split("/")[0])
