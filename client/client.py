@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import subprocess
 import sys
 import time
@@ -27,6 +28,9 @@ from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, 
 from .connection import Connection
 
 __all__ = ["Client", "ClientLease"]
+
+_STAGED_MAX = 64 << 10
+"""Objects up to this size are put in one round trip through a per-connection staging area."""
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,8 @@ class Client:
         self._arena_fd = arena_fd
         self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
         self._executor: ThreadPoolExecutor | None = None
+        self._staging: tuple[int, int] | None = None
+        self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
 
     # ------------------------------------------------------------------ connecting
     @classmethod
@@ -103,6 +109,18 @@ class Client:
             replace: bool = False, wait_s: float = 0.0) -> Handle:
         u8, spec = to_bytes(tensor)
         key = validate_key(key)
+        if spec.nbytes <= _STAGED_MAX and self._staging_lock.acquire(blocking=False):
+            try:
+                # small object: copy into this connection's staging area, one round trip
+                off, _ = self._staging_area()
+                if spec.nbytes:
+                    self._arena[off:off + spec.nbytes] = u8
+                r = self._conn.request("put_staged", src=0, kind=spec.kind, dtype=spec.dtype,
+                                       shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
+                                       durable=durable, replace=replace, wait_s=float(wait_s))
+                return Handle.parse(r["handle"])
+            finally:
+                self._staging_lock.release()
         r = self._conn.request("put_reserve", kind=spec.kind, dtype=spec.dtype, shape=list(spec.shape),
                                nbytes=spec.nbytes, key=key, tier=tier, durable=durable, replace=replace,
                                wait_s=float(wait_s))
@@ -116,7 +134,21 @@ class Client:
         return Handle.parse(self._conn.request("put_commit", rid=r["rid"])["handle"])
 
     def get(self, handle: Handle | int | str, out: Any = None) -> Any:
-        r = self._conn.request("get", handle=_wire(handle))
+        if self._staging_lock.acquire(blocking=False):
+            try:
+                self._staging_area()
+                r = self._conn.request("get", handle=_wire(handle), staged=True)
+                if r.get("staged"):
+                    # a small object: the daemon copied it into our staging area, no lease held
+                    spec = _spec_of(r)
+                    dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
+                    if spec.nbytes:
+                        dst[:] = self._arena[self._staging[0]:self._staging[0] + spec.nbytes]
+                    return out if out is not None else from_bytes(dst, spec)
+            finally:
+                self._staging_lock.release()
+        else:
+            r = self._conn.request("get", handle=_wire(handle))
         try:
             spec = _spec_of(r)
             dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
@@ -200,6 +232,12 @@ class Client:
         if offset < 0 or offset + nbytes > self._arena.nbytes:
             raise TierstoreError(f"daemon named arena bytes [{offset}, {offset + nbytes}) outside the arena")
         return self._arena[offset:offset + nbytes]
+
+    def _staging_area(self) -> tuple[int, int]:
+        if self._staging is None:
+            r = self._conn.request("scratch", nbytes=_STAGED_MAX)
+            self._staging = (int(r["offset"]), int(r["nbytes"]))
+        return self._staging
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:

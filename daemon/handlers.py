@@ -69,6 +69,7 @@ class Handlers:
             "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
             "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
+            "scratch": self.scratch, "put_staged": self.put_staged,
         }
 
     # -- session ---------------------------------------------------------------------------
@@ -85,22 +86,33 @@ class Handlers:
                 "session": sess.cid, "pid": sess.server_pid}
 
     # -- puts ------------------------------------------------------------------------------
-    def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        spec = _spec(msg)
-        key = field(msg, "key", str, None)
-        tier = field(msg, "tier", str, None)
-        durable = field(msg, "durable", bool, False)
-        replace = field(msg, "replace", bool, False)
-        wait_s = float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600))
-        validate_key(key)
+    def _put_args(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> dict[str, Any]:
+        args = {"key": validate_key(field(msg, "key", str, None)), "tier": field(msg, "tier", str, None),
+                "durable": field(msg, "durable", bool, False), "replace": field(msg, "replace", bool, False),
+                "wait_s": float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600)),
+                "namespace": sess.namespace, "owner": sess, "owner_uid": sess.cred.uid, "nowait": nowait}
         if self.store.namespace_owner(sess.namespace) is None:
             if nowait:
                 raise WouldBlock()  # the first put claims the namespace: a journal append
             self.store.claim_namespace(sess.namespace, sess.cred.uid)
-        res = self.store.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace,
-                                     namespace=sess.namespace, owner=sess, wait_s=wait_s, owner_uid=sess.cred.uid,
-                                     nowait=nowait)
+        return args
+
+    def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        spec = _spec(msg)
+        res = self.store.reserve_put(spec, **self._put_args(sess, msg, nowait))
         return {"rid": res.rid, "offset": res.host_off}
+
+    def scratch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
+        off, n = self.store.scratch(sess, nbytes)
+        return {"offset": off, "nbytes": n}
+
+    def put_staged(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        spec = _spec(msg)
+        src = field(msg, "src", int, min_value=0)
+        args = self._put_args(sess, msg, nowait)
+        h = self.store.put_from_scratch(args.pop("owner"), src, spec, **args)
+        return {"handle": int(h)}
 
     def put_commit(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         rid = field(msg, "rid", int, min_value=0)
@@ -112,7 +124,13 @@ class Handlers:
 
     # -- leases ----------------------------------------------------------------------------
     def get(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        info = self.store.acquire(_handle(msg), "r", owner=sess, namespace=sess.namespace, nowait=nowait)
+        h = _handle(msg)
+        if field(msg, "staged", bool, False):
+            spec = self.store.get_to_scratch(sess, h, namespace=sess.namespace, nowait=nowait)
+            if spec is not None:  # the bytes wait in the staging area; no lease to release
+                return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
+                        "nbytes": spec.nbytes}
+        info = self.store.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait)
         return _lease_reply(info)
 
     def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

@@ -24,3 +24,10 @@ def test_io_throughput_smoke(tmp_path):
     for r in out["results"]:
         assert r["write_gbps"]["tierstore"] > 0 and r["read_gbps"]["tierstore"] > 0
         assert r["ceiling_read_gbps"] > 0 and r["memcpy_gbps"] > 0
+
+
+def test_latency_smoke(tmp_path):
+    out = _run("latency.py", "--quick", cwd=tmp_path)
+    assert out["bench"] == "latency" and out["floor"]["p50_us"] > 0
+    assert set(out["ops"]) == {"lookup", "stat", "get_4KiB", "put_4KiB"}
+    assert all(r["checkout_us"] > 0 for r in out["checkout"]) and len(out["bandwidth"]) == 2

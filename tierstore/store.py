@@ -122,6 +122,7 @@ class Store:
         self._keys: dict[tuple[str, str], int] = {}
         self._ns_owner: dict[str, int] = {}
         self._reservations: dict[int, Reservation] = {}
+        self._scratch: dict[Any, tuple[int, int]] = {}
         self._leases: dict[int, LeaseInfo] = {}
         self._ids = itertools.count(1)
         self._next_id = 1
@@ -408,6 +409,71 @@ class Store:
         self._maybe_demote()
         return meta.handle
 
+    def scratch(self, owner: Any, nbytes: int) -> tuple[int, int]:
+        """A host block private to ``owner`` (a connection's staging area); (offset, nbytes).
+
+        Small puts through the daemon are copied here by the client and moved into
+        place by the daemon in one round trip. Freed by ``release_owner``.
+        """
+        with self._cv:
+            if owner in self._scratch:
+                return self._scratch[owner]
+            off = self.host.alloc(nbytes)
+            if off is None:
+                raise CapacityExceeded("host tier full: no room for a staging area; use the two-phase put")
+            self._scratch[owner] = (off, nbytes)
+            return off, nbytes
+
+    def put_from_scratch(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
+                         durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
+                         owner_uid: int | None = None, nowait: bool = False) -> Handle:
+        """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
+        with self._cv:
+            area = self._scratch.get(owner)
+        if area is None or src < 0 or src + spec.nbytes > area[1]:
+            raise InvalidArgument("staged bytes lie outside this connection's staging area")
+        if nowait and (durable or tier == "nvme"):
+            raise WouldBlock()
+        res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
+                               owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait)
+        if spec.nbytes:
+            self.arena.view(res.host_off, spec.nbytes)[:] = self.arena.view(area[0] + src, spec.nbytes)
+        try:
+            return self.commit_put(res.rid, owner=owner, nowait=nowait)
+        except WouldBlock:
+            self.abort_put(res.rid, owner=owner)
+            raise
+
+    def get_to_scratch(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
+                       nowait: bool = False) -> TensorSpec | None:
+        """Copy a small object into ``owner``'s staging area (one round trip, no lease).
+
+        Returns its spec, or None when it does not fit there (use a lease instead).
+        """
+        with self._cv:
+            area = self._scratch.get(owner)
+            meta = self._get_meta(Handle.parse(handle), self._ns(namespace))
+            if area is None or meta.nbytes > area[1]:
+                return None
+            if meta.nbytes == 0:
+                return meta.spec
+            if meta.host_valid and not meta.writer and not meta.moving:
+                # small (<= staging size) copy under the lock: cheaper than pinning around it
+                self.arena.view(area[0], meta.nbytes)[:] = self.arena.view(meta.host_off, meta.nbytes)
+                self.policy.touch(meta.id)
+                self.counters["gets"] += 1
+                self.counters["host_hits"] += 1
+                self.counters["get_bytes"] += meta.nbytes
+                return meta.spec
+            if nowait:
+                raise WouldBlock()
+        meta = self._pin(handle, namespace)
+        try:
+            self._read_pinned(meta, self.arena.view(area[0], meta.nbytes))
+        finally:
+            self._unpin(meta)
+        return meta.spec
+
     def abort_put(self, rid: int, *, owner: Any = _LOCAL) -> None:
         with self._cv:
             res = self._reservations.get(rid)
@@ -517,6 +583,11 @@ class Store:
                 log.error("releasing lease %d of a closed connection failed: %s", lid, e)
         for rid in rids:
             self.abort_put(rid, owner=owner)
+        with self._cv:
+            area = self._scratch.pop(owner, None)
+            if area is not None:
+                self.host.free(*area)
+                self._cv.notify_all()
         return len(lids), len(rids)
 
     def claim_namespace(self, namespace: str, uid: int) -> None:
@@ -654,7 +725,8 @@ class Store:
             self._cv.notify_all()
         if extents:
             self.nvme.free(extents)
-        self._maybe_compact()
+        if meta.durable:
+            self._maybe_compact()
 
     def _pin(self, handle: Handle | int | str, namespace: str | None) -> ObjectMeta:
         h = Handle.parse(handle)

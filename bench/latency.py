@@ -1,0 +1,222 @@
+"""Small-operation latency and large-object bandwidth through a real daemon.
+
+In one run:
+  floor     a raw round trip of the same msgpack message over a Unix SOCK_SEQPACKET
+            socket between two processes (decode + encode on the far side)
+  small ops lookup, stat, put and get of a 4 KiB object: p50 / p99 latency, ops/s
+  bandwidth put / get through the daemon for 1 MiB .. 1 GiB beside a NumPy memcpy
+  checkout  check-out + check-in time against object size (zero copy: flat)
+  ray       Ray's object store put/get, when `ray` is importable
+
+Usage: python bench/latency.py [--ops N] [--sizes 1MiB,...] [--quick]
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json, gbps, machine, print_table, random_bytes, repeat, size_label, timed  # noqa: E402
+
+from tierstore.client import Client  # noqa: E402
+from tierstore.units import parse_size  # noqa: E402
+
+ECHO = r"""
+import socket, sys, msgpack
+s = socket.socket(fileno=int(sys.argv[1]))
+while True:
+    d = s.recv(1 << 20)
+    if not d:
+        break
+    m = msgpack.unpackb(d, raw=False)
+    s.send(msgpack.packb({"id": m["id"], "ok": None}))
+"""
+
+
+def percentiles(xs: list[float]) -> dict:
+    a = np.sort(np.asarray(xs))
+    return {"p50_us": float(np.percentile(a, 50) * 1e6), "p99_us": float(np.percentile(a, 99) * 1e6),
+            "mean_us": float(a.mean() * 1e6), "n": len(xs)}
+
+
+def raw_floor(n: int) -> dict:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    p = subprocess.Popen([sys.executable, "-c", ECHO, str(b.fileno())], pass_fds=[b.fileno()])
+    b.close()
+    xs = []
+    for i in range(n + 100):
+        t0 = time.perf_counter()
+        a.send(msgpack.packb({"id": i, "op": "lookup", "key": "opt/exp_avg/17"}))
+        msgpack.unpackb(a.recv(1 << 20), raw=False)
+        if i >= 100:
+            xs.append(time.perf_counter() - t0)
+    a.close()
+    p.wait()
+    return percentiles(xs)
+
+
+def start_daemon(base: str, host_bytes: int) -> tuple[subprocess.Popen, str, socket.socket]:
+    sock_path = os.path.join(base, "run", "ts.sock")
+    notify = os.path.join(base, "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(notify)
+    ns.settimeout(120)
+    env = {**os.environ, "NOTIFY_SOCKET": notify}
+    p = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock_path, "--nvme-dir",
+                          os.path.join(base, "nvme"), "--host-bytes", str(host_bytes), "--nvme-bytes", "4GiB",
+                          "--log-level", "WARNING"], env=env)
+    while b"READY=1" not in ns.recv(4096):
+        pass
+    return p, sock_path, ns  # ns stays open: the daemon also reports STOPPING=1 to it
+
+
+def timed_ops(fn, n: int) -> list[float]:
+    xs = []
+    for _ in range(min(100, n)):
+        fn()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t0)
+    return xs
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ops", type=int, default=20000)
+    p.add_argument("--sizes", default="1MiB,8MiB,64MiB,256MiB,1GiB")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.ops, args.sizes, args.runs = 300, "1MiB,4MiB", 2
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    base = tempfile.mkdtemp(prefix="tierstore-latency-")
+    host_bytes = max(3 * max(sizes) + (64 << 20), 256 << 20)
+    daemon, sock_path, notify = start_daemon(base, host_bytes)
+    out: dict = {"bench": "latency", "machine": machine()}
+    try:
+        floor = raw_floor(args.ops)
+        out["floor"] = floor
+        with Client.connect(socket=sock_path, namespace="bench") as c:
+            small = random_bytes(4096)
+            h = c.put(small, key="small")
+            dst = np.empty_like(small)
+            ops = {
+                "lookup": lambda: c.lookup("small"),
+                "stat": c.stat,
+                "get_4KiB": lambda: c.get(h, out=dst),
+                "put_4KiB": lambda: c.put(small, key="p", replace=True),
+            }
+            out["ops"] = {}
+            for name, fn in ops.items():
+                xs = timed_ops(fn, args.ops if name != "stat" else max(args.ops // 10, 100))
+                r = percentiles(xs)
+                r["ops_per_s"] = len(xs) / sum(xs)
+                r["p50_vs_floor"] = r["p50_us"] / floor["p50_us"]
+                r["p99_vs_floor"] = r["p99_us"] / floor["p99_us"]
+                out["ops"][name] = r
+            assert np.array_equal(dst, small)
+            # pipelined: 64 requests in flight from one client (what a training loop's hooks do)
+            n_pipe = max(args.ops // 64, 10) * 64
+            conn = c._conn
+
+            def burst() -> None:
+                futs = [conn.submit("lookup", key="small") for _ in range(64)]
+                for f in futs:
+                    conn.wait(f)
+            t0 = time.perf_counter()
+            for _ in range(n_pipe // 64):
+                burst()
+            out["lookup_pipelined_ops_per_s"] = n_pipe / (time.perf_counter() - t0)
+            out["bandwidth"] = []
+            out["checkout"] = []
+            for n in sizes:
+                data = random_bytes(n, seed=n)
+                buf = np.empty_like(data)
+                buf.fill(0)
+                hs: list = []
+
+                def put() -> float:
+                    if hs:
+                        c.free(hs.pop())
+                    return timed(lambda: hs.append(c.put(data, tier="host")))
+                pw = repeat(put, args.runs)
+                gr = repeat(lambda: timed(lambda: c.get(hs[-1], out=buf)), args.runs)
+                if not np.array_equal(buf, data):
+                    raise SystemExit("daemon get returned wrong bytes")
+                mc = repeat(lambda: timed(lambda: np.copyto(buf, data)), args.runs)
+
+                def co() -> float:
+                    t0 = time.perf_counter()
+                    with c.checkout(hs[-1], "r") as v:
+                        v[0]
+                    return time.perf_counter() - t0
+                ck = repeat(co, args.runs)
+                c.free(hs.pop())
+                out["bandwidth"].append({"size": n, "put_gbps": gbps(n, pw["median_s"]),
+                                         "get_gbps": gbps(n, gr["median_s"]), "memcpy_gbps": gbps(n, mc["median_s"])})
+                out["checkout"].append({"size": n, "checkout_us": ck["median_s"] * 1e6})
+            for n in (4096, 1 << 16):  # small sizes for the checkout curve too
+                hh = c.put(random_bytes(n), tier="host")
+                ck = repeat(lambda: timed(lambda: c.checkout(hh, "r").release()), args.runs * 20)
+                out["checkout"].insert(0 if n == 4096 else 1, {"size": n, "checkout_us": ck["median_s"] * 1e6})
+                c.free(hh)
+        out["ray"] = ray_bench(sizes[:2], args.runs)
+    finally:
+        daemon.terminate()
+        daemon.wait()
+        notify.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+    print(f"# latency through the daemon on {machine()}; raw SEQPACKET msgpack round trip (floor): "
+          f"p50 {floor['p50_us']:.1f} us, p99 {floor['p99_us']:.1f} us")
+    print_table(["op", "p50 us", "p99 us", "ops/s", "p50/floor", "p99/floor"],
+                [[k, f"{v['p50_us']:.1f}", f"{v['p99_us']:.1f}", f"{v['ops_per_s']:.0f}", f"{v['p50_vs_floor']:.2f}",
+                  f"{v['p99_vs_floor']:.2f}"] for k, v in out["ops"].items()])
+    print(f"# lookup with 64 in flight from one client: {out['lookup_pipelined_ops_per_s']:.0f} ops/s")
+    print()
+    print_table(["size", "put GB/s", "get GB/s", "memcpy GB/s", "put/mc", "get/mc"],
+                [[size_label(b["size"]), f"{b['put_gbps']:.2f}", f"{b['get_gbps']:.2f}", f"{b['memcpy_gbps']:.2f}",
+                  f"{b['put_gbps'] / b['memcpy_gbps']:.2f}", f"{b['get_gbps'] / b['memcpy_gbps']:.2f}"]
+                 for b in out["bandwidth"]])
+    print()
+    print_table(["size", "checkout+checkin us"], [[size_label(r["size"]), f"{r['checkout_us']:.1f}"]
+                                                   for r in out["checkout"]])
+    print(f"# ray: {out['ray'] if isinstance(out['ray'], str) else 'measured, see JSON'}")
+    emit_json(out)
+    return out
+
+
+def ray_bench(sizes: list[int], runs: int) -> dict | str:
+    try:
+        import ray
+    except ImportError:
+        return "skipped: ray is not installed"
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        res = []
+        for n in sizes:
+            data = random_bytes(n)
+            refs: list = []
+            pw = repeat(lambda: timed(lambda: refs.append(ray.put(data))), runs)
+            gr = repeat(lambda: timed(lambda: ray.get(refs[-1])), runs)
+            res.append({"size": n, "put_gbps": gbps(n, pw["median_s"]), "get_gbps": gbps(n, gr["median_s"])})
+        return {"results": res}
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
