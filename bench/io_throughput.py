@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dir", default=None, help="directory on the drive to test (default: ./bench-io-tmp)")
     p.add_argument("--sizes", default="1MiB,8MiB,64MiB,256MiB,1GiB")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--chunk", default="8MiB", help="tierstore io_chunk_bytes")
-    p.add_argument("--threads", type=int, default=8, help="tierstore io_threads")
+    p.add_argument("--chunk", default="4MiB", help="tierstore io_chunk_bytes")
+    p.add_argument("--threads", type=int, default=4, help="tierstore io_threads")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 runs (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
