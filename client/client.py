@@ -133,11 +133,13 @@ class Client:
             raise
         return Handle.parse(self._conn.request("put_commit", rid=r["rid"])["handle"])
 
-    def get(self, handle: Handle | int | str, out: Any = None) -> Any:
+    def get(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Any:
+        """A new CPU tensor (copy), or the bytes copied into ``out``. ``stream`` tags the
+        access sequence for the prefetcher (e.g. "params" vs "optim")."""
         if self._staging_lock.acquire(blocking=False):
             try:
                 self._staging_area()
-                r = self._conn.request("get", handle=_wire(handle), staged=True)
+                r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream)
                 if r.get("staged"):
                     # a small object: the daemon copied it into our staging area, no lease held
                     spec = _spec_of(r)
@@ -148,7 +150,7 @@ class Client:
             finally:
                 self._staging_lock.release()
         else:
-            r = self._conn.request("get", handle=_wire(handle))
+            r = self._conn.request("get", handle=_wire(handle), stream=stream)
         try:
             spec = _spec_of(r)
             dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
@@ -159,10 +161,11 @@ class Client:
             self._conn.submit("release", lid=r["lid"])
         return out if out is not None else from_bytes(dst, spec)
 
-    def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None) -> ClientLease:
+    def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None,
+                 stream: str = "default") -> ClientLease:
         if mode not in ("r", "rw"):
             raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
-        r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s)
+        r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s, stream=stream)
         r["mode"] = mode
         return ClientLease(self, r)
 
@@ -171,8 +174,8 @@ class Client:
         """``put`` on a background thread; the tensor must not change until the future completes."""
         return self._pool().submit(self.put, tensor, key, tier, durable, **kw)
 
-    def get_async(self, handle: Handle | int | str, out: Any = None) -> Future:
-        return self._pool().submit(self.get, handle, out)
+    def get_async(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Future:
+        return self._pool().submit(self.get, handle, out, stream=stream)
 
     # ------------------------------------------------------------------ index
     def free(self, handle: Handle | int | str) -> None:

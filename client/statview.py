@@ -51,6 +51,9 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     lines.append(f"  prefetch: hit rate {rate * 100:.1f}%  hits {p.get('hits', 0)}  late {p.get('late', 0)}  "
                  f"misses {p.get('misses', 0)}  stall {p.get('stall_s', 0):.3f} s  "
                  f"prefetched {format_size(p.get('prefetched_bytes', 0))}  wasted {format_size(p.get('wasted_bytes', 0))}")
+    for t in p.get("traces", []):
+        lines.append(f"    trace client {t['client']} stream {t['stream']}: {t['state']}, {t['length']} accesses/step, "
+                     f"{t['steps']} steps, relearned {t['relearned']}x")
     ns = st.get("namespaces", {})
     lines.append(f"  namespaces ({len(ns)}):")
     for name in sorted(ns):

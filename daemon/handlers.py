@@ -125,19 +125,20 @@ class Handlers:
     # -- leases ----------------------------------------------------------------------------
     def get(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         h = _handle(msg)
+        stream = field(msg, "stream", str, "default")
         if field(msg, "staged", bool, False):
-            spec = self.store.get_to_scratch(sess, h, namespace=sess.namespace, nowait=nowait)
+            spec = self.store.get_to_scratch(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
             if spec is not None:  # the bytes wait in the staging area; no lease to release
                 return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                         "nbytes": spec.nbytes}
-        info = self.store.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait)
+        info = self.store.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream)
         return _lease_reply(info)
 
     def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         mode = field(msg, "mode", str, "r")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
         info = self.store.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                  nowait=nowait)
+                                  nowait=nowait, stream=field(msg, "stream", str, "default"))
         return _lease_reply(info)
 
     def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
@@ -168,11 +169,11 @@ class Handlers:
         hs = field(msg, "handles", list)
         if len(hs) > 65536:
             raise InvalidArgument("at most 65536 handles per prefetch")
-        self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace)
+        self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess)
         return {}
 
     def step(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        self.store.step()
+        self.store.step(owner=sess)
         return {}
 
     def stat(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

@@ -31,3 +31,11 @@ def test_latency_smoke(tmp_path):
     assert out["bench"] == "latency" and out["floor"]["p50_us"] > 0
     assert set(out["ops"]) == {"lookup", "stat", "get_4KiB", "put_4KiB"}
     assert all(r["checkout_us"] > 0 for r in out["checkout"]) and len(out["bandwidth"]) == 2
+
+
+def test_prefetch_smoke(tmp_path):
+    png = tmp_path / "prefetch.png"
+    out = _run("prefetch.py", "--quick", "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
+    assert out["bench"] == "prefetch" and out["floor"]["hit_rate"] == 1.0
+    assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch"}
+    assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])

@@ -90,8 +90,12 @@ class Config:
     """How long a check-out waits for a conflicting lease to end before ``Busy``."""
     journal_compact_bytes: int = 64 << 20
     """The journal is rewritten once it exceeds this size and is mostly garbage."""
+    prefetch: bool = True
+    """Learn each client's access order and fetch the next objects ahead of use."""
     prefetch_budget_bytes: int = 256 << 20
     """Bytes the prefetcher may have in flight or resident-but-unused."""
+    prefetch_max_inflight: int = 8
+    """Prefetch reads in flight at once."""
     allowed_groups: list[str] = field(default_factory=list)
     """Groups (names or gids) admitted to the daemon besides its own uid and root."""
     lease_timeout_s: float = 0.0
@@ -121,6 +125,8 @@ class Config:
             raise ValueError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
         if self.lease_wait_s < 0 or self.lease_timeout_s < 0:
             raise ValueError("lease_wait_s and lease_timeout_s must be >= 0")
+        if self.prefetch_max_inflight < 1:
+            raise ValueError("prefetch_max_inflight must be >= 1")
         if self.max_clients < 1:
             raise ValueError("max_clients must be >= 1")
 
@@ -200,6 +206,8 @@ def add_config_flags(p: "argparse.ArgumentParser") -> None:
     g.add_argument("--gpu-bytes", help="GPU tier capacity per device")
     g.add_argument("--socket", help="socket path (default: $XDG_RUNTIME_DIR/tierstore/tierstore.sock)")
     g.add_argument("--policy", choices=["lru", "trace"])
+    g.add_argument("--prefetch", type=lambda v: v.lower() in ("1", "true", "yes", "on"), metavar="BOOL")
+    g.add_argument("--prefetch-budget-bytes")
     g.add_argument("--engine", choices=["auto", "posix", "kvikio"])
     g.add_argument("--direct-io", choices=["auto", "on", "off"])
     g.add_argument("--io-threads", type=int)

@@ -80,6 +80,8 @@ class ObjectMeta:
     moving: bool = False
     """A tier move (promotion/demotion/write-back) is in flight."""
     freeing: bool = False
+    prefetching: bool = False
+    """The move in flight is a prefetch (whoever waits for it is a 'late' hit)."""
     version: int = 0
     """Bumped by every rw check-in, so a concurrent demotion of old bytes is discarded."""
     owner_uid: int | None = None

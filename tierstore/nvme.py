@@ -250,11 +250,15 @@ class NvmeTier:
         return crcs
 
     def read(self, extents: list[Extent], dst: np.ndarray, checksums: list[int], *,
-             dst_padded: np.ndarray | None = None) -> None:
-        """Read the object into ``dst`` (uint8), verifying every block's CRC32C."""
+             dst_padded: np.ndarray | None = None, priority: int = 0) -> None:
+        """Read the object into ``dst`` (uint8), verifying every block's CRC32C.
+
+        ``priority`` 1 marks a prefetch: queued demand reads (0) go first.
+        """
         futures = []
         for e, c_off, c_len in self._chunks(extents):
-            futures.append(self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums))
+            futures.append(self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums,
+                                              priority=priority))
         self._gather(futures, extents)
         self.bytes_read += dst.nbytes
 

@@ -2,8 +2,9 @@
 moves the bytes.
 
 This is the whole surface a policy needs: it hears about inserts, accesses and
-removals of host-resident objects and yields candidates coldest first. The store
-skips candidates it cannot move (leased, in flight).
+removals of host-resident objects and yields candidates, best victim first. The
+store skips candidates it cannot move (leased, in flight). Objects prefetched but
+not yet used are offered only after every other candidate (no prefetch thrash).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Protocol
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "make_policy"]
+from .trace import TraceBook
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "TracePolicy", "make_policy"]
 
 
 class EvictionPolicy(Protocol):
@@ -21,7 +24,7 @@ class EvictionPolicy(Protocol):
     def touch(self, oid: int) -> None: ...
     def remove(self, oid: int) -> None: ...
     def candidates(self) -> Iterator[int]: ...
-    def step(self) -> None: ...
+    def distance(self, oid: int) -> int | None: ...
 
 
 class LRUPolicy:
@@ -29,8 +32,9 @@ class LRUPolicy:
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, protected: dict[int, object] | None = None) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
+        self.protected = protected if protected is not None else {}
 
     def insert(self, oid: int) -> None:
         self._order[oid] = None
@@ -43,17 +47,46 @@ class LRUPolicy:
     def remove(self, oid: int) -> None:
         self._order.pop(oid, None)
 
+    def _ranked(self) -> list[int]:
+        return list(self._order)
+
     def candidates(self) -> Iterator[int]:
-        return iter(list(self._order))
+        ranked = self._ranked()
+        free = [o for o in ranked if o not in self.protected]
+        return iter(free + [o for o in ranked if o in self.protected])
 
-    def step(self) -> None:
-        pass
+    def distance(self, oid: int) -> int | None:
+        return None
 
 
-def make_policy(name: str) -> EvictionPolicy:
+class TracePolicy(LRUPolicy):
+    """Belady with a learned trace: evict the object whose next use is furthest away
+    (objects no trace will use again first); LRU until some trace is learned."""
+
+    name = "trace"
+
+    def __init__(self, book: TraceBook, protected: dict[int, object] | None = None) -> None:
+        super().__init__(protected)
+        self.book = book
+
+    def _ranked(self) -> list[int]:
+        order = list(self._order)
+        if not self.book.learned():
+            return order
+        inf = 1 << 62
+
+        def key(oid: int) -> int:
+            d = self.book.distance(oid)
+            return -(inf if d is None else d)
+        return sorted(order, key=key)  # stable: LRU order breaks ties
+
+    def distance(self, oid: int) -> int | None:
+        return self.book.distance(oid)
+
+
+def make_policy(name: str, book: TraceBook, protected: dict[int, object]) -> EvictionPolicy:
     if name == "lru":
-        return LRUPolicy()
+        return LRUPolicy(protected)
     if name == "trace":
-        # the trace-driven policy falls back to LRU until it has seen a full cycle
-        return LRUPolicy()
+        return TracePolicy(book, protected)
     raise ValueError(f"unknown policy {name!r}")

@@ -35,6 +35,7 @@ from .index import Handle, ObjectMeta, validate_key, validate_namespace
 from .journal import Journal
 from .nvme import NvmeTier
 from .policy import make_policy
+from .prefetch import Prefetcher
 from .tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 from .units import PAGE, align_up
 
@@ -140,7 +141,8 @@ class Store:
         except BaseException:
             self.engine.close()
             raise
-        self.policy = make_policy(cfg.policy)
+        self.prefetcher = Prefetcher(self, cfg)
+        self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected)
         self.journal = Journal(cfg.nvme_dirs[0])
         self.replay_info = self._replay()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
@@ -179,14 +181,22 @@ class Store:
             return self.commit_put(res.rid)
         return self._put_nvme(u8, spec, key, durable, replace, ns)
 
-    def get(self, handle: Handle | int | str, out: Any = None, *, namespace: str | None = None) -> Any:
-        """A new CPU tensor with the object's bytes, or the bytes copied into ``out``."""
-        meta = self._pin(handle, namespace)
+    def get(self, handle: Handle | int | str, out: Any = None, *, namespace: str | None = None,
+            stream: str = "default", owner: Any = _LOCAL) -> Any:
+        """A new CPU tensor with the object's bytes, or the bytes copied into ``out``.
+
+        ``stream`` names the access sequence this get belongs to (e.g. "params",
+        "optim"), so interleaved loops are learned separately.
+        """
+        t0 = time.monotonic()
+        meta, late = self._pin(handle, namespace)
         try:
             spec = meta.spec
             dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
+            hit = True
             if spec.nbytes:
-                self._read_pinned(meta, dst)
+                hit = self._read_pinned(meta, dst)
+            self._record(owner, stream, meta, hit, late, t0)
             self.counters["gets"] += 1
             self.counters["get_bytes"] += spec.nbytes
         finally:
@@ -194,9 +204,9 @@ class Store:
         return out if out is not None else from_bytes(dst, spec)
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
-                 timeout_s: float | None = None) -> Lease:
+                 timeout_s: float | None = None, stream: str = "default") -> Lease:
         """Lease the object and return a ``Lease`` whose tensor views the host arena (zero copy)."""
-        info = self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s)
+        info = self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s, stream=stream)
         view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
         return Lease(self, info, from_bytes(view, info.spec))
 
@@ -262,18 +272,28 @@ class Store:
                 log.error("revoking lease %d failed: %s", lid, e)
         return len(old)
 
-    def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None) -> Future:
-        """Start bringing these objects into the host tier; the future completes when done."""
+    def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None,
+                 owner: Any = _LOCAL) -> Future:
+        """Hint: bring these objects into the host tier now, through the prefetch queue
+        (and within its byte budget). The future resolves, once the fetches issued
+        for this hint are done, to how many of the objects are host-resident."""
         hs = [Handle.parse(h) for h in handles]
         ns = self._ns(namespace)
-        self._check_open()
-        return self._pool.submit(self._prefetch_all, hs, ns)
+        with self._cv:
+            oids = [self._get_meta(h, ns).id for h in hs]
+            self.prefetcher.hint(owner, oids)
+        return self._pool.submit(self._await_prefetch, oids)
 
-    def step(self) -> None:
-        """Iteration boundary (feeds the access-order policy)."""
+    def wait_prefetch(self, timeout_s: float | None = None) -> bool:
+        """Block until no prefetch is queued or in flight (benchmarks, tests). False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self.prefetcher.queued or self._closed, timeout=timeout_s)
+
+    def step(self, *, owner: Any = _LOCAL) -> None:
+        """Iteration boundary of ``owner``'s loop: the prefetcher compares it with the last."""
         with self._cv:
             self.counters["steps"] += 1
-            self.policy.step()
+            self.prefetcher.step(owner)
 
     def stat(self) -> dict[str, Any]:
         with self._cv:
@@ -296,9 +316,7 @@ class Store:
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "drives": self.nvme.describe()},
                 },
-                "prefetch": {"hits": int(self.counters["host_hits"]), "late": 0,
-                             "misses": int(self.counters["nvme_reads"]), "stall_s": 0.0,
-                             "prefetched_bytes": int(self.counters["prefetched_bytes"]), "wasted_bytes": 0},
+                "prefetch": self.prefetcher.stat(),
                 "namespaces": namespaces,
                 "leases": len(self._leases),
                 "reservations": len(self._reservations),
@@ -320,6 +338,7 @@ class Store:
         self._demoter_wake.set()
         self._demoter.join()
         self._pool.shutdown(wait=True)
+        self.prefetcher.close()
         self.engine.close()
         self.journal.close()
         self.nvme.close()
@@ -445,7 +464,7 @@ class Store:
             raise
 
     def get_to_scratch(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
-                       nowait: bool = False) -> TensorSpec | None:
+                       nowait: bool = False, stream: str = "default") -> TensorSpec | None:
         """Copy a small object into ``owner``'s staging area (one round trip, no lease).
 
         Returns its spec, or None when it does not fit there (use a lease instead).
@@ -461,15 +480,18 @@ class Store:
                 # small (<= staging size) copy under the lock: cheaper than pinning around it
                 self.arena.view(area[0], meta.nbytes)[:] = self.arena.view(meta.host_off, meta.nbytes)
                 self.policy.touch(meta.id)
+                self._record(owner, stream, meta, True, False, time.monotonic(), locked=True)
                 self.counters["gets"] += 1
                 self.counters["host_hits"] += 1
                 self.counters["get_bytes"] += meta.nbytes
                 return meta.spec
             if nowait:
                 raise WouldBlock()
-        meta = self._pin(handle, namespace)
+        t0 = time.monotonic()
+        meta, late = self._pin(handle, namespace)
         try:
-            self._read_pinned(meta, self.arena.view(area[0], meta.nbytes))
+            hit = self._read_pinned(meta, self.arena.view(area[0], meta.nbytes))
+            self._record(owner, stream, meta, hit, late, t0)
         finally:
             self._unpin(meta)
         return meta.spec
@@ -490,17 +512,20 @@ class Store:
             self.nvme.free(extents)
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                timeout_s: float | None = None, nowait: bool = False) -> LeaseInfo:
+                timeout_s: float | None = None, nowait: bool = False, stream: str = "default") -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed)."""
         if mode not in ("r", "rw"):
             raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
         h = Handle.parse(handle)
         ns = self._ns(namespace)
-        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        t0 = time.monotonic()
+        deadline = t0 + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        late = promoted = False
         while True:
             with self._cv:
                 meta = self._get_meta(h, ns)
                 if meta.host_valid and not meta.moving and self._lease_ok(meta, mode):
+                    self._record(owner, stream, meta, not promoted, late, t0, locked=True)
                     if mode == "r":
                         meta.readers += 1
                     else:
@@ -514,6 +539,7 @@ class Store:
                     return info
                 if nowait:
                     raise WouldBlock()
+                late = late or meta.prefetching
                 if not meta.host_valid and not meta.moving:
                     meta.moving = True
                     promote = True
@@ -527,6 +553,7 @@ class Store:
                     continue
             if promote:
                 self.counters["nvme_reads"] += 1
+                promoted = True
                 self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()))
 
     def release(self, lid: int, *, owner: Any = _LOCAL, nowait: bool = False) -> None:
@@ -576,6 +603,8 @@ class Store:
         with self._cv:
             lids = [lid for lid, i in self._leases.items() if i.owner == owner]
             rids = [rid for rid, r in self._reservations.items() if r.owner == owner]
+            if owner is not _LOCAL:
+                self.prefetcher.drop_owner(owner)
         for lid in lids:
             try:
                 self.release(lid, owner=owner)
@@ -714,6 +743,7 @@ class Store:
                 self.journal.append({"op": "free", "id": meta.id})
         with self._cv:
             self._objects.pop(meta.id, None)
+            self.prefetcher.forget(meta.id)
             if meta.key is not None and self._keys.get((meta.namespace, meta.key)) == meta.id:
                 del self._keys[(meta.namespace, meta.key)]
             self.policy.remove(meta.id)
@@ -728,15 +758,18 @@ class Store:
         if meta.durable:
             self._maybe_compact()
 
-    def _pin(self, handle: Handle | int | str, namespace: str | None) -> ObjectMeta:
+    def _pin(self, handle: Handle | int | str, namespace: str | None) -> tuple[ObjectMeta, bool]:
+        """Hold the object against moves and writers; (meta, waited for a prefetch)."""
         h = Handle.parse(handle)
         ns = self._ns(namespace)
+        late = False
         with self._cv:
             while True:
                 meta = self._get_meta(h, ns)
                 if not meta.writer and not meta.moving:
                     meta.pins += 1
-                    return meta
+                    return meta, late
+                late = late or meta.prefetching
                 if not self._cv.wait(timeout=self.config.lease_wait_s):
                     raise Busy(f"object {h} is checked out for writing; try again after it is checked in")
 
@@ -757,7 +790,7 @@ class Store:
             return (self.host.largest_free >= need
                     and self.host.used_bytes + need <= self.config.high_watermark * self.host.capacity)
 
-    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool) -> int:
+    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None) -> int:
         """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -768,7 +801,7 @@ class Store:
                 if off is not None:
                     return off
                 if evict:
-                    victim = self._pick_victim()
+                    victim = self._pick_victim(admit_distance)
                 if victim is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -781,15 +814,26 @@ class Store:
                     continue
             self._demote(victim)
 
-    def _pick_victim(self) -> ObjectMeta | None:
-        """Coldest host-resident object that may move now (under _cv); marks it moving."""
+    def _pick_victim(self, admit_distance: int | None = None) -> ObjectMeta | None:
+        """Best victim that may move now (under _cv); marks it moving.
+
+        ``admit_distance`` (a prefetch of an object needed in that many accesses)
+        admits only victims needed later than that, and never another prefetch.
+        """
         for oid in self.policy.candidates():
             m = self._objects.get(oid)
             if m is None or not m.host_valid or m.host_off is None:
                 continue
             if m.moving or m.pins or m.readers or m.writer or m.freeing:
                 continue
+            if admit_distance is not None:
+                if oid in self.prefetcher.protected:
+                    continue
+                d = self.policy.distance(oid)
+                if d is not None and d <= admit_distance:
+                    continue
             m.moving = True
+            self.prefetcher.forget(oid)  # evicted before its predicted use: wasted
             return m
         return None
 
@@ -863,8 +907,10 @@ class Store:
             self._drop_replaced(old)
         return meta.handle
 
-    def _read_pinned(self, meta: ObjectMeta, dst: np.ndarray) -> None:
-        """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them."""
+    def _read_pinned(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
+        """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them.
+
+        Returns True when they came from the host tier (a hit)."""
         n = meta.nbytes
         with self._cv:
             host_off = meta.host_off if meta.host_valid else None
@@ -873,7 +919,7 @@ class Store:
         if host_off is not None:
             self.counters["host_hits"] += 1
             dst[:] = self.arena.view(host_off, n)
-            return
+            return True
         self.counters["nvme_reads"] += 1
         if self.config.promote_on_get and self._host_has_room(n):
             with self._cv:
@@ -897,19 +943,21 @@ class Store:
                     self.counters["promoted_bytes"] += n
                     self._cv.notify_all()
                 dst[:] = self.arena.view(off, n)
-                return
+                return False
         padded = dst if (dst.ctypes.data % PAGE == 0 and n % PAGE == 0) else None
         self.nvme.read(meta.nvme, dst, meta.crcs, dst_padded=padded)
+        return False
 
-    def _promote(self, meta: ObjectMeta, *, wait_s: float) -> None:
+    def _promote(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
+                 admit_distance: int | None = None) -> None:
         """Bring an NVMe-only object (flagged moving by the caller) into the host tier."""
         n = meta.nbytes
         try:
-            off = self._alloc_host(n, wait_s=wait_s, evict=True) if n else -1
+            off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
             try:
                 if n:
                     self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
-                                   dst_padded=self.arena.view(off, align_up(n, PAGE)))
+                                   dst_padded=self.arena.view(off, align_up(n, PAGE)), priority=priority)
             except BaseException:
                 with self._cv:
                     self.host.free(off, n)
@@ -924,21 +972,46 @@ class Store:
         finally:
             with self._cv:
                 meta.moving = False
+                meta.prefetching = False
                 self._cv.notify_all()
 
-    def _prefetch_all(self, hs: list[Handle], ns: str) -> int:
-        done = 0
-        for h in hs:
+    # ------------------------------------------------------------------ prefetch
+    def _record(self, owner: Any, stream: str, meta: ObjectMeta, hit: bool, late: bool, t0: float,
+                locked: bool = False) -> None:
+        outcome = "miss" if not hit else ("late" if late else "hit")
+        stall = time.monotonic() - t0 if outcome != "hit" else 0.0
+        if locked:
+            self.prefetcher.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
+        else:
             with self._cv:
-                meta = self._get_meta(h, ns)
-                if meta.host_valid or meta.moving:
-                    continue
-                meta.moving = True
-            self._promote(meta, wait_s=0.0)
-            self.counters["prefetches"] += 1
-            self.counters["prefetched_bytes"] += meta.nbytes
-            done += 1
-        return done
+                self.prefetcher.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
+
+    def _prefetch_fetch(self, oid: int) -> None:
+        """Worker side of a queued prefetch: promote ``oid`` at prefetch priority."""
+        with self._cv:
+            q = self.prefetcher.queued.get(oid)
+            meta = self._objects.get(oid)
+            if q is None or meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed:
+                if q is not None:
+                    self.prefetcher.done(oid, q[0], 0, fetched=False)
+                return
+            meta.moving = meta.prefetching = True
+            d = self.policy.distance(oid)
+        fetched = False
+        try:
+            self._promote(meta, wait_s=0.0, priority=1, admit_distance=d)
+            fetched = True
+        except TierstoreError as e:
+            log.debug("prefetch of %s skipped: %s", meta.handle, e)
+        finally:
+            with self._cv:
+                self.prefetcher.done(oid, q[0], meta.nbytes, fetched)
+                self._cv.notify_all()
+
+    def _await_prefetch(self, oids: list[int]) -> int:
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or not any(o in self.prefetcher.queued for o in oids))
+            return sum(1 for o in oids if o in self._objects and self._objects[o].host_valid)
 
     # ------------------------------------------------------------------ background demotion
     def _maybe_demote(self) -> None:

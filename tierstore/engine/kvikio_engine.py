@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import numpy as np
@@ -92,17 +92,19 @@ class KvikioEngine:
                 setter("num_threads", threads)
             except Exception as e:  # older kvikio: keyword form only
                 log.info("kvikio thread count left at default: %s", e)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-kvikio")
+        from .posix import PriorityPool
+
+        self._pool = PriorityPool(threads, "tierstore-kvikio")
         self._closed = threading.Event()
 
     def open(self, path: str, *, direct: bool) -> KvikioFile:
         return KvikioFile(path, direct=direct)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self._pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
+        return self._pool.submit(fn, *args, priority=priority)
 
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
             log.info("kvikio engine stopped")

@@ -5,18 +5,20 @@ filesystem supports it. Threads block in the syscalls with the GIL released, so
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import mmap
 import os
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import numpy as np
 
 from ..units import PAGE
 
-__all__ = ["PosixEngine", "PosixFile", "probe_direct_io"]
+__all__ = ["PosixEngine", "PosixFile", "PriorityPool", "probe_direct_io"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,42 @@ class PosixFile:
             self.fd = -1
 
 
+class PriorityPool:
+    """Worker threads serving a priority queue: demand I/O (priority 0) overtakes
+    prefetch I/O (priority 1) that was queued earlier; FIFO within a priority."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for w in self._workers:
+            w.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
+        fut: Future = Future()
+        self._q.put((priority, next(self._seq), fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            _, _, fut, fn, args = self._q.get()
+            if fut is None:  # sentinel: stop
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the error belongs to the request, not the worker
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        # sentinels sort after every queued request, so queued I/O drains first
+        for _ in self._workers:
+            self._q.put((1 << 30, next(self._seq), None, None, None))
+        for w in self._workers:
+            w.join()
+
+
 class PosixEngine:
     """Thread-pool engine; ``submit`` runs a blocking I/O function on a worker."""
 
@@ -71,20 +109,20 @@ class PosixEngine:
     def __init__(self, threads: int, reason: str) -> None:
         self.threads = threads
         self.reason = reason
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-io")
+        self._pool = PriorityPool(threads, "tierstore-io")
         self._closed = threading.Event()
 
     def open(self, path: str, *, direct: bool) -> PosixFile:
         return PosixFile(path, direct=direct)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self._pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
+        return self._pool.submit(fn, *args, priority=priority)
 
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            # wait=True: drain in-flight I/O before the files are closed under it
-            self._pool.shutdown(wait=True)
+            # drain in-flight and queued I/O before the files are closed under it
+            self._pool.shutdown()
             log.info("posix engine stopped")
 
 

@@ -1,0 +1,224 @@
+"""Training-like replay: does the prefetcher keep every tensor resident before it is asked for?
+
+The parameter and optimizer-state tensors of a real model shape list (GPT-2 small,
+or a ~1B-parameter decoder; optionally scaled down in width) are accessed layer by
+layer: each layer's fp32 parameters are checked out read-only and its Adam states
+(exp_avg, exp_avg_sq) read-write, then a matmul runs whose duration matches the
+time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
+75% of the working set; the rest lives on NVMe. Compared in one run:
+
+  floor          everything in memory (host tier larger than the working set)
+  lru            LRU eviction, no prefetch
+  lru+prefetch   LRU eviction, trace-driven prefetch
+  trace+prefetch Belady eviction on the learned trace, trace-driven prefetch
+
+Reported per variant: steady-state hit rate, stall fraction, step time / floor.
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 3] [--quick] [--png F]
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json, machine, print_table  # noqa: E402
+
+from tierstore import Config, Store  # noqa: E402
+from tierstore.units import format_size  # noqa: E402
+
+MODELS = {
+    # name: (layers, d_model, d_ff, vocab)
+    "gpt2-small": (12, 768, 3072, 50257),
+    "decoder-1b": (24, 2048, 5632, 32000),
+    "tiny": (4, 128, 512, 1000),
+}
+
+
+def layer_shapes(model: str, scale: float) -> list[list[tuple[str, tuple[int, ...]]]]:
+    n_layers, d, ff, vocab = MODELS[model]
+    d, ff, vocab = max(8, int(d * scale)), max(8, int(ff * scale)), max(8, int(vocab * scale))
+    layers = [[("wte", (vocab, d))]]
+    for i in range(n_layers):
+        layers.append([(f"h{i}.ln1", (d,)), (f"h{i}.qkv", (d, 3 * d)), (f"h{i}.proj", (d, d)),
+                       (f"h{i}.ln2", (d,)), (f"h{i}.fc", (d, ff)), (f"h{i}.fc_out", (ff, d))])
+    layers.append([("ln_f", (d,))])
+    return layers
+
+
+def disk_read_gbps(directory: str, nbytes: int = 64 << 20) -> float:
+    path = os.path.join(directory, "calib.bin")
+    m = mmap.mmap(-1, nbytes)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.pwritev(fd, [m], 0)
+        os.fsync(fd)
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, 4 << 20):
+            os.preadv(fd, [memoryview(m)[off:off + (4 << 20)]], off)
+        return nbytes / (time.perf_counter() - t0) / 1e9
+    except OSError:
+        return 1.0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        m.close()
+
+
+class Compute:
+    """A matmul loop calibrated to take ``seconds`` per call."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(256, 256)
+        self.b = torch.randn(256, 256)
+        for _ in range(5):
+            self.a @ self.b
+        t0 = time.perf_counter()
+        for _ in range(50):
+            self.a @ self.b
+        self.per_mm = (time.perf_counter() - t0) / 50
+
+    def run(self, seconds: float) -> None:
+        for _ in range(max(1, math.ceil(seconds / self.per_mm))):
+            self.a @ self.b
+
+
+def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch: bool, steps: int,
+                warmup: int, compute: Compute, per_byte_s: float, directory: str, budget: int) -> dict:
+    d = tempfile.mkdtemp(dir=directory)
+    cfg = Config(host_bytes=host_bytes, nvme_dirs=[d], nvme_bytes=4 * total_bytes + (256 << 20), policy=policy,
+                 prefetch=prefetch, prefetch_budget_bytes=budget,
+                 high_watermark=1.0, low_watermark=0.95)  # no background demoter: every eviction is the policy's
+    s = Store(cfg, namespace="bench")
+    try:
+        handles = []
+        for layer in layers:
+            hs = []
+            for name, shape in layer:
+                p = torch.randn(shape)
+                hs.append(("r", s.put(p, key=f"p/{name}", tier="nvme")))
+                hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}", tier="nvme")))
+                hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}", tier="nvme")))
+            nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
+            handles.append((hs, nbytes))
+        times, hit_rates, stalls = [], [], []
+        for step in range(warmup + steps):
+            before = s.stat()["prefetch"]
+            t0 = time.perf_counter()
+            for hs, nbytes in handles:
+                for mode, h in hs:
+                    with s.checkout(h, mode) as v:
+                        if mode == "rw":
+                            v.mul_(0.9)  # the optimizer's update touches every state
+                compute.run(nbytes * per_byte_s)
+            s.step()
+            dt = time.perf_counter() - t0
+            after = s.stat()["prefetch"]
+            n = sum(after[k] - before[k] for k in ("hits", "late", "misses"))
+            if step >= warmup:
+                times.append(dt)
+                hit_rates.append((after["hits"] - before["hits"]) / n)
+                stalls.append((after["stall_s"] - before["stall_s"]) / dt)
+        st = s.stat()
+        return {"step_s": float(np.median(times)), "hit_rate": float(np.mean(hit_rates)),
+                "stall_fraction": float(np.mean(stalls)), "prefetched_bytes": st["prefetch"]["prefetched_bytes"],
+                "wasted_bytes": st["prefetch"]["wasted_bytes"], "nvme_read_bytes": st["tiers"]["nvme"]["bytes_read"],
+                "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"]}
+    finally:
+        s.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt2-small", choices=sorted(MODELS))
+    p.add_argument("--scale", type=float, default=0.25, help="width scale (1.0 = the real model)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--fractions", default="0.25,0.5,0.75")
+    p.add_argument("--dir", default=None, help="NVMe directory (default ./bench-io-tmp)")
+    p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.scale, args.steps, args.warmup = "tiny", 1.0, 1, 2
+    torch.set_num_threads(1)  # leave the other core to the I/O threads
+    base = args.dir or os.path.abspath("bench-io-tmp")
+    os.makedirs(base, exist_ok=True)
+    layers = layer_shapes(args.model, args.scale)
+    total = sum(3 * 4 * math.prod(shape) for layer in layers for _, shape in layer)
+    bw = disk_read_gbps(base)
+    per_byte_s = 1.0 / (bw * 1e9)  # compute per layer = time to read that layer's bytes from disk
+    compute = Compute()
+    largest = max(sum(4 * math.prod(sh) for _, sh in layer) for layer in layers)
+    budget = max(4 * largest, total // 8)
+    common = dict(steps=args.steps, warmup=args.warmup, compute=compute, per_byte_s=per_byte_s, directory=base,
+                  budget=budget)
+    floor = run_variant(layers, total, 2 * total + (64 << 20), "lru", False, **common)
+    results = {"floor": floor, "variants": []}
+    rows = [["floor", "100%", "-", f"{floor['hit_rate'] * 100:.1f}%", f"{floor['stall_fraction'] * 100:.1f}%",
+             f"{floor['step_s']:.3f}", "1.00"]]
+    for frac in [float(f) for f in args.fractions.split(",")]:
+        host = max(int(total * frac), 3 * largest + (1 << 20))
+        for name, policy, pf in (("lru", "lru", False), ("lru+prefetch", "lru", True),
+                                 ("trace+prefetch", "trace", True)):
+            r = run_variant(layers, total, host, policy, pf, **common)
+            r.update({"variant": name, "host_fraction": frac, "host_bytes": host,
+                      "step_vs_floor": r["step_s"] / floor["step_s"]})
+            results["variants"].append(r)
+            rows.append([name, f"{frac * 100:.0f}%", format_size(host), f"{r['hit_rate'] * 100:.1f}%",
+                         f"{r['stall_fraction'] * 100:.1f}%", f"{r['step_s']:.3f}", f"{r['step_vs_floor']:.2f}"])
+    print(f"# prefetch replay: {args.model} x{args.scale} ({len(layers)} layer groups, working set "
+          f"{format_size(total)}: fp32 params + Adam exp_avg/exp_avg_sq), disk read {bw:.2f} GB/s, "
+          f"compute per layer = its bytes / disk bandwidth, {args.steps} steps after {args.warmup} warm-up, "
+          f"prefetch budget {format_size(budget)}; {machine()}")
+    print_table(["variant", "host", "host bytes", "hit rate", "stall", "step s", "vs floor"], rows)
+    if args.png:
+        plot(results, args.png)
+        print(f"# plot: {args.png}")
+    out = {"bench": "prefetch", "model": args.model, "scale": args.scale, "working_set_bytes": total,
+           "disk_read_gbps": bw, "machine": machine(), **results}
+    emit_json(out)
+    return out
+
+
+def plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no plot")
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("lru", "lru+prefetch", "trace+prefetch"):
+        vs = [v for v in results["variants"] if v["variant"] == name]
+        xs = [v["host_fraction"] * 100 for v in vs]
+        a1.plot(xs, [v["hit_rate"] * 100 for v in vs], marker="o", label=name)
+        a2.plot(xs, [v["step_vs_floor"] for v in vs], marker="o", label=name)
+    a1.set_xlabel("host tier, % of working set")
+    a1.set_ylabel("hit rate, %")
+    a2.set_xlabel("host tier, % of working set")
+    a2.set_ylabel("step time / in-memory floor")
+    a2.axhline(1.0, color="gray", linestyle="--", label="floor")
+    a2.axhline(1.1, color="gray", linestyle=":", label="1.10x target")
+    for a in (a1, a2):
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

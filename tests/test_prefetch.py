@@ -1,0 +1,147 @@
+"""The prefetcher and trace-driven eviction, with the real store and the real engine."""
+
+import signal
+import subprocess
+import sys
+
+import torch
+
+OBJ = 512 * 1024  # bytes per object
+
+
+def _cyclic_store(make_store, policy, prefetch, n_objs=32, host="8MiB", budget="2MiB"):
+    s = make_store(host_bytes=host, policy=policy, prefetch=prefetch, prefetch_budget_bytes=budget,
+                   high_watermark=1.0, low_watermark=0.9)
+    hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}", tier="nvme") for i in range(n_objs)]
+    return s, hs
+
+
+def _run_steps(s, order, steps, check=None):
+    """One access per object in ``order`` per step; returns the per-step hit fractions."""
+    rates = []
+    for _ in range(steps):
+        before = s.stat()["prefetch"]
+        for i, h in order:
+            with s.checkout(h, "r") as v:
+                assert v[0].item() == float(i)
+            if check:
+                check()
+            s.wait_prefetch(timeout_s=30)  # compute at least as long as the fetch: prefetch is never late
+        s.step()
+        after = s.stat()["prefetch"]
+        n = sum(after[k] - before[k] for k in ("hits", "late", "misses"))
+        rates.append((after["hits"] - before["hits"]) / n)
+    return rates
+
+
+def test_trace_reaches_95_percent_where_lru_collapses(make_store):
+    s, hs = _cyclic_store(make_store, "trace", True)  # working set 16 MiB = 2x the host tier
+    rates = _run_steps(s, list(enumerate(hs)), 6)
+    assert min(rates[2:]) >= 0.95, rates
+    st = s.stat()["prefetch"]
+    assert st["traces"][0]["state"] == "learned" and st["prefetched_bytes"] > 0
+    s.close()
+    lru, hs = _cyclic_store(make_store, "lru", False)
+    rates_lru = _run_steps(lru, list(enumerate(hs)), 4)
+    assert max(rates_lru[1:]) < 0.10, rates_lru  # the LRU collapse on a cyclic pattern
+
+
+def test_changed_loop_order_is_relearned(make_store):
+    s, hs = _cyclic_store(make_store, "trace", True)
+    order = list(enumerate(hs))
+    _run_steps(s, order, 3)
+    rev = order[::-1]
+    rates = _run_steps(s, rev, 4)
+    assert min(rates[2:]) >= 0.95, rates
+    t = s.stat()["prefetch"]["traces"][0]
+    assert t["relearned"] >= 1 and t["state"] == "learned"
+
+
+def test_small_changes_keep_the_trace(make_store):
+    s, hs = _cyclic_store(make_store, "trace", True)
+    order = list(enumerate(hs))
+    _run_steps(s, order, 3)
+    skipped = order[:10] + order[11:]  # a layer skipped
+    rates = _run_steps(s, skipped, 2)
+    assert min(rates) >= 0.9, rates
+    assert s.stat()["prefetch"]["traces"][0]["relearned"] == 0
+
+
+def test_leased_objects_are_never_evicted(make_store):
+    s, hs = _cyclic_store(make_store, "trace", True)
+    held = [s.checkout(hs[i], "r") for i in (3, 17)]
+    ptrs = [lease.tensor.data_ptr() for lease in held]
+
+    def check():
+        for i, lease in zip((3, 17), held):
+            assert "host" in s.info(hs[i])["residency"]
+            assert lease.tensor.data_ptr() == ptrs[0 if i == 3 else 1] and lease.tensor[0].item() == float(i)
+
+    order = [(i, h) for i, h in enumerate(hs) if i not in (3, 17)]
+    _run_steps(s, order, 4, check=check)
+    for lease in held:
+        lease.release()
+
+
+def test_prefetch_never_exceeds_its_budget(make_store):
+    budget = 3 * OBJ
+    s, hs = _cyclic_store(make_store, "trace", True, budget=budget)
+    seen = []
+
+    def check():
+        p = s.prefetcher
+        with s._cv:
+            seen.append(p.queued_bytes + p.protected_bytes)
+            assert p.queued_bytes + p.protected_bytes <= budget
+
+    _run_steps(s, list(enumerate(hs)), 4, check=check)
+    assert max(seen) > 0
+
+
+def test_lru_with_prefetch_and_explicit_hints(make_store):
+    s, hs = _cyclic_store(make_store, "lru", True, n_objs=8, host="16MiB")
+    assert s.prefetch(hs[:4]).result(timeout=30) == 4
+    assert all("host" in s.info(h)["residency"] for h in hs[:4])
+    st = s.stat()["prefetch"]
+    assert st["prefetched_bytes"] == 4 * OBJ and st["queued"] == 0
+
+
+CLIENT = r"""
+import sys, torch
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="pf")
+hs = [c.lookup(f"p{i}") for i in range(24)]
+for step in range(3):
+    for h in hs:
+        with c.checkout(h, "r") as v:
+            pass
+    c.step()
+for h in hs[:5]:
+    with c.checkout(h, "r"):
+        pass
+print("mid", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_client_killed_mid_prefetch_leaves_nothing_pinned(daemon_factory):
+    d = daemon_factory("--host-bytes", "8MiB", "--policy", "trace", "--prefetch-budget-bytes", "4MiB")
+    with d.client("pf") as c:
+        for i in range(24):
+            c.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}", tier="nvme")
+    p = subprocess.Popen([sys.executable, "-c", CLIENT, d.socket], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "mid"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    with d.client("pf") as c:
+        for _ in range(1000):
+            st = c.stat()
+            if st["clients"] == 1 and st["prefetch"]["queued"] == 0:
+                break
+        pf = st["prefetch"]
+        assert pf["queued"] == 0 and pf["protected_bytes"] == 0 and st["leases"] == 0
+        assert all(t["client"] != "?" for t in pf["traces"]) and len(pf["traces"]) == 0
+        # nothing is held: one object the size of the whole usable tier fits
+        big = c.put(torch.empty(7 << 20, dtype=torch.uint8), tier="host")
+        assert "host" in c.info(big)["residency"]

@@ -1,0 +1,146 @@
+"""The prefetcher: turns each recorded access into fetches of what the trace predicts
+next, within a byte budget, and serves them on its own worker threads.
+
+State here is guarded by the store's lock (every method but the worker loop is
+called with it held); the bytes move through the store's promotion path, whose
+reads run at prefetch priority so demand reads overtake them on the I/O engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .trace import TraceBook
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .store import Store
+
+__all__ = ["Prefetcher"]
+
+log = logging.getLogger(__name__)
+
+_LOOKAHEAD = 64
+"""Trace entries examined per access (the byte budget usually stops earlier)."""
+
+
+class Prefetcher:
+    def __init__(self, store: "Store", config: "Config") -> None:
+        self.store = store
+        self.enabled = config.prefetch
+        self.budget_bytes = config.prefetch_budget_bytes
+        self.max_inflight = config.prefetch_max_inflight
+        self.book = TraceBook()
+        self.protected: dict[int, tuple[Any, int]] = {}
+        """Prefetched and not yet used: oid -> (owner, nbytes). Not evicted before use."""
+        self.protected_bytes = 0
+        self.queued: dict[int, tuple[Any, int]] = {}
+        """Queued or in flight: oid -> (owner, nbytes)."""
+        self.queued_bytes = 0
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("hits", "late", "misses", "stall_s", "prefetched_bytes", "wasted_bytes", "issued", "dropped"), 0)
+        self.counters["stall_s"] = 0.0
+        self._q: queue.Queue = queue.Queue()
+        self._workers = [threading.Thread(target=self._run, name=f"tierstore-prefetch-{i}", daemon=True)
+                         for i in range(self.max_inflight)]
+        for w in self._workers:
+            w.start()
+
+    # ------------------------------------------------------------------ under the store lock
+    def record(self, owner: Any, stream: str, oid: int, nbytes: int, outcome: str, stall_s: float) -> None:
+        """An access by ``owner``: count it, learn from it, schedule what comes next."""
+        c = self.counters
+        c[{"hit": "hits", "late": "late", "miss": "misses"}[outcome]] += 1
+        c["stall_s"] += stall_s
+        used = self.protected.pop(oid, None)
+        if used is not None:
+            self.protected_bytes -= used[1]
+        trace = self.book.get(owner, stream)
+        trace.record(oid)
+        if self.enabled:
+            self._schedule(owner, trace.upcoming(_LOOKAHEAD))
+
+    def hint(self, owner: Any, oids: list[int]) -> int:
+        """Explicit prefetch() hints: the same queue and budget as predictions."""
+        return self._schedule(owner, oids)
+
+    def step(self, owner: Any) -> None:
+        self.book.step(owner)
+
+    def drop_owner(self, owner: Any) -> None:
+        """A client went away: forget its traces, queued fetches and protections."""
+        self.book.drop(owner)
+        for oid, (o, n) in list(self.queued.items()):
+            if o is owner:
+                del self.queued[oid]  # the worker sees it gone and skips it
+                self.queued_bytes -= n
+        for oid, (o, n) in list(self.protected.items()):
+            if o is owner:
+                del self.protected[oid]
+                self.protected_bytes -= n
+
+    def forget(self, oid: int) -> None:
+        """The object was freed or evicted; a prefetch it never served was wasted."""
+        p = self.protected.pop(oid, None)
+        if p is not None:
+            self.protected_bytes -= p[1]
+            self.counters["wasted_bytes"] += p[1]
+
+    def _schedule(self, owner: Any, oids: list[int]) -> int:
+        n = 0
+        objects = self.store._objects
+        for oid in oids:
+            meta = objects.get(oid)
+            if meta is None or meta.host_valid or meta.moving or meta.freeing or oid in self.queued:
+                continue
+            if len(self.queued) >= self.max_inflight:
+                break
+            if self.queued_bytes + self.protected_bytes + meta.nbytes > self.budget_bytes:
+                break
+            self.queued[oid] = (owner, meta.nbytes)
+            self.queued_bytes += meta.nbytes
+            self.counters["issued"] += 1
+            self._q.put(oid)
+            n += 1
+        return n
+
+    def done(self, oid: int, owner: Any, nbytes: int, fetched: bool) -> None:
+        q = self.queued.pop(oid, None)
+        if q is not None:
+            self.queued_bytes -= q[1]
+        if fetched:
+            self.counters["prefetched_bytes"] += nbytes
+            if q is not None:  # still wanted (its client did not go away)
+                self.protected[oid] = (owner, nbytes)
+                self.protected_bytes += nbytes
+        else:
+            self.counters["dropped"] += 1
+
+    def stat(self) -> dict[str, Any]:
+        c = self.counters
+        return {"hits": int(c["hits"]), "late": int(c["late"]), "misses": int(c["misses"]),
+                "stall_s": c["stall_s"], "prefetched_bytes": int(c["prefetched_bytes"]),
+                "wasted_bytes": int(c["wasted_bytes"]), "issued": int(c["issued"]), "dropped": int(c["dropped"]),
+                "queued": len(self.queued), "protected_bytes": self.protected_bytes,
+                "budget_bytes": self.budget_bytes, "enabled": self.enabled, "traces": self.book.describe()}
+
+    # ------------------------------------------------------------------ worker threads
+    def _run(self) -> None:
+        while True:
+            oid = self._q.get()
+            if oid is None:
+                return
+            try:
+                self.store._prefetch_fetch(oid)
+            except Exception:  # one failed fetch must not stop the worker
+                log.exception("prefetch of object %d failed", oid)
+
+    def close(self) -> None:
+        for _ in self._workers:
+            self._q.put(None)
+        for w in self._workers:
+            w.join()
+        log.info("prefetcher stopped")

@@ -1,0 +1,153 @@
+"""Access traces: learn a training loop's access order and predict what comes next.
+
+Policy only (no I/O, no locks of its own; the store calls it under its lock). One
+``Trace`` per (client, stream) records the object ids accessed between ``step()``
+marks. A step whose order matches the previous one (most accesses in the same
+relative order) makes the trace *learned*; small changes (an extra or missing
+access, a skipped layer) keep it learned and update it; a step that mostly differs
+drops back to *learning*, and the new order is learned once it repeats.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+__all__ = ["Trace", "TraceBook", "similarity"]
+
+_SIMILAR = 0.8
+"""Fraction of accesses that must keep their relative order for a step to 'repeat'."""
+_MAX_STEP_ACCESSES = 1 << 20
+
+
+def similarity(a: list[int], b: list[int]) -> float:
+    """Length of the longest common subsequence of ``a`` and ``b`` over the longer one.
+
+    Computed on the unique-first-occurrence projection with patience sorting
+    (O(n log n)), which is exact when ids repeat at most once per step and a close
+    lower bound otherwise.
+    """
+    if not a or not b:
+        return 1.0 if not a and not b else 0.0
+    pos = {}
+    for i, x in enumerate(b):
+        pos.setdefault(x, i)
+    seq = [pos[x] for x in dict.fromkeys(a) if x in pos]
+    tails: list[int] = []
+    for v in seq:
+        k = bisect.bisect_left(tails, v)
+        if k == len(tails):
+            tails.append(v)
+        else:
+            tails[k] = v
+    return len(tails) / max(len(dict.fromkeys(a)), len(dict.fromkeys(b)))
+
+
+@dataclass
+class Trace:
+    """The learned order of one client's (stream's) accesses."""
+
+    learned: list[int] = field(default_factory=list)
+    current: list[int] = field(default_factory=list)
+    previous: list[int] = field(default_factory=list)
+    state: str = "learning"
+    """``learning`` (no prediction yet) or ``learned``."""
+    cursor: int = 0
+    """Position in ``learned`` of the latest access."""
+    positions: dict[int, list[int]] = field(default_factory=dict)
+    steps: int = 0
+    relearned: int = 0
+
+    def record(self, oid: int) -> None:
+        if len(self.current) < _MAX_STEP_ACCESSES:
+            self.current.append(oid)
+        if self.state == "learned":
+            self.cursor = self._locate(oid)
+
+    def step(self) -> None:
+        """Close the current step and decide whether the order repeats."""
+        cur, self.current = self.current, []
+        self.steps += 1
+        if not cur:
+            return
+        if self.state == "learned":
+            if similarity(cur, self.learned) >= _SIMILAR:
+                self._learn(cur)  # small drift: follow it
+            else:
+                self.state = "learning"
+                self.relearned += 1
+                self.learned, self.positions = [], {}
+        elif self.previous and similarity(cur, self.previous) >= _SIMILAR:
+            self._learn(cur)
+        self.previous = cur
+        self.cursor = len(self.learned) - 1 if self.learned else 0
+
+    def _learn(self, seq: list[int]) -> None:
+        self.learned = list(seq)
+        self.state = "learned"
+        self.positions = {}
+        for i, x in enumerate(seq):
+            self.positions.setdefault(x, []).append(i)
+
+    def _locate(self, oid: int) -> int:
+        """The position of ``oid`` at or after the cursor (wrapping); cursor if unknown."""
+        ps = self.positions.get(oid)
+        if not ps:
+            return self.cursor
+        k = bisect.bisect_left(ps, self.cursor)
+        return ps[k] if k < len(ps) else ps[0]
+
+    def upcoming(self, limit: int) -> list[int]:
+        """The next ``limit`` accesses after the cursor, wrapping into the next step."""
+        n = len(self.learned)
+        if self.state != "learned" or n == 0:
+            return []
+        return [self.learned[(self.cursor + 1 + i) % n] for i in range(min(limit, n))]
+
+    def distance(self, oid: int) -> int | None:
+        """Accesses until ``oid`` is next used (0 = the next one), or None if not in the trace."""
+        ps = self.positions.get(oid)
+        if self.state != "learned" or not ps:
+            return None
+        n = len(self.learned)
+        k = bisect.bisect_right(ps, self.cursor)
+        nxt = ps[k] if k < len(ps) else ps[0] + n
+        return nxt - self.cursor - 1
+
+
+class TraceBook:
+    """Every live trace, keyed by (owner, stream)."""
+
+    def __init__(self) -> None:
+        self.traces: dict[tuple[object, str], Trace] = {}
+
+    def get(self, owner: object, stream: str) -> Trace:
+        t = self.traces.get((owner, stream))
+        if t is None:
+            t = self.traces[(owner, stream)] = Trace()
+        return t
+
+    def step(self, owner: object) -> None:
+        for (o, _), t in self.traces.items():
+            if o is owner or o == owner:
+                t.step()
+
+    def drop(self, owner: object) -> None:
+        for k in [k for k in self.traces if k[0] is owner or k[0] == owner]:
+            del self.traces[k]
+
+    def learned(self) -> bool:
+        return any(t.state == "learned" for t in self.traces.values())
+
+    def distance(self, oid: int) -> int | None:
+        """Smallest predicted distance to the next use of ``oid`` over all traces."""
+        best = None
+        for t in self.traces.values():
+            d = t.distance(oid)
+            if d is not None and (best is None or d < best):
+                best = d
+        return best
+
+    def describe(self) -> list[dict]:
+        return [{"client": str(getattr(o, "cid", o)), "stream": s, "state": t.state, "length": len(t.learned),
+                 "steps": t.steps, "relearned": t.relearned} for (o, s), t in self.traces.items()]
