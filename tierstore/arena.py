@@ -54,7 +54,7 @@ class Arena:
         except BufferError:
             # views handed out (checked-out tensors) still reference the mapping; the
             # memory is released when the last of them is garbage-collected
-            log.warning("host arena still referenced by live views; unmapping deferred")
+            log.debug("host arena still referenced by live views; unmapped when they are collected")
         except ValueError:
             pass
         if self.fd >= 0:
