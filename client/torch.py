@@ -1,0 +1,463 @@
+"""PyTorch hooks: optimizer-state offload and parameter offload into a tierstore pool.
+
+``offload_optimizer`` wraps a ``torch.optim`` optimizer so its per-parameter state
+(and fp32 master weights) lives in the store; ``offload_parameters`` keeps a
+module's parameters in the store and brings each submodule's in just before it
+runs. Both work with a daemon ``Client`` or an in-process ``tierstore.Store``:
+they use only put / get / checkout / lookup / keys / prefetch / free / step.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+__all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters"]
+
+log = logging.getLogger(__name__)
+
+_OPT_STREAM = "optim"
+_PARAM_STREAM = "params"
+
+
+def _pytag(v: Any) -> tuple[str, torch.Tensor]:
+    """Non-tensor optimizer state (python numbers) stored as 0-d tensors, tagged by type."""
+    if isinstance(v, bool):
+        return "bool", torch.tensor(v)
+    if isinstance(v, int):
+        return "int", torch.tensor(v, dtype=torch.int64)
+    if isinstance(v, float):
+        return "float", torch.tensor(v, dtype=torch.float64)
+    raise TypeError(f"cannot offload optimizer state of type {type(v).__name__}")
+
+
+def _untag(tag: str, t: torch.Tensor) -> Any:
+    return {"bool": bool, "int": int, "float": float}[tag](t.item())
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer whose per-parameter state lives in a tierstore pool.
+
+    ``step()`` walks the parameters in a fixed order. For each one it checks the
+    state out of the pool (the next parameter's state is already being prefetched),
+    updates it with the wrapped optimizer's own update rule, and checks it back in.
+    State is double-buffered by step parity (two versions per tensor): a step reads
+    version ``n % 2`` and writes ``(n + 1) % 2``, and a small progress record is
+    written after the last parameter, so a process killed mid-step resumes from the
+    last completed step with nothing half-updated.
+
+    Parameters that are not fp32 (bf16/fp16 training) get an fp32 master copy in the
+    pool; the update runs on the master and is copied (rounded) into the parameter.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, store: Any, *, tier: str | None = "nvme",
+                 prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
+                 resume: bool = False) -> None:
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+        if any(len(s) for s in inner.state.values()):
+            raise ValueError("wrap the optimizer before its first step (it already holds state); "
+                             "or load a state_dict into the wrapper")
+        self.inner = inner
+        self.store = store
+        self.tier = tier
+        self.prefix = prefix.rstrip("/")
+        self.master_weights = master_weights
+        self.durable = durable
+        super().__init__(inner.param_groups, inner.defaults)
+        # (group, index) -> {name: tag}; tag is "tensor" or the python type of a scalar
+        self._layout: dict[tuple[int, int], dict[str, str]] = {}
+        self._completed = 0
+        if resume:
+            self._resume()
+        else:
+            self._clear_pool()
+
+    # ------------------------------------------------------------------ keys
+    def _key(self, gi: int, pi: int, name: str, version: int) -> str:
+        tag = self._layout.get((gi, pi), {}).get(name, "tensor")
+        suffix = "" if tag == "tensor" else f"#{tag}"  # python scalars keep their type in the key
+        return f"{self.prefix}/{gi}.{pi}/{name}{suffix}@{version}"
+
+    def _progress_key(self) -> str:
+        return f"{self.prefix}/_progress"
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps completed (and, after a resume, recovered from the pool)."""
+        return self._completed
+
+    def _needs_master(self, p: torch.Tensor) -> bool:
+        if self.master_weights is None:
+            return p.dtype in (torch.float16, torch.bfloat16)
+        return bool(self.master_weights)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        read, write = self._completed % 2, (self._completed + 1) % 2
+        work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                if p.grad is not None]
+        saved_groups = self.inner.param_groups
+        try:
+            for k, (gi, pi, p) in enumerate(work):
+                if k + 1 < len(work):
+                    self._prefetch(work[k + 1], read)  # overlap the next parameter's fetch with this update
+                self._step_one(gi, pi, p, read, write)
+        finally:
+            self.inner.param_groups = saved_groups
+        self._completed += 1
+        # the progress record flips which version is current: written last, after every parameter
+        self.store.put(torch.tensor([self._completed], dtype=torch.int64), key=self._progress_key(),
+                       replace=True, durable=self.durable)
+        if hasattr(self.store, "step"):
+            self.store.step()
+        return loss
+
+    def _prefetch(self, item: tuple[int, int, torch.Tensor], version: int) -> None:
+        gi, pi, _ = item
+        layout = self._layout.get((gi, pi))
+        if not layout:
+            return
+        hs = [self.store.lookup(self._key(gi, pi, n, version)) for n in layout]
+        hs = [h for h in hs if h is not None]
+        if hs:
+            self.store.prefetch(hs)
+
+    def _step_one(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> None:
+        group = self.param_groups[gi]
+        layout = self._layout.get((gi, pi))
+        master_needed = self._needs_master(p)
+        leases = []
+        try:
+            if layout is None:
+                # first step of this parameter: let the optimizer create its state, then move it to the pool
+                target = p.detach().float().clone() if master_needed else p
+                if master_needed:
+                    target.grad = p.grad.float()
+                self.inner.param_groups = [dict(group, params=[target])]
+                self.inner.step()
+                state = self.inner.state.pop(target, {})
+                layout = self._layout[(gi, pi)] = {}
+                for name, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        layout[name] = "tensor"
+                        t = v
+                    else:
+                        layout[name], t = _pytag(v)
+                    self._put_both(gi, pi, name, t)
+                if master_needed:
+                    layout["master"] = "tensor"
+                    self._put_both(gi, pi, "master", target.detach())
+                    p.copy_(target)
+                    target.grad = None
+                return
+            views: dict[str, torch.Tensor] = {}
+            for name in layout:
+                src = self.store.lookup(self._key(gi, pi, name, read))
+                dst = self.store.lookup(self._key(gi, pi, name, write))
+                if src is None or dst is None:
+                    raise RuntimeError(f"optimizer state {self._key(gi, pi, name, read)} is missing from the pool; "
+                                       "was it freed, or is this prefix used by another job?")
+                with self._checkout(src, "r") as s:
+                    lease = self._checkout(dst, "rw")
+                    leases.append(lease)
+                    lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
+                views[name] = lease.tensor
+            state: dict[str, Any] = {}
+            for name, tag in layout.items():
+                if name == "master":
+                    continue
+                state[name] = views[name] if tag == "tensor" else _untag(tag, views[name])
+            if master_needed:
+                target = views["master"]
+                target.grad = p.grad.float()
+            else:
+                target = p
+            self.inner.state[target] = state
+            self.inner.param_groups = [dict(group, params=[target])]
+            self.inner.step()
+            new_state = self.inner.state.pop(target, {})
+            for name, tag in layout.items():  # python scalars changed by the update go back into their views
+                if name != "master" and tag != "tensor":
+                    views[name].fill_(new_state[name])
+            if master_needed:
+                p.copy_(target)  # the parameter is the master rounded to its dtype
+                target.grad = None
+        finally:
+            for lease in leases:
+                lease.release()
+
+    def _checkout(self, h: Any, mode: str) -> Any:
+        return self.store.checkout(h, mode, stream=_OPT_STREAM)
+
+    def _put_both(self, gi: int, pi: int, name: str, t: torch.Tensor) -> None:
+        t = t.detach().contiguous()
+        for version in (0, 1):
+            self.store.put(t, key=self._key(gi, pi, name, version), tier=self.tier, replace=True,
+                           durable=self.durable)
+
+    # ------------------------------------------------------------------ resume / cleanup
+    def _clear_pool(self) -> None:
+        for k in self.store.keys(prefix=self.prefix + "/"):
+            h = self.store.lookup(k)
+            if h is not None:
+                self.store.free(h)
+
+    def _resume(self) -> None:
+        h = self.store.lookup(self._progress_key())
+        if h is None:
+            log.info("resume: no progress record under %r; starting fresh", self.prefix)
+            self._clear_pool()
+            return
+        self._completed = int(self.store.get(h)[0])
+        for k in self.store.keys(prefix=self.prefix + "/"):
+            rest = k[len(self.prefix) + 1:]
+            if rest.startswith("_") or "@" not in rest:
+                continue
+            idx, name = rest.split("/", 1)
+            gi, pi = (int(x) for x in idx.split("."))
+            name = name.rsplit("@", 1)[0]
+            name, _, tag = name.partition("#")
+            self._layout.setdefault((gi, pi), {})[name] = tag or "tensor"
+        for (gi, pi), layout in self._layout.items():
+            if gi >= len(self.param_groups) or pi >= len(self.param_groups[gi]["params"]):
+                raise ValueError(f"pool state under {self.prefix!r} names parameter {gi}.{pi}, which this "
+                                 "optimizer does not have; wrong prefix or a different model?")
+            p = self.param_groups[gi]["params"][pi]
+            if "master" in layout:
+                with torch.no_grad():
+                    m = self.store.get(self.store.lookup(self._key(gi, pi, "master", self._completed % 2)))
+                    p.copy_(m)  # parameters come back from their masters
+        log.info("resumed %d parameters' optimizer state at step %d", len(self._layout), self._completed)
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's own format (fp32 masters are not part of it)."""
+        packed: dict[int, dict[str, Any]] = {}
+        groups = []
+        idx = 0
+        cur = self._completed % 2
+        for gi, group in enumerate(self.param_groups):
+            ids = []
+            for pi, _ in enumerate(group["params"]):
+                layout = self._layout.get((gi, pi))
+                if layout:
+                    st = {}
+                    for name, tag in layout.items():
+                        if name == "master":
+                            continue
+                        t = self.store.get(self.store.lookup(self._key(gi, pi, name, cur)))
+                        st[name] = t if tag == "tensor" else _untag(tag, t)
+                    packed[idx] = st
+                ids.append(idx)
+                idx += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": packed, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} parameter groups, the optimizer {len(self.param_groups)}")
+        idx_of = {}
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(g["params"]) != len(saved["params"]):
+                raise ValueError(f"parameter group {gi} has {len(g['params'])} parameters, the state_dict "
+                                 f"{len(saved['params'])}")
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+            for pi, i in enumerate(saved["params"]):
+                idx_of[i] = (gi, pi)
+        self._clear_pool()
+        self._layout = {}
+        self._completed = 0
+        for i, st in state_dict["state"].items():
+            gi, pi = idx_of[int(i)]
+            p = self.param_groups[gi]["params"][pi]
+            layout = self._layout[(gi, pi)] = {}
+            for name, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    layout[name] = "tensor"
+                    # as torch does: floating state follows the parameter's dtype, except "step"
+                    t = v.to(p.dtype if v.is_floating_point() and name != "step" and not self._needs_master(p)
+                             else v.dtype)
+                else:
+                    layout[name], t = _pytag(v)
+                self._put_both(gi, pi, name, t)
+            if self._needs_master(p):
+                layout["master"] = "tensor"
+                self._put_both(gi, pi, "master", p.detach().float())
+        self.store.put(torch.tensor([0], dtype=torch.int64), key=self._progress_key(), replace=True,
+                       durable=self.durable)
+
+    def free(self) -> None:
+        """Free every object this optimizer keeps in the pool."""
+        self._clear_pool()
+        self._layout = {}
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: str | None = "nvme",
+                      prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
+                      resume: bool = False) -> OffloadedOptimizer:
+    """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
+
+    ``tier``: where new state goes (``"host"`` or ``"nvme"``). ``resume=True``
+    finds the state by key (``prefix``) and continues from the last completed step;
+    otherwise any old state under ``prefix`` is freed. ``durable=True`` makes the
+    state survive a daemon crash too (each check-in is then written through).
+    """
+    return OffloadedOptimizer(optimizer, client, tier=tier, prefix=prefix, master_weights=master_weights,
+                              durable=durable, resume=resume)
+
+
+def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Any, *, tier: str | None = "nvme",
+              prefix: str = "opt", **offload_kw: Any) -> Callable[..., OffloadedOptimizer]:
+    """An optimizer *class* stand-in, for APIs that construct the optimizer themselves,
+    e.g. ``ZeroRedundancyOptimizer(params, optimizer_class=offloaded(AdamW, client), lr=...)``."""
+
+    def make(params: Iterable[Any], **kwargs: Any) -> OffloadedOptimizer:
+        return OffloadedOptimizer(optimizer_class(params, **kwargs), client, tier=tier, prefix=prefix, **offload_kw)
+
+    make.__name__ = f"Offloaded{optimizer_class.__name__}"
+    return make
+
+
+# ---------------------------------------------------------------------------- parameters
+class _ParamOffload:
+    """Module hooks that keep parameters in the pool and materialise them per submodule."""
+
+    def __init__(self, model: torch.nn.Module, store: Any, tier: str | None, prefix: str) -> None:
+        self.model = model
+        self.store = store
+        self.prefix = prefix.rstrip("/")
+        self.handles: list[Any] = []
+        self.keys: dict[int, str] = {}  # id(param) -> key
+        self.params: dict[int, torch.nn.Parameter] = {}
+        self.shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self.live: dict[int, int] = {}  # id(param) -> how many running modules need it
+        self.order: list[torch.nn.Module] = []
+        for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
+            key = f"{self.prefix}/{name}"
+            store.put(p.detach(), key=key, tier=tier, replace=True)
+            self.keys[id(p)] = key
+            self.params[id(p)] = p
+            self.shapes[id(p)] = (p.shape, p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype)  # the pool holds the bytes now
+        self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.next_of: dict[int, torch.nn.Module] = {}
+        for m in self.modules:
+            self.handles.append(m.register_forward_pre_hook(self._pre))
+            self.handles.append(m.register_forward_hook(self._post))
+            self.handles.append(m.register_full_backward_pre_hook(self._bwd_pre))
+            self.handles.append(m.register_full_backward_hook(self._bwd_post))
+        for a, b in zip(self.modules, self.modules[1:]):
+            self.next_of[id(a)] = b
+        for p in self.params.values():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
+
+    def _own(self, m: torch.nn.Module) -> list[torch.nn.Parameter]:
+        return [p for p in m.parameters(recurse=False) if id(p) in self.keys]
+
+    def _load(self, m: torch.nn.Module) -> None:
+        for p in self._own(m):
+            n = self.live.get(id(p), 0)
+            if n == 0:
+                shape, dtype = self.shapes[id(p)]
+                buf = torch.empty(shape, dtype=dtype)
+                self.store.get(self.store.lookup(self.keys[id(p)]), out=buf, stream=_PARAM_STREAM)
+                p.data = buf
+            self.live[id(p)] = n + 1
+        nxt = self.next_of.get(id(m))
+        if nxt is not None:  # bring the next module's parameters up while this one computes
+            hs = [self.store.lookup(self.keys[id(p)]) for p in self._own(nxt)]
+            self.store.prefetch([h for h in hs if h is not None])
+
+    def _unload(self, m: torch.nn.Module) -> None:
+        for p in self._own(m):
+            n = self.live.get(id(p), 0) - 1
+            self.live[id(p)] = max(n, 0)
+            if n <= 0:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    def _pre(self, m, args):
+        self._load(m)
+
+    def _post(self, m, args, out):
+        # autograd saved the Parameter objects themselves (leaves), not their bytes:
+        # backward re-loads them in _bwd_pre before the module's backward runs
+        self._unload(m)
+
+    def _bwd_pre(self, m, grad_output):
+        self._load(m)
+
+    def _bwd_post(self, m, grad_input, grad_output):
+        # frozen parameters can go now; trainable ones once their gradient is accumulated
+        self._unload_frozen(m)
+
+    def _unload_frozen(self, m: torch.nn.Module) -> None:
+        for p in self._own(m):
+            if not p.requires_grad:
+                self.live[id(p)] = 0
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    def _after_grad(self, p: torch.Tensor) -> None:
+        # the engine accumulates a leaf's gradient once, after every use of it in this
+        # backward pass: no backward computation needs its bytes after this point
+        self.live[id(p)] = 0
+        p.data = torch.empty(0, dtype=p.dtype)
+
+    def materialize(self) -> None:
+        """Load every parameter (for an optimizer step or a checkpoint)."""
+        for m in self.modules:
+            for p in self._own(m):
+                if self.live.get(id(p), 0) == 0 and p.numel() == 0:
+                    shape, dtype = self.shapes[id(p)]
+                    buf = torch.empty(shape, dtype=dtype)
+                    self.store.get(self.store.lookup(self.keys[id(p)]), out=buf, stream=_PARAM_STREAM)
+                    p.data = buf
+
+    def writeback(self) -> None:
+        """Store the (updated) materialised parameters and release their memory."""
+        for pid, p in self.params.items():
+            if p.numel():
+                self.store.put(p.detach(), key=self.keys[pid], replace=True)
+                if self.live.get(pid, 0) == 0:
+                    p.data = torch.empty(0, dtype=p.dtype)
+
+    def undo(self) -> None:
+        """Remove the hooks and give every parameter its bytes back."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.materialize()
+
+
+def offload_parameters(model: torch.nn.Module, client: Any, *, tier: str | None = "host",
+                       prefix: str = "params") -> Callable[[], None]:
+    """Keep ``model``'s parameters in the pool; each submodule's are brought in just
+    before its forward and backward, released after, and the next submodule's are
+    prefetched. Returns ``undo()``, which restores ordinary parameters.
+
+    Between steps, call ``undo.materialize()`` before an optimizer step that needs
+    the values and ``undo.writeback()`` after it.
+    """
+    po = _ParamOffload(model, client, tier, prefix)
+    ref = weakref.ref(po)
+
+    def undo() -> None:
+        obj = ref()
+        if obj is not None:
+            obj.undo()
+    undo.materialize = po.materialize  # type: ignore[attr-defined]
+    undo.writeback = po.writeback  # type: ignore[attr-defined]
+    undo._offload = po  # type: ignore[attr-defined]  # keeps the hooks' owner alive
+    return undo

@@ -1,0 +1,248 @@
+"""Training hooks: offloaded optimizers and parameters give the plain results."""
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tierstore.client.torch import offload_optimizer, offload_parameters
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 24)
+        self.block = nn.Sequential(nn.Linear(24, 33), nn.GELU(), nn.Linear(33, 24))
+        self.norm = nn.LayerNorm(24)
+        self.head = nn.Linear(24, 50, bias=False)
+        self.frozen = nn.Linear(24, 24)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.block(h)
+        h = self.block(self.norm(h))  # the block runs twice per step
+        return self.head(self.frozen(h))
+
+
+def _batches(step, micro=2):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randint(0, 50, (4, 7), generator=g) for _ in range(micro)]
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _train(model, opt, sched, steps, start=0):
+    for step in range(start, steps):
+        for x in _batches(step):  # gradient accumulation over 2 micro-batches
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()) / 2
+            loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_offloaded_optimizer_equals_plain(make_store, name, tier):
+    torch.manual_seed(0)
+    plain = Net()
+    off = copy.deepcopy(plain)
+    opt_p = OPTIMIZERS[name](_groups(plain))
+    s = make_store(host_bytes="1MiB")  # smaller than the states: they really spill to NVMe
+    opt_o = offload_optimizer(OPTIMIZERS[name](_groups(off)), s, tier=tier, prefix=f"opt-{name}")
+    sch_p = torch.optim.lr_scheduler.StepLR(opt_p, step_size=5, gamma=0.5)
+    sch_o = torch.optim.lr_scheduler.StepLR(opt_o, step_size=5, gamma=0.5)
+    _train(plain, opt_p, sch_p, 21)
+    _train(off, opt_o, sch_o, 21)
+    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+        assert torch.equal(a, b), n  # bit-exact: the same single-tensor update, same order
+    assert opt_o.completed_steps == 21
+    assert not any(opt_o.inner.state.values())  # no state left in process memory
+    st = s.stat()
+    assert st["leases"] == 0 and st["namespaces"]["default"]["objects"] > 0
+    # state_dict in the plain optimizer's format, loadable by the plain optimizer
+    sd = opt_o.state_dict()
+    ref = opt_p.state_dict()
+    assert sd["state"].keys() == ref["state"].keys()
+    for i in ref["state"]:
+        for k, v in ref["state"][i].items():
+            assert torch.equal(sd["state"][i][k], v) if isinstance(v, torch.Tensor) else sd["state"][i][k] == v
+    assert [g["lr"] for g in sd["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
+
+
+def test_state_dict_round_trip_both_ways(make_store):
+    torch.manual_seed(1)
+    a = Net()
+    b = copy.deepcopy(a)
+    s = make_store()
+    opt_a = torch.optim.AdamW(_groups(a), lr=1e-3)
+    sch_a = torch.optim.lr_scheduler.StepLR(opt_a, 3)
+    _train(a, opt_a, sch_a, 4)
+    # plain -> offloaded, then both continue
+    opt_b = offload_optimizer(torch.optim.AdamW(_groups(b), lr=1e-3), s, tier="nvme")
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(opt_a.state_dict())
+    sch_b = torch.optim.lr_scheduler.StepLR(opt_b, 3)
+    sch_b.load_state_dict(sch_a.state_dict())
+    _train(a, opt_a, sch_a, 8, start=4)
+    _train(b, opt_b, sch_b, 8, start=4)
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+    # offloaded -> plain
+    c = copy.deepcopy(b)
+    opt_c = torch.optim.AdamW(_groups(c), lr=1e-3)
+    opt_c.load_state_dict(opt_b.state_dict())
+    _train(b, opt_b, sch_b, 10, start=8)
+    sch_c = torch.optim.lr_scheduler.StepLR(opt_c, 3)
+    sch_c.load_state_dict(sch_b.state_dict())
+    sch_c.last_epoch = sch_b.last_epoch - 2
+    _train(c, opt_c, sch_c, 10, start=8)
+    for x, y in zip(b.parameters(), c.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_bf16_parameters_with_fp32_masters(make_store):
+    torch.manual_seed(2)
+    ref = Net()
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    plain_model = copy.deepcopy(ref).to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in plain_model.parameters()]
+    opt_p = torch.optim.AdamW([m for m in masters if m.requires_grad], lr=1e-3)
+    s = make_store()
+    opt_o = offload_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3), s)
+    for step in range(20):
+        x = _batches(step, 1)[0]
+        for m, net in ((plain_model, "p"), (model, "o")):
+            loss = nn.functional.cross_entropy(m(x).flatten(0, 1).float(), x.flatten())
+            loss.backward()
+        # plain mixed precision: fp32 masters take the bf16 grads, update, round back
+        with torch.no_grad():
+            for mst, p in zip(masters, plain_model.parameters()):
+                if p.requires_grad:
+                    mst.grad = p.grad.float()
+        opt_p.step()
+        with torch.no_grad():
+            for mst, p in zip(masters, plain_model.parameters()):
+                p.copy_(mst)
+        opt_o.step()
+        plain_model.zero_grad(set_to_none=True)
+        opt_p.zero_grad(set_to_none=True)
+        opt_o.zero_grad(set_to_none=True)
+    for a, b in zip(plain_model.parameters(), model.parameters()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert any(k.split("@")[0].endswith("/master") for k in s.keys(prefix="opt/"))
+
+
+def test_parameter_offload_matches_plain_forward_and_grads(make_store):
+    torch.manual_seed(3)
+    plain = Net()
+    plain.head.weight = plain.emb.weight  # tied parameters
+    model = copy.deepcopy(plain)
+    s = make_store()
+    undo = offload_parameters(model, s, tier="host")
+    assert all(p.numel() == 0 for p in model.parameters())  # the bytes live in the pool
+    x = _batches(0, 1)[0]
+    out_p = plain(x)
+    out_o = model(x)
+    assert torch.equal(out_p, out_o)
+    out_p.square().mean().backward()
+    out_o.square().mean().backward()
+    for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+        if a.requires_grad:
+            assert torch.equal(a.grad, b.grad), n
+        assert b.numel() == 0, n  # released again after backward
+    undo()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_parameter_offload_with_optimizer_steps(make_store):
+    torch.manual_seed(4)
+    plain = Net()
+    model = copy.deepcopy(plain)
+    s = make_store()
+    handle = offload_parameters(model, s)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_o = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        x = _batches(step, 1)[0]
+        for m in (plain, model):
+            nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+        opt_p.step()
+        handle.materialize()
+        opt_o.step()
+        handle.writeback()
+        opt_p.zero_grad(set_to_none=True)
+        opt_o.zero_grad(set_to_none=True)
+    handle()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+TRAIN = r"""
+import sys, torch
+from torch import nn
+from tierstore.client import Client
+from tierstore.client.torch import offload_optimizer
+sock, total, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+c = Client.connect(socket=sock, namespace="resume-job/rank0")
+opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), c, tier="nvme",
+                        master_weights=True, durable=True, resume=resume)
+for step in range(opt.completed_steps, total):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 16, generator=g)
+    nn.functional.mse_loss(model(x), x.flip(1)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    print("step", step + 1, flush=True)
+torch.save([p.detach() for p in model.parameters()], out)
+print("done", flush=True)
+"""
+
+
+def test_warm_resume_after_sigkill_and_daemon_restart(daemon, tmp_path):
+    ref = tmp_path / "ref.pt"
+    with daemon.client("ref-job/rank0"):
+        pass
+    r = subprocess.run([sys.executable, "-c", TRAIN.replace("resume-job", "ref-job"), daemon.socket, "30", "0",
+                        str(ref)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "resumed.pt"
+    p = subprocess.Popen([sys.executable, "-c", TRAIN, daemon.socket, "30", "0", str(out)], stdout=subprocess.PIPE,
+                         text=True)
+    for line in p.stdout:
+        if line.strip() == "step 12":
+            break
+    os.kill(p.pid, signal.SIGKILL)  # mid-run, somewhere in step 13
+    p.wait()
+    r = subprocess.run([sys.executable, "-c", TRAIN, daemon.socket, "20", "1", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] in ("step 13", "step 14")  # continued, not restarted
+    daemon.kill()  # and the durable state survives the daemon too
+    daemon.start()
+    r = subprocess.run([sys.executable, "-c", TRAIN, daemon.socket, "30", "1", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "step 21"
+    for a, b in zip(torch.load(ref), torch.load(out)):
+        assert torch.equal(a, b)
