@@ -38,6 +38,28 @@ def _untag(tag: str, t: torch.Tensor) -> Any:
     return {"bool": bool, "int": int, "float": float}[tag](t.item())
 
 
+def _dtensor_cls() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return None
+    return DTensor
+
+
+def _local(v: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(tag, plain tensor): sharded (FSDP2) state is stored as this rank's local shard."""
+    dt = _dtensor_cls()
+    if dt is not None and isinstance(v, dt):
+        return "dtensor", v.to_local()
+    return "tensor", v
+
+
+def _wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A DTensor over ``local`` sharded like the parameter ``p``."""
+    return _dtensor_cls().from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                     stride=p.stride())
+
+
 class OffloadedOptimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose per-parameter state lives in a tierstore pool.
 
@@ -91,9 +113,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self._completed
 
     def _needs_master(self, p: torch.Tensor) -> bool:
-        if self.master_weights is None:
-            return p.dtype in (torch.float16, torch.bfloat16)
-        return bool(self.master_weights)
+        want = p.dtype in (torch.float16, torch.bfloat16) if self.master_weights is None else bool(self.master_weights)
+        if want and _local(p)[0] == "dtensor":
+            raise ValueError("fp32 master weights of sharded (FSDP2) parameters are not supported; use FSDP2's "
+                             "MixedPrecisionPolicy with fp32 parameters instead, or master_weights=False")
+        return want
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -148,8 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 layout = self._layout[(gi, pi)] = {}
                 for name, v in state.items():
                     if isinstance(v, torch.Tensor):
-                        layout[name] = "tensor"
-                        t = v
+                        layout[name], t = _local(v)
                     else:
                         layout[name], t = _pytag(v)
                     self._put_both(gi, pi, name, t)
@@ -175,7 +198,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for name, tag in layout.items():
                 if name == "master":
                     continue
-                state[name] = views[name] if tag == "tensor" else _untag(tag, views[name])
+                if tag == "tensor":
+                    state[name] = views[name]
+                elif tag == "dtensor":  # writes through the local shard land in the pool
+                    state[name] = _wrap_like(views[name], p)
+                else:
+                    state[name] = _untag(tag, views[name])
             if master_needed:
                 target = views["master"]
                 target.grad = p.grad.float()
@@ -186,7 +214,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.inner.step()
             new_state = self.inner.state.pop(target, {})
             for name, tag in layout.items():  # python scalars changed by the update go back into their views
-                if name != "master" and tag != "tensor":
+                if name != "master" and tag not in ("tensor", "dtensor"):
                     views[name].fill_(new_state[name])
             if master_needed:
                 p.copy_(target)  # the parameter is the master rounded to its dtype
@@ -247,15 +275,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         cur = self._completed % 2
         for gi, group in enumerate(self.param_groups):
             ids = []
-            for pi, _ in enumerate(group["params"]):
+            for pi in range(len(group["params"])):
                 layout = self._layout.get((gi, pi))
                 if layout:
                     st = {}
+                    p = group["params"][pi]
                     for name, tag in layout.items():
                         if name == "master":
                             continue
                         t = self.store.get(self.store.lookup(self._key(gi, pi, name, cur)))
-                        st[name] = t if tag == "tensor" else _untag(tag, t)
+                        if tag == "dtensor":
+                            st[name] = _wrap_like(t, p)
+                        else:
+                            st[name] = t if tag == "tensor" else _untag(tag, t)
                     packed[idx] = st
                 ids.append(idx)
                 idx += 1
@@ -285,7 +317,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             layout = self._layout[(gi, pi)] = {}
             for name, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    layout[name] = "tensor"
+                    layout[name], v = _local(v)
                     # as torch does: floating state follows the parameter's dtype, except "step"
                     t = v.to(p.dtype if v.is_floating_point() and name != "step" and not self._needs_master(p)
                              else v.dtype)

@@ -246,3 +246,15 @@ def test_warm_resume_after_sigkill_and_daemon_restart(daemon, tmp_path):
     assert r.stdout.splitlines()[0] == "step 21"
     for a, b in zip(torch.load(ref), torch.load(out)):
         assert torch.equal(a, b)
+
+
+def test_zero1_and_fsdp2_under_torchrun(daemon):
+    script = os.path.join(os.path.dirname(__file__), "dist_train.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        script, daemon.socket, "dist-job"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} zero1 ok" in r.stdout and f"rank {rank} fsdp2 ok" in r.stdout
+    with daemon.client("dist-job/rank0") as c:
+        st = c.stat()
+        assert {"dist-job/rank0", "dist-job/rank1"} <= set(st["namespaces"])
