@@ -106,9 +106,9 @@ def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch
             hs = []
             for name, shape in layer:
                 p = torch.randn(shape)
-                hs.append(("r", s.put(p, key=f"p/{name}", tier="nvme")))
-                hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}", tier="nvme")))
-                hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}", tier="nvme")))
+                hs.append(("r", s.put(p, key=f"p/{name}")))
+                hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}")))
+                hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}")))
             nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
             handles.append((hs, nbytes))
         times, hit_rates, stalls = [], [], []

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the version")
     sub.add_parser("daemon", help="run the node daemon in the foreground (tierstore daemon --help)",
                    add_help=False)
+    sub.add_parser("demo", help="train a small GPT with its optimizer state in the daemon (tierstore demo --help)",
+                   add_help=False)
     s = sub.add_parser("stat", help="tiers, namespaces, engine, prefetch counters of the running daemon")
     _socket_flag(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["daemon"]:
         # exec, not import: the client side never imports the daemon package
         os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *argv[1:]])
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -269,3 +269,22 @@ def test_object_larger_than_1gib(make_store):
     t = torch.randint(0, 256, (n,), dtype=torch.uint8)
     h = s.put(t, durable=True)
     assert torch.equal(s.get(h), t)
+
+
+def test_nvme_homed_objects_go_back_down_after_use(make_store):
+    import time
+
+    s = make_store(host_bytes="16MiB")
+    h = s.put(torch.ones(100_000), tier="nvme")
+    cached = s.put(torch.ones(100_000))
+    assert s.info(h)["residency"] == ["nvme"]
+    with s.checkout(h, "rw") as v:
+        assert "host" in s.info(h)["residency"]
+        v.add_(1)
+    deadline = time.monotonic() + 10
+    while "host" in s.info(h)["residency"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the background demoter writes it back
+    assert s.info(h)["residency"] == ["nvme"]
+    assert torch.equal(s.get(h), torch.full((100_000,), 2.0))
+    assert s.info(h)["residency"] == ["nvme"]  # a get does not pull it up either
+    assert "host" in s.info(cached)["residency"]  # tier=None objects stay cached

@@ -80,6 +80,8 @@ class ObjectMeta:
     moving: bool = False
     """A tier move (promotion/demotion/write-back) is in flight."""
     freeing: bool = False
+    home: str | None = None
+    """``"nvme"``: the object lives on NVMe and goes back down after each use (put with tier="nvme")."""
     prefetching: bool = False
     """The move in flight is a prefetch (whoever waits for it is a 'late' hit)."""
     version: int = 0
@@ -110,14 +112,14 @@ class ObjectMeta:
         return {"op": "put", "id": self.id, "gen": self.gen, "ns": self.namespace, "key": self.key,
                 "kind": self.spec.kind, "dtype": self.spec.dtype, "shape": list(self.spec.shape),
                 "nbytes": self.spec.nbytes, "ext": [e.to_wire() for e in self.nvme or []],
-                "crc": list(self.crcs or []), "extra": self.extra}
+                "crc": list(self.crcs or []), "extra": self.extra, "home": self.home}
 
     @classmethod
     def from_record(cls, r: dict[str, Any]) -> "ObjectMeta":
         spec = TensorSpec(r["kind"], r["dtype"], tuple(r["shape"]), int(r["nbytes"]))
         return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=r["ns"], key=r.get("key"), spec=spec,
                    durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
-                   nvme_valid=True, extra=dict(r.get("extra") or {}))
+                   nvme_valid=True, extra=dict(r.get("extra") or {}), home=r.get("home"))
 
 
 def validate_key(key: Any) -> str | None:

@@ -124,6 +124,7 @@ class Store:
         self._ns_owner: dict[str, int] = {}
         self._reservations: dict[int, Reservation] = {}
         self._scratch: dict[Any, tuple[int, int]] = {}
+        self._spill: list[int] = []  # home-NVMe objects released from use, to go back down
         self._leases: dict[int, LeaseInfo] = {}
         self._ids = itertools.count(1)
         self._next_id = 1
@@ -373,7 +374,7 @@ class Store:
         with self._cv:
             oid = self._new_id()
             meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
-                              durable=durable, owner_uid=owner_uid)
+                              durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None)
             meta.host_off = None if off < 0 else off
             res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace)
             self._reservations[oid] = res
@@ -570,6 +571,7 @@ class Store:
                 return
             if info.mode == "r":
                 meta.readers -= 1
+                self._spill_if_home_nvme(meta)
                 self._cv.notify_all()
                 return
             meta.version += 1
@@ -584,6 +586,8 @@ class Store:
         if not meta.durable:
             if stale:
                 self.nvme.free(stale)
+            with self._cv:
+                self._spill_if_home_nvme(meta)
             return
         try:
             # durable: the new bytes reach NVMe and the journal before the check-in returns
@@ -597,6 +601,14 @@ class Store:
                 self._cv.notify_all()
         if stale:
             self.nvme.free(stale)  # only after the journal names the new copy
+        with self._cv:
+            self._spill_if_home_nvme(meta)
+
+    def _spill_if_home_nvme(self, meta: ObjectMeta) -> None:
+        """(under _cv) An object that lives on NVMe goes back down once nobody uses it."""
+        if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid:
+            self._spill.append(meta.id)
+            self._demoter_wake.set()
 
     def release_owner(self, owner: Any) -> tuple[int, int]:
         """End every lease and reservation of ``owner`` (a connection that went away)."""
@@ -889,7 +901,7 @@ class Store:
             crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
             with self._cv:
                 meta = ObjectMeta(id=self._new_id(), gen=self._epoch, namespace=ns, key=key, spec=spec,
-                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True)
+                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home="nvme")
             with self.journal.lock:
                 with self._cv:
                     self._check_key(meta, replace)
@@ -921,7 +933,7 @@ class Store:
             dst[:] = self.arena.view(host_off, n)
             return True
         self.counters["nvme_reads"] += 1
-        if self.config.promote_on_get and self._host_has_room(n):
+        if self.config.promote_on_get and meta.home != "nvme" and self._host_has_room(n):
             with self._cv:
                 off = self.host.alloc(n) if not meta.moving else None
                 if off is not None:
@@ -1018,6 +1030,22 @@ class Store:
         if self.host.used_bytes > self.config.high_watermark * self.host.capacity:
             self._demoter_wake.set()
 
+    def _drain_spill(self) -> None:
+        with self._cv:
+            spill, self._spill = self._spill, []
+        for oid in spill:
+            with self._cv:
+                m = self._objects.get(oid)
+                if (m is None or not m.host_valid or m.host_off is None or m.moving or m.pins or m.readers
+                        or m.writer or m.freeing or oid in self.prefetcher.protected):
+                    continue
+                m.moving = True
+                self.prefetcher.forget(oid)
+            try:
+                self._demote(m)
+            except TierstoreError as e:
+                log.error("returning %s to NVMe failed: %s", m.handle, e)
+
     def _demote_loop(self) -> None:
         log.debug("demoter started")
         while True:
@@ -1025,6 +1053,7 @@ class Store:
             self._demoter_wake.clear()
             if self._closed:
                 break
+            self._drain_spill()
             low = self.config.low_watermark * self.host.capacity
             if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
                 continue
