@@ -163,8 +163,8 @@ class Client:
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None,
                  stream: str = "default") -> ClientLease:
-        if mode not in ("r", "rw"):
-            raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
+        if mode not in ("r", "rw", "w"):
+            raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
         r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s, stream=stream)
         r["mode"] = mode
         return ClientLease(self, r)

@@ -190,7 +190,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"optimizer state {self._key(gi, pi, name, read)} is missing from the pool; "
                                        "was it freed, or is this prefix used by another job?")
                 with self._checkout(src, "r") as s:
-                    lease = self._checkout(dst, "rw")
+                    lease = self._checkout(dst, "w")  # fully overwritten below: no need to read it
                     leases.append(lease)
                     lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
                 views[name] = lease.tensor

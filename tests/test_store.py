@@ -156,7 +156,7 @@ def test_bad_input_changes_nothing(make_store):
     with pytest.raises(InvalidArgument, match="tier"):
         s.put(torch.ones(1), tier="ssd")
     with pytest.raises(InvalidArgument, match="mode"):
-        s.checkout(h, mode="w")
+        s.checkout(h, mode="wr")
     with pytest.raises(InvalidArgument, match="NUL"):
         s.put(torch.ones(1), key="a\0b")
     with pytest.raises(CapacityExceeded, match="every tier"):
@@ -288,3 +288,15 @@ def test_nvme_homed_objects_go_back_down_after_use(make_store):
     assert torch.equal(s.get(h), torch.full((100_000,), 2.0))
     assert s.info(h)["residency"] == ["nvme"]  # a get does not pull it up either
     assert "host" in s.info(cached)["residency"]  # tier=None objects stay cached
+
+
+def test_write_only_checkout_skips_the_read(make_store):
+    s = make_store()
+    h = s.put(torch.ones(300_000), tier="nvme")
+    reads = s.stat()["tiers"]["nvme"]["bytes_read"]
+    with s.checkout(h, "w") as v:
+        v.fill_(5.0)
+    assert s.stat()["tiers"]["nvme"]["bytes_read"] == reads  # nothing was read to hand out the lease
+    assert torch.equal(s.get(h), torch.full((300_000,), 5.0))
+    with pytest.raises(InvalidArgument, match="'r', 'rw' or 'w'"):
+        s.checkout(h, "x")

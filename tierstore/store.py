@@ -514,9 +514,14 @@ class Store:
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
                 timeout_s: float | None = None, nowait: bool = False, stream: str = "default") -> LeaseInfo:
-        """Lease an object in the host tier (promoting it first if needed)."""
-        if mode not in ("r", "rw"):
-            raise InvalidArgument(f"mode must be 'r' or 'rw', got {mode!r}")
+        """Lease an object in the host tier (promoting it first if needed).
+
+        ``mode``: ``"r"`` shared, ``"rw"`` exclusive, ``"w"`` exclusive for a caller that
+        overwrites every byte (an NVMe-only object is given host memory without being
+        read; its previous bytes are not visible through the lease).
+        """
+        if mode not in ("r", "rw", "w"):
+            raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
         h = Handle.parse(handle)
         ns = self._ns(namespace)
         t0 = time.monotonic()
@@ -526,7 +531,8 @@ class Store:
             with self._cv:
                 meta = self._get_meta(h, ns)
                 if meta.host_valid and not meta.moving and self._lease_ok(meta, mode):
-                    self._record(owner, stream, meta, not promoted, late, t0, locked=True)
+                    if mode != "w":  # a blind overwrite is no read: nothing to learn or count
+                        self._record(owner, stream, meta, not promoted, late, t0, locked=True)
                     if mode == "r":
                         meta.readers += 1
                     else:
@@ -553,9 +559,9 @@ class Store:
                     self._cv.wait(min(remaining, 1.0))
                     continue
             if promote:
-                self.counters["nvme_reads"] += 1
-                promoted = True
-                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()))
+                promoted = mode != "w"
+                self.counters["nvme_reads"] += promoted
+                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=promoted)
 
     def release(self, lid: int, *, owner: Any = _LOCAL, nowait: bool = False) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
@@ -961,13 +967,14 @@ class Store:
         return False
 
     def _promote(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
-                 admit_distance: int | None = None) -> None:
-        """Bring an NVMe-only object (flagged moving by the caller) into the host tier."""
+                 admit_distance: int | None = None, read: bool = True) -> None:
+        """Bring an NVMe-only object (flagged moving by the caller) into the host tier
+        (``read=False``: only give it host memory; the caller overwrites it)."""
         n = meta.nbytes
         try:
             off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
             try:
-                if n:
+                if n and read:
                     self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
                                    dst_padded=self.arena.view(off, align_up(n, PAGE)), priority=priority)
             except BaseException:
