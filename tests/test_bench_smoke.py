@@ -39,3 +39,10 @@ def test_prefetch_smoke(tmp_path):
     assert out["bench"] == "prefetch" and out["floor"]["hit_rate"] == 1.0
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch"}
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
+
+
+def test_train_offload_smoke(tmp_path):
+    out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
+    assert out["bench"] == "train_offload"
+    assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch"]
+    assert all(r["identical"] for r in out["results"])  # offloading never changes the numbers

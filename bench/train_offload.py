@@ -1,0 +1,201 @@
+"""Offloaded Adam on CPU: step time and node memory, plain vs host tier vs NVMe tier.
+
+A stack of square Linear layers whose AdamW state (exp_avg + exp_avg_sq, fp32) is
+>= 2 GiB by default, trained on CPU. Each variant runs in its own process (so peak
+memory is its own), the offloaded ones against a daemon started for it:
+
+  plain           torch.optim.AdamW, state in the training process
+  host            state on the daemon's host tier (arena = 2.2x the state: two versions)
+  nvme            state on the NVMe tier, host tier = 25% of the state bytes, no prefetch
+  nvme+prefetch   the same with the trace-driven prefetcher
+
+Reported: median step time (vs plain), the training process's peak unique memory
+(private pages, sampled after every step), the daemon's peak resident memory, their
+sum (the node's memory spent on training) and the saving against plain as a fraction
+of the optimizer-state bytes. Every variant must end with the same parameters.
+Usage: python bench/train_offload.py [--width 4096] [--layers 16] [--steps 3] [--quick] [--png F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json, machine, print_table  # noqa: E402
+
+WORKER = r"""
+import json, os, sys, time, hashlib
+import torch
+from torch import nn
+cfg = json.loads(sys.argv[1])
+torch.manual_seed(0)
+torch.set_num_threads(2)
+
+def uss():
+    tot = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                tot += int(line.split()[1]) * 1024
+    return tot
+
+model = nn.Sequential(*[nn.Linear(cfg["width"], cfg["width"]) for _ in range(cfg["layers"])])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+client = None
+if cfg["variant"] != "plain":
+    from tierstore.client import Client
+    from tierstore.client.torch import offload_optimizer
+    client = Client.connect(socket=cfg["socket"], namespace="bench/rank0")
+    opt = offload_optimizer(opt, client, tier=cfg["tier"], prefix="adam")
+times, peak = [], uss()
+x = torch.randn(cfg["batch"], cfg["width"], generator=torch.Generator().manual_seed(1))
+for step in range(cfg["warmup"] + cfg["steps"]):
+    t0 = time.perf_counter()
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    if step >= cfg["warmup"]:
+        times.append(dt)
+    peak = max(peak, uss())
+h = hashlib.sha256()
+for p in model.parameters():
+    h.update(p.detach().numpy().tobytes())
+st = client.stat() if client else None
+print(json.dumps({"times": times, "peak_uss": peak, "digest": h.hexdigest(),
+                  "prefetch": st["prefetch"] if st else None, "daemon_pid": st["pid"] if st else None}))
+"""
+
+
+def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str):
+    sock = os.path.join(base, "run", "ts.sock")
+    notify = os.path.join(base, "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(notify)
+    ns.settimeout(300)
+    p = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir",
+                          os.path.join(base, "nvme"), "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
+                          "--prefetch", "1" if prefetch else "0", "--policy", policy,
+                          "--prefetch-budget-bytes", str(max(host_bytes // 3, 1 << 20)), "--log-level", "WARNING"],
+                         env={**os.environ, "NOTIFY_SOCKET": notify})
+    while b"READY=1" not in ns.recv(4096):
+        pass
+    return p, sock, ns
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
+    d = tempfile.mkdtemp(dir=base)
+    daemon = ns = None
+    try:
+        wcfg = dict(cfg, variant=variant)
+        if variant != "plain":
+            if variant == "host":
+                host, tier, prefetch = int(2.2 * state_bytes) + (64 << 20), "host", False
+            else:
+                host, tier, prefetch = max(state_bytes // 4, 8 << 20), "nvme", variant == "nvme+prefetch"
+            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace")
+            wcfg.update(socket=sock, tier=tier)
+        r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(wcfg)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"{variant} failed:\n{r.stderr[-3000:]}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        out["daemon_peak_rss"] = _peak_rss(daemon.pid) if daemon else 0
+        return out
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait()
+            ns.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--png", default=None)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.layers, args.steps, args.warmup = 256, 3, 1, 2
+    base = args.dir or os.path.abspath("bench-io-tmp")
+    os.makedirs(base, exist_ok=True)
+    n_params = args.layers * (args.width * args.width + args.width)
+    state_bytes = 2 * 4 * n_params
+    cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
+           "warmup": args.warmup}
+    results = {}
+    for v in ("plain", "host", "nvme", "nvme+prefetch"):
+        results[v] = run(v, cfg, state_bytes, base)
+    plain = results["plain"]
+    med = {v: sorted(r["times"])[len(r["times"]) // 2] for v, r in results.items()}
+    rows, out_rows = [], []
+    for v, r in results.items():
+        node = r["peak_uss"] + r["daemon_peak_rss"]
+        plain_node = plain["peak_uss"]
+        saving = (plain_node - node) / state_bytes
+        row = {"variant": v, "step_s": med[v], "step_vs_plain": med[v] / med["plain"], "peak_uss": r["peak_uss"],
+               "daemon_peak_rss": r["daemon_peak_rss"], "node_bytes": node, "saving_of_state": saving,
+               "identical": r["digest"] == plain["digest"],
+               "hit_rate": (r["prefetch"]["hits"] / max(1, r["prefetch"]["hits"] + r["prefetch"]["late"]
+                                                       + r["prefetch"]["misses"])) if r["prefetch"] else None}
+        out_rows.append(row)
+        rows.append([v, f"{med[v]:.2f}", f"{row['step_vs_plain']:.2f}", f"{r['peak_uss'] / 2**30:.2f}",
+                     f"{r['daemon_peak_rss'] / 2**30:.2f}", f"{node / 2**30:.2f}", f"{saving * 100:.0f}%",
+                     "yes" if row["identical"] else "NO",
+                     "-" if row["hit_rate"] is None else f"{row['hit_rate'] * 100:.1f}%"])
+    print(f"# train_offload: {args.layers} x Linear({args.width}) = {n_params / 1e6:.0f}M params, AdamW state "
+          f"{state_bytes / 2**30:.2f} GiB, batch {args.batch}, {args.steps} steps after {args.warmup} warm-up; "
+          f"{machine()}")
+    print_table(["variant", "step s", "vs plain", "proc GiB", "daemon GiB", "node GiB", "saved/state", "same",
+                 "hit rate"], rows)
+    if args.png:
+        plot(out_rows, args.png)
+    out = {"bench": "train_offload", "params": n_params, "state_bytes": state_bytes, "machine": machine(),
+           "results": out_rows}
+    emit_json(out)
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no plot")
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["variant"] for r in rows]
+    a1.bar(names, [r["step_vs_plain"] for r in rows])
+    a1.axhline(1.25, color="gray", linestyle=":", label="1.25x target")
+    a1.set_ylabel("step time / plain")
+    a1.legend()
+    a2.bar(names, [r["node_bytes"] / 2**30 for r in rows])
+    a2.set_ylabel("node memory for training, GiB (peak)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
