@@ -145,3 +145,15 @@ def test_client_killed_mid_prefetch_leaves_nothing_pinned(daemon_factory):
         # nothing is held: one object the size of the whole usable tier fits
         big = c.put(torch.empty(7 << 20, dtype=torch.uint8), tier="host")
         assert "host" in c.info(big)["residency"]
+
+
+def test_two_step_cycles_are_learned(make_store):
+    """Double-buffered state alternates between two sets of objects every step."""
+    s, hs = _cyclic_store(make_store, "trace", True, n_objs=32)
+    a, b = list(enumerate(hs[:16])), list(enumerate(hs[16:], start=16))
+    for _ in range(3):
+        _run_steps(s, a, 1)
+        _run_steps(s, b, 1)
+    rates = _run_steps(s, a, 1) + _run_steps(s, b, 1)
+    assert min(rates) >= 0.95, rates
+    assert s.stat()["prefetch"]["traces"][0]["state"] == "learned"

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _TIERS = (None, "host", "nvme", "gpu")
 _LOCAL = "local"  # owner of leases taken through the in-process API
+_PREFETCH_WAIT_S = 1.0
 
 
 class WouldBlock(Exception):
@@ -1018,7 +1019,8 @@ class Store:
             d = self.policy.distance(oid)
         fetched = False
         try:
-            self._promote(meta, wait_s=0.0, priority=1, admit_distance=d)
+            # a full tier is often only waiting for write-backs: give them a moment
+            self._promote(meta, wait_s=_PREFETCH_WAIT_S, priority=1, admit_distance=d)
             fetched = True
         except TierstoreError as e:
             log.debug("prefetch of %s skipped: %s", meta.handle, e)

@@ -50,6 +50,7 @@ class Trace:
     learned: list[int] = field(default_factory=list)
     current: list[int] = field(default_factory=list)
     previous: list[int] = field(default_factory=list)
+    before: list[int] = field(default_factory=list)
     state: str = "learning"
     """``learning`` (no prediction yet) or ``learned``."""
     cursor: int = 0
@@ -65,21 +66,28 @@ class Trace:
             self.cursor = self._locate(oid)
 
     def step(self) -> None:
-        """Close the current step and decide whether the order repeats."""
+        """Close the current step and decide whether the order repeats.
+
+        A step like the previous one gives a one-step cycle. A step like the one
+        before the previous gives a two-step cycle (previous + current): loops that
+        alternate between two sets of objects, such as double-buffered optimizer
+        state, are predicted too.
+        """
         cur, self.current = self.current, []
         self.steps += 1
         if not cur:
             return
-        if self.state == "learned":
-            if similarity(cur, self.learned) >= _SIMILAR:
-                self._learn(cur)  # small drift: follow it
-            else:
-                self.state = "learning"
-                self.relearned += 1
-                self.learned, self.positions = [], {}
-        elif self.previous and similarity(cur, self.previous) >= _SIMILAR:
+        was = self.state
+        if self.previous and similarity(cur, self.previous) >= _SIMILAR:
             self._learn(cur)
-        self.previous = cur
+        elif self.before and self.previous and similarity(cur, self.before) >= _SIMILAR:
+            self._learn(self.previous + cur)
+        else:
+            self.state = "learning"
+            self.learned, self.positions = [], {}
+            if was == "learned":
+                self.relearned += 1
+        self.before, self.previous = self.previous, cur
         self.cursor = len(self.learned) - 1 if self.learned else 0
 
     def _learn(self, seq: list[int]) -> None:
