@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     _socket_flag(fr)
     fr.add_argument("--namespace", default="default")
     fr.add_argument("keys", nargs="+", metavar="KEY")
+    sn = sub.add_parser("snapshot", help="export a namespace as a Zarr v3 store (directory, .zip or URL)")
+    _socket_flag(sn)
+    sn.add_argument("namespace")
+    sn.add_argument("dest")
+    sn.add_argument("--prefix", default="", help="only keys starting with this")
+    rs = sub.add_parser("restore", help="import a snapshot into a namespace")
+    _socket_flag(rs)
+    rs.add_argument("src")
+    rs.add_argument("--namespace", help="target namespace (default: the one the snapshot was taken from)")
+    rs.add_argument("--overwrite", action="store_true", help="replace keys the namespace already has")
     return p
 
 
@@ -118,6 +128,22 @@ def _client_command(args: argparse.Namespace) -> int:
                 c.free(h)
                 print(f"freed {k}")
         return rc
+    if args.cmd == "snapshot":
+        with connect(args.socket, args.namespace) as c:
+            r = c.snapshot(args.dest, prefix=args.prefix)
+        print(f"snapshot of {args.namespace}: {r['objects']} objects, {format_size(r['bytes'])} in "
+              f"{r['seconds']:.1f} s -> {args.dest}")
+        return 0
+    if args.cmd == "restore":
+        ns = args.namespace
+        if ns is None:
+            from tierstore.snapshot import open_snapshot
+
+            ns = dict(open_snapshot(args.src).attrs).get("namespace") or "default"
+        with connect(args.socket, ns) as c:
+            r = c.restore(args.src, overwrite=args.overwrite)
+        print(f"restored {r['objects']} objects, {format_size(r['bytes'])} into {ns} in {r['seconds']:.1f} s")
+        return 0
     raise AssertionError(args.cmd)  # argparse only yields the commands above
 
 

@@ -207,6 +207,18 @@ class Client:
     def ping(self) -> None:
         self._conn.request("ping")
 
+    def snapshot(self, dest: str, *, prefix: str = "", progress: bool | None = None) -> dict[str, Any]:
+        """Export this namespace (keys under ``prefix``) to a Zarr v3 store (directory, .zip or URL)."""
+        from tierstore.snapshot import snapshot
+
+        return snapshot(self, dest, namespace=self.namespace, prefix=prefix, progress=progress)
+
+    def restore(self, src: str, *, overwrite: bool = False, progress: bool | None = None) -> dict[str, Any]:
+        """Import a snapshot into this namespace (``overwrite`` replaces existing keys)."""
+        from tierstore.snapshot import restore
+
+        return restore(self, src, overwrite=overwrite, progress=progress)
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         if self._executor is not None:

@@ -108,6 +108,25 @@ class Lease:
         self.release()
 
 
+class _NamespaceView:
+    """The store's API bound to one namespace (what snapshot/restore talk to)."""
+
+    def __init__(self, store: "Store", namespace: str) -> None:
+        self._s, self._ns = store, namespace
+
+    def ls(self, prefix: str = "") -> list[dict[str, Any]]:
+        return self._s.ls(prefix, namespace=self._ns)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._s.keys(prefix, namespace=self._ns)
+
+    def get(self, handle: Any) -> Any:
+        return self._s.get(handle, namespace=self._ns)
+
+    def put(self, tensor: Any, key: str | None = None, **kw: Any) -> Handle:
+        return self._s.put(tensor, key, namespace=self._ns, **kw)
+
+
 class Store:
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
 
@@ -260,6 +279,21 @@ class Store:
             except NotFound:  # freed meanwhile
                 continue
         return out
+
+    def snapshot(self, dest: str, *, prefix: str = "", namespace: str | None = None,
+                 progress: bool | None = None) -> dict[str, Any]:
+        """Export the namespace (keys under ``prefix``) as a Zarr v3 store; see ``tierstore.snapshot``."""
+        from .snapshot import snapshot
+
+        return snapshot(_NamespaceView(self, self._ns(namespace)), dest, namespace=self._ns(namespace),
+                        prefix=prefix, progress=progress)
+
+    def restore(self, src: str, *, namespace: str | None = None, overwrite: bool = False,
+                progress: bool | None = None) -> dict[str, Any]:
+        """Import a snapshot into the namespace; refuses incomplete or corrupted snapshots."""
+        from .snapshot import restore
+
+        return restore(_NamespaceView(self, self._ns(namespace)), src, overwrite=overwrite, progress=progress)
 
     def expire_leases(self, max_age_s: float) -> int:
         """Revoke leases older than ``max_age_s`` (a client that stopped answering)."""

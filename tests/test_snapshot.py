@@ -1,0 +1,162 @@
+"""Snapshots: a namespace to a Zarr v3 store and back, readable with plain zarr."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from tierstore import ChecksumMismatch, InvalidArgument, KeyExists
+
+
+def _fill(s):
+    data = {}
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool,
+               torch.complex64, torch.float8_e4m3fn):
+        for shape in ((), (0,), (5, 3), (300, 1024)):  # small ones packed, the last ones (>= 1 MiB for most) arrays
+            t = torch.randn(shape, generator=g)
+            t = (t > 0) if dt == torch.bool else t.to(dt)
+            key = f"w/{str(dt).split('.')[1]}/{'x'.join(map(str, shape)) or 'scalar'}@v#0"
+            s.put(t, key=key, durable=dt == torch.float32)
+            data[key] = t
+    a = np.arange(3 * 1024 * 100, dtype=np.float64).reshape(3, -1)
+    s.put(a, key="numpy/big")
+    data["numpy/big"] = a
+    return data
+
+
+def _check(s, data):
+    assert sorted(s.keys()) == sorted(data)
+    for k, t in data.items():
+        got = s.get(s.lookup(k))
+        if isinstance(t, np.ndarray):
+            assert isinstance(got, np.ndarray) and np.array_equal(got, t)
+        else:
+            assert got.dtype == t.dtype and got.shape == t.shape
+            # compare bytes: float8 has no equality kernel, and NaN != NaN would hide nothing here
+            assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("suffix", [".zarr", ".zip"])
+def test_round_trip_every_dtype(make_store, tmp_path, suffix):
+    s = make_store(host_bytes="64MiB")
+    data = _fill(s)
+    dest = str(tmp_path / f"snap{suffix}")
+    r = s.snapshot(dest)
+    assert r["objects"] == len(data) and os.path.exists(dest)
+    s2 = make_store(host_bytes="64MiB", nvme_dirs=[str(tmp_path / "other")])
+    s2.restore(dest, namespace="copy")
+    _check(_Ns(s2, "copy"), data)
+    assert s2.info(s2.lookup("w/float32/5x3@v#0", namespace="copy"), namespace="copy")["durable"]
+    with pytest.raises(KeyExists, match="--overwrite"):
+        s2.restore(dest, namespace="copy")
+    s2.restore(dest, namespace="copy", overwrite=True)
+    _check(_Ns(s2, "copy"), data)
+
+
+class _Ns:
+    def __init__(self, s, ns):
+        self.s, self.ns = s, ns
+
+    def keys(self):
+        return self.s.keys(namespace=self.ns)
+
+    def lookup(self, k):
+        return self.s.lookup(k, namespace=self.ns)
+
+    def get(self, h):
+        return self.s.get(h, namespace=self.ns)
+
+
+def test_readable_with_plain_zarr_and_small_objects_are_packed(make_store, tmp_path):
+    s = make_store()
+    big = torch.randn(512, 1024)
+    s.put(big, key="layers/0/weight")
+    for i in range(200):
+        s.put(torch.full((10,), float(i)), key=f"small/{i}")
+    dest = tmp_path / "snap.zarr"
+    s.snapshot(str(dest))
+    files = sum(len(f) for _, _, f in os.walk(dest))
+    assert files < 30, files  # 200 small objects are not 200 files
+    root = zarr.open_group(str(dest), mode="r")
+    assert root.attrs["complete"] is True and root.attrs["namespace"] == "default"
+    arr = root["layers/0/weight"]
+    assert arr.attrs["key"] == "layers/0/weight" and arr.attrs["dtype"] == "float32"
+    assert np.array_equal(arr[...], big.numpy())
+    e = next(e for e in root.attrs["objects"] if e["key"] == "small/7")
+    raw = root[f"_packs/{e['pack']}"][e["offset"]:e["offset"] + e["nbytes"]]
+    assert np.array_equal(raw.view(np.float32), np.full(10, 7.0, np.float32))
+
+
+def test_corrupted_chunk_is_refused_and_named(make_store, tmp_path):
+    s = make_store()
+    s.put(torch.randn(512, 1024), key="victim")
+    s.put(torch.ones(3), key="fine")
+    dest = tmp_path / "snap.zarr"
+    s.snapshot(str(dest))
+    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(dest / "victim") for f in fs if f != "zarr.json")
+    with open(chunk, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatch, match="'victim'"):
+        s.restore(str(dest), namespace="r")
+    assert s.keys(namespace="r") == []  # nothing half-restored
+
+
+SLOW_SNAPSHOT = r"""
+import sys, torch
+from tierstore import Config, Store
+s = Store(Config(host_bytes="256MiB", nvme_dirs=[sys.argv[1]], nvme_bytes="2GiB"))
+for i in range(60):
+    s.put(torch.randn(512, 1024), key=f"t/{i}")
+print("filled", flush=True)
+s.snapshot(sys.argv[2])
+"""
+
+
+def test_interrupted_snapshot_is_refused(tmp_path):
+    dest = tmp_path / "snap.zarr"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_SNAPSHOT, str(tmp_path / "nvme"), str(dest)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "filled"
+    while not any(n.startswith("snap.zarr.partial") for n in os.listdir(tmp_path)):
+        pass  # the snapshot has started writing
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not dest.exists()  # nothing at DEST that looks complete
+    partial = next(tmp_path / n for n in os.listdir(tmp_path) if n.startswith("snap.zarr.partial"))
+    from tierstore import Config, Store
+
+    with Store(Config(host_bytes="64MiB", nvme_dirs=[str(tmp_path / "n2")], nvme_bytes="1GiB")) as s:
+        with pytest.raises(InvalidArgument, match="incomplete|not a readable"):
+            s.restore(str(partial))
+        with pytest.raises(InvalidArgument, match="no snapshot"):
+            s.restore(str(dest))
+
+
+def test_cli_snapshot_and_restore_through_the_daemon(daemon, tmp_path):
+    with daemon.client("job") as c:
+        c.put(torch.arange(10.0), key="a")
+        c.put(torch.randn(300, 1024).to(torch.bfloat16), key="b/c")
+    env = {**os.environ, "TIERSTORE_SOCKET": daemon.socket}
+    dest = str(tmp_path / "job.zip")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "tierstore.client.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+    r = cli("snapshot", "job", dest)
+    assert r.returncode == 0 and "2 objects" in r.stdout, r.stderr
+    r = cli("restore", dest, "--namespace", "job-copy")
+    assert r.returncode == 0, r.stderr
+    r = cli("restore", dest)  # back into "job": the keys exist
+    assert r.returncode == 1 and "--overwrite" in r.stderr
+    with daemon.client("job") as a, daemon.client("job-copy") as b:
+        for k in ("a", "b/c"):
+            assert torch.equal(a.get(a.lookup(k)), b.get(b.lookup(k)))
