@@ -208,6 +208,84 @@ def host_tier(data: np.ndarray, runs: int) -> tuple[dict, dict, dict]:
     return pw, pr, mc
 
 
+def snapshot_vs_torch(directory: str, total: int, count: int, runs: int) -> dict:
+    """Snapshot/restore of a namespace of ``count`` tensors (``total`` bytes) vs torch.save/load of them."""
+    import torch
+
+    per = total // count // 4
+    tensors = {f"layer{i}/w": torch.randn(per, generator=torch.Generator().manual_seed(i)) for i in range(count)}
+    d = tempfile.mkdtemp(dir=directory)
+    cfg = Config(host_bytes=3 * total + (64 << 20), nvme_dirs=[os.path.join(d, "nvme")], nvme_bytes=4 * total)
+    snaps: list = []
+    try:
+        with Store(cfg, namespace="src") as s:
+            for k, t in tensors.items():
+                s.put(t, key=k)
+
+            def snap() -> float:
+                dest = os.path.join(d, f"snap{len(snaps)}.zarr")
+                snaps.append(dest)
+                dt = timed(lambda: s.snapshot(dest, progress=False))
+                return dt
+
+            sw = repeat(snap, runs, warmup=0)
+
+            def rest() -> float:
+                for root, _, files in os.walk(snaps[-1]):
+                    for f in files:
+                        drop_cache(os.path.join(root, f))
+                ns = f"dst{len(snaps)}-{os.urandom(4).hex()}"
+                return timed(lambda: s.restore(snaps[-1], namespace=ns, progress=False))
+
+            sr = repeat(rest, runs, warmup=0)
+        path = os.path.join(d, "t.pt")
+
+        def tsave() -> float:
+            def run() -> None:
+                with open(path, "wb") as f:
+                    torch.save(tensors, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            return timed(run)
+
+        def tload() -> float:
+            drop_cache(path)
+            return timed(lambda: torch.load(path, weights_only=True))
+        tw = repeat(tsave, runs, warmup=0)
+        tr = repeat(tload, runs, warmup=0)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    n = per * 4 * count
+    return {"bytes": n, "objects": count, "snapshot_gbps": gbps(n, sw["median_s"]),
+            "restore_gbps": gbps(n, sr["median_s"]), "torch_save_gbps": gbps(n, tw["median_s"]),
+            "torch_load_gbps": gbps(n, tr["median_s"])}
+
+
+def plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [r["size"] / 2**20 for r in results]
+    for ax, key, title in ((axes[0], "write_gbps", "write"), (axes[1], "read_gbps", "read")):
+        ax.plot(xs, [r["ceiling_" + key] for r in results], "k--", label="ceiling (best non-tierstore)")
+        for name in ("tierstore", "torch", "numpy"):
+            ax.plot(xs, [r[key][name] for r in results], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("object size, MiB")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"NVMe tier {title}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 # ----------------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -217,9 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", default="4MiB", help="tierstore io_chunk_bytes")
     p.add_argument("--threads", type=int, default=4, help="tierstore io_threads")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 runs (smoke test)")
+    p.add_argument("--snapshot-bytes", default="1GiB", help="namespace size for snapshot/restore (0: skip)")
+    p.add_argument("--snapshot-objects", type=int, default=500)
+    p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes, args.runs = "1MiB,3MiB", 2
+        args.sizes, args.runs, args.snapshot_bytes, args.snapshot_objects = "1MiB,3MiB", 2, "8MiB", 20
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     chunk = parse_size(args.chunk)
     base = args.dir or os.path.abspath("bench-io-tmp")
@@ -274,17 +355,30 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{res['read_gbps']['numpy']:.2f}", f"{res['memcpy_gbps']:.2f}",
                          f"{res['host_put_gbps'] / res['memcpy_gbps']:.2f}",
                          f"{res['host_get_gbps'] / res['memcpy_gbps']:.2f}"])
+        snap = None
+        if parse_size(args.snapshot_bytes):
+            snap = snapshot_vs_torch(work, parse_size(args.snapshot_bytes), args.snapshot_objects,
+                                     min(args.runs, 3))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"# io_throughput on {machine()}, dir {base}, runs {args.runs} (median), chunk {size_label(chunk)}, "
           f"threads {args.threads}; engine: {results[0]['engine'] if results else '?'}")
     print_table(["size", "ceil W", "ts W", "W/ceil", "torch W", "np W", "ceil R", "ts R", "R/ceil", "torch R",
                  "np R", "memcpy", "host put/mc", "host get/mc"], rows)
+    if snap:
+        print(f"# snapshot of a namespace of {snap['objects']} tensors, {size_label(snap['bytes'])}: "
+              f"snapshot {snap['snapshot_gbps']:.2f} GB/s vs torch.save {snap['torch_save_gbps']:.2f} GB/s "
+              f"({snap['snapshot_gbps'] / snap['torch_save_gbps']:.2f}x); restore {snap['restore_gbps']:.2f} GB/s "
+              f"vs torch.load {snap['torch_load_gbps']:.2f} GB/s ({snap['restore_gbps'] / snap['torch_load_gbps']:.2f}x)")
+    if args.png:
+        plot(results, args.png)
+        print(f"# plot: {args.png}")
     for nt in notes:
         print(f"# {nt}")
     print("# GB/s = 1e9 B/s; ceiling = best non-tierstore variant of the run: raw O_DIRECT (1 stream x 64MiB,"
           " 4 x 1MiB, N x chunk), dd direct, torch, numpy, deepspeed aio; page cache dropped before reads")
-    out = {"bench": "io_throughput", "machine": machine(), "runs": args.runs, "results": results, "notes": notes}
+    out = {"bench": "io_throughput", "machine": machine(), "runs": args.runs, "results": results, "notes": notes,
+           "snapshot": snap}
     emit_json(out)
     return out
 

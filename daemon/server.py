@@ -33,6 +33,7 @@ from tierstore.store import Store, WouldBlock
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
 from .handlers import Handlers
+from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier
 
 __all__ = ["Server", "Session", "DaemonAlreadyRunning"]
@@ -87,6 +88,9 @@ class Server:
         self.errors_by_code: dict[str, int] = {}
         self.accepted = 0
         self.refused = 0
+        self.latency = LatencyHistogram()
+        self.metrics_server = None
+        self.metrics_port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -101,6 +105,16 @@ class Server:
         except BaseException:
             self.store.close()
             raise
+        if self.config.metrics_port >= 0:
+            try:
+                self.metrics_server, self.metrics_port = serve_metrics(self._full_stat, self.config.metrics_port,
+                                                                       self.config.metrics_addr)
+            except OSError as e:
+                self._listen.close()
+                os.unlink(path)
+                self.store.close()
+                raise DaemonAlreadyRunning(f"cannot serve metrics on {self.config.metrics_addr}:"
+                                           f"{self.config.metrics_port}: {e}") from None
         self._sel.register(self._listen, selectors.EVENT_READ, ("listen", None))
         self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         st = self.store.stat()["tiers"]
@@ -180,6 +194,8 @@ class Server:
                 os.unlink(self.config.socket)
             except FileNotFoundError:
                 pass
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
         self._drain_done()
         for sess in list(self._sessions.values()):
@@ -325,11 +341,12 @@ class Server:
             sess.hello_pending = True
         sess.requests += 1
         fn = self.handlers.table[op]
+        t0 = time.perf_counter()
         try:
             result = fn(sess, msg, True)
         except WouldBlock:
             sess.inflight += 1
-            self._pool.submit(self._run_blocking, sess, fn, msg, rid, op)
+            self._pool.submit(self._run_blocking, sess, fn, msg, rid, op, t0)
             return
         except TierstoreError as e:
             if op == "hello":
@@ -341,13 +358,14 @@ class Server:
             sess.hello_pending = False
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
             return
+        self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
             sess.hello_pending = False
             self._send(sess, reply_ok(rid, result), [self.store.arena.fd])
             return
         self._send(sess, reply_ok(rid, result))
 
-    def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str) -> None:
+    def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str, t0: float) -> None:
         try:
             result = fn(sess, msg, False)
             out = (reply_ok(rid, result), op, None)
@@ -359,15 +377,16 @@ class Server:
         if sess.closed:
             # the client went away while this ran: whatever it acquired is released now
             self.store.release_owner(sess)
-        self._done.put((sess, out))
+        self._done.put((sess, out, time.perf_counter() - t0))
         self._wake()
 
     def _drain_done(self) -> None:
         while True:
             try:
-                sess, (blob, op, code) = self._done.get_nowait()
+                sess, (blob, op, code), seconds = self._done.get_nowait()
             except queue.Empty:
                 return
+            self.latency.observe(op, seconds)
             sess.inflight -= 1
             if op == "hello":
                 sess.hello_pending = False
@@ -477,7 +496,13 @@ class Server:
     def _server_stats(self) -> dict[str, Any]:
         return {"clients": len(self._sessions), "pid": os.getpid(), "socket": self.config.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
-                "connections_accepted": self.accepted, "connections_refused": self.refused}
+                "connections_accepted": self.accepted, "connections_refused": self.refused,
+                "ops": self.latency.snapshot(), "metrics_port": self.metrics_port}
+
+    def _full_stat(self) -> dict[str, Any]:
+        st = self.store.stat()
+        st.update(self._server_stats())
+        return st
 
 
 def run(config: Config) -> int:

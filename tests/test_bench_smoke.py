@@ -19,8 +19,10 @@ def _run(name: str, *args: str, cwd) -> dict:
 
 
 def test_io_throughput_smoke(tmp_path):
-    out = _run("io_throughput.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
-    assert out["bench"] == "io_throughput" and len(out["results"]) == 2
+    png = tmp_path / "io.png"
+    out = _run("io_throughput.py", "--quick", "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
+    assert out["bench"] == "io_throughput" and len(out["results"]) == 2 and png.stat().st_size > 0
+    assert out["snapshot"]["snapshot_gbps"] > 0 and out["snapshot"]["restore_gbps"] > 0
     for r in out["results"]:
         assert r["write_gbps"]["tierstore"] > 0 and r["read_gbps"]["tierstore"] > 0
         assert r["ceiling_read_gbps"] > 0 and r["memcpy_gbps"] > 0

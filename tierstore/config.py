@@ -104,6 +104,10 @@ class Config:
     """Daemon: connections admitted at once."""
     max_message_bytes: int = 1 << 20
     """Daemon: largest control message accepted."""
+    metrics_port: int = -1
+    """Daemon: Prometheus metrics port; -1 off, 0 any free port (reported by ``stat``)."""
+    metrics_addr: str = "127.0.0.1"
+    """Daemon: address the metrics endpoint binds (loopback unless told otherwise)."""
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -216,6 +220,8 @@ def add_config_flags(p: "argparse.ArgumentParser") -> None:
     g.add_argument("--lease-timeout-s", type=float)
     g.add_argument("--max-clients", type=int)
     g.add_argument("--max-message-bytes", help="largest control message accepted")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    g.add_argument("--metrics-addr", help="address for the metrics endpoint (default 127.0.0.1)")
 
 
 def config_from_args(args: "argparse.Namespace") -> Config:

@@ -123,7 +123,7 @@ def snapshot(source: Any, dest: str, *, namespace: str, prefix: str = "",
         nonlocal pack_n, pack_used
         if pack_used:
             arr = root.create_array(f"_packs/{pack_n}", shape=(pack_used,), dtype="uint8",
-                                    chunks=(min(_PACK_CHUNK, pack_used),))
+                                    chunks=(min(_PACK_CHUNK, pack_used),), compressors=None)
             arr[...] = pack_buf[:pack_used]
             pack_n += 1
             pack_used = 0
@@ -147,10 +147,12 @@ def snapshot(source: Any, dest: str, *, namespace: str, prefix: str = "",
                 sdt = _storage_dtype(spec.dtype, item)
                 flat = u8.view(np.dtype(sdt)).reshape(spec.shape) if spec.shape else u8.view(np.dtype(sdt))[0:1]
                 apath = _array_path(e["key"])
+                # uncompressed (tensors of floats barely compress), metadata written once with the array
                 arr = root.create_array(apath, shape=tuple(spec.shape) or (1,), dtype=sdt,
-                                        chunks=_chunks(spec.shape, item))
+                                        chunks=_chunks(spec.shape, item), compressors=None,
+                                        attributes={**entry, "tierstore_version": __version__,
+                                                    "zero_d": not spec.shape})
                 arr[...] = flat
-                arr.attrs.update({**entry, "tierstore_version": __version__, "zero_d": not spec.shape})
                 entry["array"] = apath
             index.append(entry)
             prog.update(spec.nbytes)
@@ -259,8 +261,9 @@ def _read(root: Any, e: dict[str, Any], packs: dict[int, Any]) -> np.ndarray:
     if "pack" in e:
         arr = packs.get(e["pack"])
         if arr is None:
-            arr = packs[e["pack"]] = root[f"_packs/{e['pack']}"]
-        u8 = np.ascontiguousarray(arr[e["offset"]:e["offset"] + e["nbytes"]]) if e["nbytes"] else np.empty(0, np.uint8)
+            packs.clear()  # one pack (<= 64 MiB) in memory at a time; the index is in pack order
+            arr = packs[e["pack"]] = root[f"_packs/{e['pack']}"][...]
+        u8 = arr[e["offset"]:e["offset"] + e["nbytes"]]
     else:
         a = root[e["array"]][...]
         u8 = np.ascontiguousarray(a).reshape(-1).view(np.uint8)[:e["nbytes"]]
