@@ -114,7 +114,7 @@ SLOW_SNAPSHOT = r"""
 import sys, torch
 from tierstore import Config, Store
 s = Store(Config(host_bytes="256MiB", nvme_dirs=[sys.argv[1]], nvme_bytes="2GiB"))
-for i in range(60):
+for i in range(100):
     s.put(torch.randn(512, 1024), key=f"t/{i}")
 print("filled", flush=True)
 s.snapshot(sys.argv[2])
@@ -126,8 +126,11 @@ def test_interrupted_snapshot_is_refused(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", SLOW_SNAPSHOT, str(tmp_path / "nvme"), str(dest)],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "filled"
-    while not any(n.startswith("snap.zarr.partial") for n in os.listdir(tmp_path)):
-        pass  # the snapshot has started writing
+    def started():
+        return any(n.startswith("snap.zarr.partial") and os.path.isdir(tmp_path / n / "t")
+                   for n in os.listdir(tmp_path))
+    while not started():  # wait until objects are being written
+        assert p.poll() is None and not dest.exists(), "the snapshot finished before it could be interrupted"
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert not dest.exists()  # nothing at DEST that looks complete
