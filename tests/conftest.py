@@ -7,6 +7,8 @@ import pytest
 
 from tierstore import Config, Store
 
+sys.path.insert(0, os.path.dirname(__file__))  # tests/faults.py is a module of the suite
+
 
 def pytest_collection_modifyitems(config, items):
     import importlib.util

@@ -1,0 +1,304 @@
+"""Fault-injection harness: rounds of a randomized multi-process workload against a real
+daemon, with SIGKILL of the daemon or of a client at a random moment, then a restart
+and a check of every invariant DESIGN.md promises.
+
+    python tests/faults.py --rounds 20 --seed 7          # a fixed number of rounds
+    python tests/faults.py --soak 30                     # as many rounds as fit in 30 minutes
+
+Seeded: the same seed replays the same schedule of operations and kills (timing
+still varies with the machine). The short version runs in CI (tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PAGE = 4096
+
+WORKER = r"""
+import json, sys, zlib, numpy as np
+from tierstore.client import Client
+from tierstore import CapacityExceeded, Busy
+sock, ns, seed, ledger_path, n_ops = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+rng = np.random.default_rng(seed)
+
+def data(key, ver, n):
+    return np.random.default_rng(zlib.crc32(f"{ns}|{key}|{ver}".encode())).integers(0, 256, n, dtype=np.uint8)
+
+ledger = open(ledger_path, "a", buffering=1)
+def log(**kw):
+    ledger.write(json.dumps(kw) + "\n")
+c = Client.connect(socket=sock, namespace=ns)
+live = {}  # key -> (ver, n, durable)
+for i in range(n_ops):
+    r = rng.random()
+    if r < 0.35 or not live:
+        key, n = f"k{seed}-{i}", int(rng.integers(0, 300_000))
+        durable, tier = bool(rng.random() < 0.4), (None if rng.random() < 0.7 else "nvme")
+        log(op="put-begin", key=key, ver=0, n=n, durable=durable)
+        try:
+            c.put(data(key, 0, n), key=key, durable=durable, tier=tier)
+        except CapacityExceeded:
+            log(op="put-failed", key=key)
+            continue
+        log(op="put", key=key, ver=0, n=n, durable=durable)
+        live[key] = (0, n, durable)
+    elif r < 0.65:
+        key = list(live)[int(rng.integers(len(live)))]
+        ver, n, _ = live[key]
+        got = c.get(c.lookup(key))
+        assert np.array_equal(got, data(key, ver, n)), f"wrong bytes for {key}"
+    elif r < 0.85:
+        key = list(live)[int(rng.integers(len(live)))]
+        ver, n, durable = live[key]
+        log(op="rw-begin", key=key, ver=ver + 1)
+        try:
+            with c.checkout(c.lookup(key), "rw", timeout_s=5) as v:
+                assert np.array_equal(v, data(key, ver, n)), f"wrong bytes in checkout of {key}"
+                v[:] = data(key, ver + 1, n)
+        except CapacityExceeded:
+            log(op="rw-failed", key=key)
+            continue
+        log(op="rw", key=key, ver=ver + 1)
+        live[key] = (ver + 1, n, durable)
+    else:
+        key = list(live)[int(rng.integers(len(live)))]
+        log(op="free-begin", key=key)
+        c.free(c.lookup(key))
+        log(op="free", key=key)
+        del live[key]
+log(op="done")
+"""
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    daemon_kills: int = 0
+    client_kills: int = 0
+    graceful_stops: int = 0
+    objects_checked: int = 0
+    durable_checked: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def data(ns: str, key: str, ver: int, n: int) -> np.ndarray:
+    return np.random.default_rng(zlib.crc32(f"{ns}|{key}|{ver}".encode())).integers(0, 256, n, dtype=np.uint8)
+
+
+class Daemon:
+    def __init__(self, base: Path, host_bytes: str) -> None:
+        self.base = base
+        self.socket = str(base / "run" / "ts.sock")
+        self.host_bytes = host_bytes
+        self.proc: subprocess.Popen | None = None
+        self.notify_path = str(base / "notify")
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(self.notify_path)
+        self.notify.settimeout(120)
+
+    def start(self) -> None:
+        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path}
+        log = open(self.base / "daemon.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tierstore.daemon", "--socket", self.socket, "--nvme-dir",
+             str(self.base / "nvme"), "--host-bytes", self.host_bytes, "--nvme-bytes", "2GiB",
+             "--log-level", "INFO"], env=env, stdout=log, stderr=log)
+        log.close()
+        while True:  # readiness: READY=1 means the journal was replayed
+            try:
+                msg = self.notify.recv(4096)
+            except TimeoutError:
+                raise RuntimeError("daemon did not become ready; see " + str(self.base / "daemon.log")) from None
+            if b"READY=1" in msg:
+                return
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"daemon exited {self.proc.returncode} on SIGTERM")
+
+    def close(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+
+
+def read_ledger(path: Path) -> dict[str, dict]:
+    """Per key: what the worker knows returned, and what was in flight when it died."""
+    state: dict[str, dict] = {}
+    if not path.exists():
+        return state
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by SIGKILL
+        k = r.get("key")
+        if k is None:
+            continue
+        s = state.setdefault(k, {"ver": None, "n": None, "durable": False, "returned": False, "inflight": None})
+        op = r["op"]
+        if op == "put-begin":
+            s.update(n=r["n"], durable=r["durable"], inflight="put", ver=0)
+        elif op == "put":
+            s.update(returned=True, inflight=None)
+        elif op in ("put-failed",):
+            s.update(inflight=None, gone=True)
+        elif op == "rw-begin":
+            s["inflight"] = "rw"
+        elif op == "rw":
+            s.update(ver=r["ver"], inflight=None)
+        elif op == "rw-failed":
+            s["inflight"] = None
+        elif op == "free-begin":
+            s["inflight"] = "free"
+        elif op == "free":
+            s.update(freed=True, inflight=None)
+    return state
+
+
+def check(daemon: Daemon, namespaces: list[str], ledgers: dict[str, Path], restarted: bool, daemon_crashed: bool,
+          stats: Stats) -> None:
+    from tierstore.client import Client
+
+    fail = stats.failures.append
+    with Client.connect(socket=daemon.socket, namespace=namespaces[0]) as c0:
+        for _ in range(2000):  # the daemon notices dead clients asynchronously
+            st = c0.stat()
+            if st["clients"] == 1 and st["leases"] == 0 and st["reservations"] == 0:
+                break
+            c0.ping()
+        if st["leases"] or st["reservations"]:
+            fail(f"round {stats.rounds}: {st['leases']} leases / {st['reservations']} reservations survived "
+                 "their connections")
+    for ns in namespaces:
+        with Client.connect(socket=daemon.socket, namespace=ns) as c:
+            present = {r["key"]: r for r in c.ls()}
+            for key, s in read_ledger(ledgers[ns]).items():
+                if s.get("freed"):
+                    if key in present:
+                        fail(f"{ns}/{key}: freed, but present after the restart")
+                    continue
+                must_exist = s["returned"] and s["inflight"] != "free" and (s["durable"] or not restarted)
+                if key not in present:
+                    if must_exist:
+                        fail(f"{ns}/{key}: {'durable ' if s['durable'] else ''}put returned, object missing")
+                    continue
+                if s["inflight"] == "rw" and not daemon_crashed:
+                    continue  # killed while writing through its view: the bytes are whatever it wrote
+                got = c.get(c.lookup(key)).view(np.uint8)
+                ok_versions = [s["ver"]] + ([s["ver"] + 1] if s["inflight"] == "rw" else [])
+                if not any(np.array_equal(got, data(ns, key, v, s["n"])) for v in ok_versions):
+                    fail(f"{ns}/{key}: wrong bytes after restart (versions {ok_versions})")
+                stats.objects_checked += 1
+                stats.durable_checked += s["durable"]
+            # free everything so the next round starts clean and the space must come back
+            for key in present:
+                c.free(c.lookup(key))
+    with Client.connect(socket=daemon.socket, namespace=namespaces[0]) as c:
+        st = c.stat()
+        host_used, nvme_used = st["tiers"]["host"]["used_bytes"], st["tiers"]["nvme"]["used_bytes"]
+        if nvme_used:
+            fail(f"round {stats.rounds}: {nvme_used} NVMe bytes still allocated with no object left (leak)")
+        if host_used > 64 * 1024 * 2:  # at most the staging areas of live connections
+            fail(f"round {stats.rounds}: {host_used} host bytes allocated with no object left (leak)")
+
+
+def run(rounds: int | None, seed: int, workers: int = 3, ops: int = 400, soak_s: float | None = None,
+        base: Path | None = None, host_bytes: str = "32MiB", verbose: bool = True) -> Stats:
+    rng = random.Random(seed)
+    own = base is None
+    base = Path(base or tempfile.mkdtemp(prefix="tierstore-faults-"))
+    stats = Stats()
+    daemon = Daemon(base, host_bytes)
+    deadline = time.monotonic() + soak_s if soak_s else None
+    try:
+        daemon.start()
+        while (rounds is None or stats.rounds < rounds) and (deadline is None or time.monotonic() < deadline):
+            stats.rounds += 1
+            r = stats.rounds
+            namespaces = [f"fi{r}/w{i}" for i in range(workers)]
+            ledgers = {ns: base / f"ledger-{r}-{i}.jsonl" for i, ns in enumerate(namespaces)}
+            procs = [subprocess.Popen([sys.executable, "-c", WORKER, daemon.socket, ns, str(rng.randrange(1 << 30)),
+                                       str(ledgers[ns]), str(ops)], stdout=subprocess.DEVNULL,
+                                      stderr=open(base / f"worker-{r}-{i}.log", "w"))
+                     for i, ns in enumerate(namespaces)]
+            time.sleep(rng.uniform(0.3, 2.0))  # the fault lands at a random moment of the workload
+            victim = rng.choice(["daemon", "client", "client", "none"])
+            daemon_crashed = False
+            if victim == "daemon":
+                daemon.kill()
+                stats.daemon_kills += 1
+                daemon_crashed = True
+                for p in procs:
+                    p.kill()
+            elif victim == "client":
+                rng.choice(procs).kill()
+                stats.client_kills += 1
+            for p in procs:
+                try:
+                    p.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                    stats.failures.append(f"round {r}: a worker hung")
+            for i, p in enumerate(procs):
+                if p.returncode not in (0, -signal.SIGKILL) and not daemon_crashed:
+                    err = (base / f"worker-{r}-{i}.log").read_text()[-800:]
+                    stats.failures.append(f"round {r}: worker {i} failed: {err}")
+            restarted = daemon_crashed
+            if daemon_crashed:
+                daemon.start()  # journal replay
+            elif rng.random() < 0.3:
+                daemon.stop()  # graceful stop, then a restart: volatile objects end with the daemon
+                stats.graceful_stops += 1
+                daemon.start()
+                restarted = True
+            check(daemon, namespaces, ledgers, restarted, daemon_crashed, stats)
+            if verbose:
+                print(f"round {r}: fault={victim} checked={stats.objects_checked} failures={len(stats.failures)}",
+                      flush=True)
+    finally:
+        daemon.close()
+        if own and not stats.failures:
+            shutil.rmtree(base, ignore_errors=True)
+    return stats
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--soak", type=float, default=None, metavar="MINUTES")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, default=3)
+    args = p.parse_args()
+    rounds = args.rounds if args.rounds is not None or args.soak else 10
+    stats = run(rounds, args.seed, workers=args.workers, soak_s=args.soak * 60 if args.soak else None)
+    print(json.dumps(stats.__dict__))
+    return 1 if stats.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Fault injection: the harness's short mode in CI, and disk faults on the store."""
+
+import os
+
+import pytest
+import torch
+
+import faults
+from tierstore import ChecksumMismatch, StorageError
+
+
+def test_fault_rounds_short(tmp_path):
+    stats = faults.run(rounds=4, seed=11, workers=3, ops=250, base=tmp_path, verbose=False)
+    assert not stats.failures, stats.failures[:10]
+    assert stats.rounds == 4 and stats.objects_checked > 0
+
+
+def _extent_file(s, h):
+    e = s._objects[h.id].nvme[0]
+    return s.nvme.drives[e.dev].path, e
+
+
+def test_truncated_extent_is_an_error_for_that_object_only(make_store):
+    s = make_store()
+    keep = s.put(torch.arange(1000.0), tier="nvme", durable=True)
+    last = s.put(torch.randn(300_000), tier="nvme", durable=True)  # the extent at the end of the file
+    path, e = _extent_file(s, last)
+    with open(path, "r+b") as f:
+        f.truncate(e.file_offset + 4096)
+    with pytest.raises(ChecksumMismatch):
+        s.get(last)
+    assert torch.equal(s.get(keep), torch.arange(1000.0))
+
+
+def test_zero_filled_extent_is_detected(make_store):
+    s = make_store()
+    h = s.put(torch.randn(200_000), tier="nvme")
+    path, e = _extent_file(s, h)
+    with open(path, "r+b") as f:
+        f.seek(e.file_offset)
+        f.write(b"\0" * e.nbytes)
+    with pytest.raises(ChecksumMismatch, match="block 0"):
+        s.get(h)
+
+
+def test_unwritable_data_file_fails_writes_cleanly(make_store, nvme_dir):
+    """An NVMe file that refuses writes (immutable, as a read-only or failing drive would)."""
+    import shutil
+    import subprocess
+
+    s = make_store(nvme_bytes="64MiB", nvme_grow_bytes="1MiB", host_bytes="4MiB")
+    h = s.put(torch.ones(1000), tier="nvme", durable=True)
+    data = os.path.join(nvme_dir, "data.bin")
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", data]).returncode != 0:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        with pytest.raises(StorageError, match="data.bin"):
+            s.put(torch.ones(2_000_000), tier="nvme")
+        assert torch.equal(s.get(h), torch.ones(1000))  # reads keep working
+        assert s.stat()["namespaces"]["default"]["objects"] == 1  # the failed put left nothing
+    finally:
+        subprocess.run(["chattr", "-i", data], check=True)
+    h2 = s.put(torch.ones(10), tier="nvme")
+    assert torch.equal(s.get(h2), torch.ones(10))
