@@ -85,7 +85,7 @@ def test_readable_with_plain_zarr_and_small_objects_are_packed(make_store, tmp_p
     assert files < 30, files  # 200 small objects are not 200 files
     root = zarr.open_group(str(dest), mode="r")
     assert root.attrs["complete"] is True and root.attrs["namespace"] == "default"
-    arr = root["layers/0/weight"]
+    arr = root["layers/0/weight/~data"]
     assert arr.attrs["key"] == "layers/0/weight" and arr.attrs["dtype"] == "float32"
     assert np.array_equal(arr[...], big.numpy())
     e = next(e for e in root.attrs["objects"] if e["key"] == "small/7")
@@ -99,7 +99,8 @@ def test_corrupted_chunk_is_refused_and_named(make_store, tmp_path):
     s.put(torch.ones(3), key="fine")
     dest = tmp_path / "snap.zarr"
     s.snapshot(str(dest))
-    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(dest / "victim") for f in fs if f != "zarr.json")
+    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(dest / "victim" / "~data") for f in fs
+                 if f != "zarr.json")
     with open(chunk, "r+b") as f:
         f.seek(100)
         b = f.read(1)

@@ -5,7 +5,7 @@ Layout of a snapshot:
 - root attributes: ``tierstore_version``, ``namespace``, ``complete`` (written last),
   ``objects`` (an index entry per object: key, kind, dtype, shape, nbytes, crc32c,
   and where its bytes are);
-- an object of 1 MiB or more: one array at its key path (segments escaped), with
+- an object of 1 MiB or more: one array at ``KEY/~data`` (key segments escaped), with
   its metadata as attributes; dtypes Zarr lacks (bfloat16, float8, complex32) are
   stored as unsigned integers of the same width, the true dtype in ``dtype``;
 - smaller objects: packed back to back into ``_packs/N`` uint8 arrays (so 500 small
@@ -51,8 +51,14 @@ def _escape_segment(seg: str) -> str:
     return out
 
 
+_LEAF = "~data"
+"""Name of an object's array inside its key's group. Escaping turns every "~" of a key
+into "~7e", so no key segment can be "~data": keys that are prefixes of other keys
+("opt" and "opt/m") never collide."""
+
+
 def _array_path(key: str) -> str:
-    return "/".join(_escape_segment(s) for s in key.split("/"))
+    return "/".join([*(_escape_segment(s) for s in key.split("/")), _LEAF])
 
 
 def _storage_dtype(dtype: str, nbytes_per_item: int) -> str:
