@@ -48,3 +48,9 @@ def test_train_offload_smoke(tmp_path):
     assert out["bench"] == "train_offload"
     assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch"]
     assert all(r["identical"] for r in out["results"])  # offloading never changes the numbers
+
+
+def test_load_smoke(tmp_path):
+    out = _run("load.py", "--quick", cwd=tmp_path)
+    assert out["bench"] == "load" and out["wrong"] == 0
+    assert set(out["errors"]) <= {"CapacityExceeded"} and out["ops_per_s"] > 0
