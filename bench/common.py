@@ -67,3 +67,16 @@ def size_label(n: int) -> str:
         if n >= s and n % s == 0:
             return f"{n // s}{unit}"
     return f"{n}B"
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a note) when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no plot")
+        return None
+    return plt

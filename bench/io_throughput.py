@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (drop_cache, emit_json, gbps, machine, print_table, random_bytes, repeat,  # noqa: E402
-                    size_label, timed)
+                    pyplot, size_label, timed)
 
 from tierstore import Config, Store  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
@@ -71,7 +71,7 @@ def raw_direct(path: str, data: np.ndarray, runs: int, streams: int, chunk: int)
         pool.shutdown()
         os.close(fd)
         os.unlink(path)
-        del buf
+        buf = None  # drop the buffer export before closing the map
         m.close()
     return w, r
 
@@ -262,13 +262,8 @@ def snapshot_vs_torch(directory: str, total: int, count: int, runs: int) -> dict
 
 
 def plot(results: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     xs = [r["size"] / 2**20 for r in results]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table  # noqa: E402
+from common import pyplot, emit_json, machine, print_table  # noqa: E402
 
 from tierstore import Config, Store  # noqa: E402
 from tierstore.units import format_size  # noqa: E402
@@ -193,13 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def plot(results: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for name in ("lru", "lru+prefetch", "trace+prefetch"):

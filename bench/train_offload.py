@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table  # noqa: E402
+from common import pyplot, emit_json, machine, print_table  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time, hashlib
@@ -177,13 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["variant"] for r in rows]

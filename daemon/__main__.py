@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as e:
-        print(f"tierstore daemon: {e}", file=sys.stderr)
+        logging.getLogger("tierstore.daemon").error("invalid configuration: %s", e)
         return 2
     return run(cfg)
 

@@ -420,10 +420,7 @@ class Server:
             self._queue(sess, blob, fds)
             return
         try:
-            if fds:
-                socket.send_fds(sess.sock, [blob], fds)
-            else:
-                sess.sock.send(blob)
+            _send_packet(sess.sock, blob, fds)
         except BlockingIOError:
             self._queue(sess, blob, fds)
         except OSError:
@@ -441,10 +438,7 @@ class Server:
         while sess.outbox:
             blob, fds = sess.outbox[0]
             try:
-                if fds:
-                    socket.send_fds(sess.sock, [blob], fds)
-                else:
-                    sess.sock.send(blob)
+                _send_packet(sess.sock, blob, fds)
             except BlockingIOError:
                 return
             except OSError:
@@ -503,6 +497,14 @@ class Server:
         st = self.store.stat()
         st.update(self._server_stats())
         return st
+
+
+def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> None:
+    """One SEQPACKET message, with file descriptors attached when given (the hello reply)."""
+    if fds:
+        socket.send_fds(sock, [blob], fds)
+    else:
+        sock.send(blob)
 
 
 def run(config: Config) -> int:

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 

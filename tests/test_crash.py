@@ -1,6 +1,5 @@
 """Crash safety: SIGKILL of a writer process, torn journal tails, corrupt records."""
 
-import json
 import os
 import signal
 import subprocess
@@ -108,7 +107,7 @@ def test_journal_compaction_bounds_growth(tmp_path):
     cfg = Config(host_bytes="8MiB", nvme_dirs=[d], nvme_bytes="64MiB", journal_compact_bytes="64KiB")
     with Store(cfg) as s:
         for i in range(600):
-            h = s.put(torch.full((10,), float(i)), key="rolling", durable=True, replace=True)
+            s.put(torch.full((10,), float(i)), key="rolling", durable=True, replace=True)
         assert s.journal.size() < 256 * 1024
     with Store(cfg) as s:
         assert torch.equal(s.get(s.lookup("rolling")), torch.full((10,), 599.0))

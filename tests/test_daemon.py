@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore import Busy, CapacityExceeded, DaemonUnavailable, KeyExists, NotFound, PermissionDenied, StaleHandle
+from tierstore import Busy, CapacityExceeded, DaemonUnavailable, KeyExists, NotFound, StaleHandle
 from tierstore.client import Client
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]

@@ -19,7 +19,6 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
