@@ -5,11 +5,36 @@ No-op when the variable is unset (not started by systemd with Type=notify).
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
 
-__all__ = ["Notifier"]
+__all__ = ["Notifier", "inherited_fds"]
+
+SD_LISTEN_FDS_START = 3
+
+
+def inherited_fds(env: dict[str, str] | None = None) -> dict[str, int]:
+    """File descriptors systemd passed back (``LISTEN_FDS`` / ``LISTEN_FDNAMES``), by name.
+
+    Only when ``LISTEN_PID`` names this process, as sd_listen_fds(3) requires.
+    """
+    env = dict(os.environ) if env is None else env
+    if env.get("LISTEN_PID") != str(os.getpid()):
+        return {}
+    try:
+        n = int(env.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return {}
+    names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else []
+    out = {}
+    for i in range(n):
+        fd = SD_LISTEN_FDS_START + i
+        name = names[i] if i < len(names) else f"fd{i}"
+        os.set_inheritable(fd, False)
+        out[name] = fd
+    return out
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +52,17 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 2e6 if ok and int(usec) > 0 else None
         """Half of WatchdogSec, as systemd recommends; None when no watchdog is set."""
 
-    def notify(self, *lines: str) -> bool:
+    def notify(self, *lines: str, fds: list[int] | None = None) -> bool:
         if not self.addr:
             return False
         msg = "\n".join(lines).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.sendto(msg, self.addr)
+                if fds:
+                    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                    s.sendmsg([msg], anc, 0, self.addr)
+                else:
+                    s.sendto(msg, self.addr)
             return True
         except OSError as e:
             log.warning("sd_notify to %r failed: %s", self.addr, e)
@@ -47,6 +76,10 @@ class Notifier:
 
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
+
+    def store_fd(self, name: str, fd: int) -> bool:
+        """Hand ``fd`` to systemd's file-descriptor store under ``name`` (FDSTORE=1)."""
+        return self.notify("FDSTORE=1", f"FDNAME={name}", fds=[fd])
 
     def stopping(self) -> bool:
         return self.notify("STOPPING=1", "STATUS=draining I/O and flushing the journal")

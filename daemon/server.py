@@ -34,7 +34,7 @@ from tierstore.store import Store, WouldBlock
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
 from .handlers import Handlers
 from .metrics import LatencyHistogram, serve_metrics
-from .sdnotify import Notifier
+from .sdnotify import Notifier, inherited_fds
 
 __all__ = ["Server", "Session", "DaemonAlreadyRunning"]
 
@@ -98,7 +98,14 @@ class Server:
         path = self.config.socket
         self.notifier.status("replaying the journal and mapping the host arena")
         self._check_no_live_daemon(path)
-        self.store = Store(self.config)
+        inherited = inherited_fds()
+        if inherited:
+            log.info("systemd handed back %s", ", ".join(sorted(inherited)))
+        self.store = Store(self.config, inherited_fds=inherited)
+        # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
+        # crash) gets them back and adopts every host-resident object
+        self.notifier.store_fd("arena", self.store.arena.fd)
+        self.notifier.store_fd("index", self.store.hostlog.fd)
         self.handlers = Handlers(self.store, self._server_stats)
         try:
             self._listen = self._bind(path)
@@ -119,7 +126,8 @@ class Server:
         self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         st = self.store.stat()["tiers"]
         status = (f"serving on {path}: host {st['host']['capacity_bytes']} B, nvme {st['nvme']['capacity_bytes']} B, "
-                  f"engine {st['nvme']['engine']}, {self.store.replay_info['objects']} durable objects recovered")
+                  f"engine {st['nvme']['engine']}, {self.store.replay_info['objects']} durable objects recovered, "
+                  f"{self.store.replay_info['adopted']} host-resident objects adopted")
         log.info(status)
         self.notifier.ready(status)
 

@@ -85,6 +85,7 @@ class DaemonProc:
         self.notify.bind(self.notify_path)
         self.notify.settimeout(60)
         self.messages: list[str] = []
+        self.fdstore: dict[str, int] = {}
         self.proc = None
 
     def start(self, expect_ready=True):
@@ -105,9 +106,17 @@ class DaemonProc:
             if any(needle in m for m in self.messages):
                 return [m for m in self.messages if needle in m][0]
             try:
-                msg = self.notify.recv(4096).decode()
+                import socket as _s
+
+                raw, fds, _, _ = _s.recv_fds(self.notify, 4096, 8)
             except TimeoutError:
                 raise AssertionError(f"daemon never sent {needle!r}; log:\n{self.log.read_text()[-3000:]}")
+            msg = raw.decode()
+            if fds and "FDNAME=" in msg:  # FDSTORE=1: keep the fd, as systemd would
+                name = msg.split("FDNAME=")[1].split()[0]
+                if name in self.fdstore:
+                    os.close(self.fdstore[name])
+                self.fdstore[name] = fds[0]
             self.messages.append(msg)
 
     def stop(self):

@@ -433,3 +433,55 @@ def test_malformed_input_never_hurts_others(daemon_factory):
     with pytest.raises(NotFound):
         good.get(10**6)
     good.close()
+
+
+LAUNCH = r"""
+import os, sys
+arena, index = int(sys.argv[1]), int(sys.argv[2])
+os.dup2(arena, 3); os.dup2(index, 4)
+os.environ.update(LISTEN_FDS="2", LISTEN_FDNAMES="arena:index", LISTEN_PID=str(os.getpid()))
+os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *sys.argv[3:]])
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
+    """systemd emulated: the fds the daemon stores with FDSTORE=1 are handed to the next one."""
+    stored = dict(daemon.fdstore)  # what the daemon handed to "systemd" before READY=1
+    assert set(stored) == {"arena", "index"}
+    with daemon.client("survive") as c:
+        keep = {f"v{i}": torch.randn(1000 * (i + 1)) for i in range(20)}
+        for k, t in keep.items():
+            c.put(t, key=k)
+        c.free(c.lookup("v3"))
+        del keep["v3"]
+        with c.checkout(c.lookup("v5"), "rw") as v:
+            v.fill_(5.0)
+        keep["v5"] = torch.full((6000,), 5.0)
+        d = c.put(torch.arange(7.0), key="durable", durable=True)
+        keep["durable"] = torch.arange(7.0)
+        c.put(torch.ones(100), key="spilled", tier="nvme")  # volatile and only on NVMe: not kept
+    if how == "sigkill":
+        daemon.kill()
+    else:
+        daemon.stop()
+    args = ["--socket", daemon.socket, "--nvme-dir", daemon.nvme, "--host-bytes", "64MiB", "--nvme-bytes", "1GiB"]
+    logf = open(daemon.log, "ab")
+    p = subprocess.Popen([sys.executable, "-c", LAUNCH, str(stored["arena"]), str(stored["index"]), *args],
+                         pass_fds=(stored["arena"], stored["index"]), stdout=logf, stderr=logf,
+                         env={**os.environ, "NOTIFY_SOCKET": daemon.notify_path})
+    try:
+        ready = daemon.wait_for("READY=1")
+        assert "20 host-resident objects adopted" in ready, ready
+        with daemon.client("survive") as c:
+            assert sorted(c.keys()) == sorted(keep)
+            for k, t in keep.items():
+                assert torch.equal(c.get(c.lookup(k)), t), k
+            assert c.lookup("v3") is None  # freed stays freed
+            assert c.lookup("durable") == d
+            h = c.put(torch.ones(3), key="after")  # the adopted arena keeps working
+            assert torch.equal(c.get(h), torch.ones(3))
+    finally:
+        p.terminate()
+        p.wait()
+        logf.close()

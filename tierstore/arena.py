@@ -27,11 +27,18 @@ class Arena:
     (MAP_POPULATE) here, once, instead of on the first put.
     """
 
-    def __init__(self, size: int, *, name: str = "tierstore-host") -> None:
-        self.size = align_up(size, PAGE)
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+    def __init__(self, size: int, *, name: str = "tierstore-host", fd: int | None = None) -> None:
+        self.adopted = fd is not None
+        if fd is not None:  # an arena handed back (systemd's fd store): its pages and bytes are kept
+            self.fd = fd
+            self.size = os.fstat(fd).st_size
+        else:
+            self.size = align_up(size, PAGE)
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
         try:
-            if self.size:
+            if self.adopted:
+                pass
+            elif self.size:
                 # fallocate makes the shmem pages exist now, so a later touch cannot SIGBUS
                 os.posix_fallocate(self.fd, 0, self.size)
             else:
@@ -41,7 +48,8 @@ class Arena:
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self.mm, dtype=np.uint8) if self.size else np.empty(0, np.uint8)
-        log.info("host arena: %d bytes in memfd %d, pre-faulted", self.size, self.fd)
+        log.info("host arena: %d bytes in memfd %d, %s", self.size, self.fd,
+                 "adopted with its contents" if self.adopted else "pre-faulted")
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view of ``[offset, offset + nbytes)`` (no copy)."""

@@ -32,6 +32,7 @@ from .engine import select_engine
 from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists, NotFound,
                      StaleHandle, TierstoreError)
 from .index import Handle, ObjectMeta, validate_key, validate_namespace
+from .hostindex import HostIndexLog
 from .journal import Journal
 from .nvme import NvmeTier
 from .policy import make_policy
@@ -130,7 +131,11 @@ class _NamespaceView:
 class Store:
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
 
-    def __init__(self, config: Config | None = None, *, namespace: str = "default", **overrides: Any) -> None:
+    def __init__(self, config: Config | None = None, *, namespace: str = "default",
+                 inherited_fds: dict[str, int] | None = None, **overrides: Any) -> None:
+        """``inherited_fds`` (``{"arena": fd, "index": fd}``, from systemd's fd store) hands
+        back the host arena and its index of a previous daemon: its host-resident objects,
+        volatile ones included, are adopted instead of lost."""
         cfg = config or Config()
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
@@ -155,7 +160,10 @@ class Store:
              "prefetches", "prefetched_bytes", "steps"), 0)
         self.engine = select_engine(cfg.engine, cfg.io_threads)
         try:
-            self.arena = Arena(cfg.host_bytes)
+            inherited = inherited_fds or {}
+            adopt = "arena" in inherited and "index" in inherited
+            self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None)
+            self.hostlog = HostIndexLog(inherited["index"] if adopt else None)
             self.host = ExtentAllocator(self.arena.size)
             self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
                                  chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes)
@@ -166,6 +174,9 @@ class Store:
         self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected)
         self.journal = Journal(cfg.nvme_dirs[0])
         self.replay_info = self._replay()
+        self.replay_info["adopted"] = self._adopt_host_objects() if adopt else 0
+        if not adopt:
+            self.hostlog.start_empty()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
         self._demoter_wake = threading.Event()
         self._demoter = threading.Thread(target=self._demote_loop, name="tierstore-demoter", daemon=True)
@@ -379,6 +390,7 @@ class Store:
         self.journal.close()
         self.nvme.close()
         self.arena.close()
+        self.hostlog.close()
         log.info("store closed")
 
     def __enter__(self) -> "Store":
@@ -446,6 +458,8 @@ class Store:
                     if res.tier == "nvme" and meta.host_off is not None:
                         self.host.free(meta.host_off, meta.nbytes)
                         meta.host_off, meta.host_valid = None, False
+                    if meta.host_valid:
+                        self._log_host(meta)
                     self._objects[meta.id] = meta
                     if meta.host_valid and meta.host_off is not None:
                         self.policy.insert(meta.id)
@@ -801,6 +815,7 @@ class Store:
                 del self._keys[(meta.namespace, meta.key)]
             self.policy.remove(meta.id)
             if meta.host_off is not None:
+                self._log_drop(meta)
                 self.host.free(meta.host_off, meta.nbytes)
                 meta.host_off, meta.host_valid = None, False
             extents, meta.nvme = meta.nvme, None
@@ -901,6 +916,7 @@ class Store:
             with self._cv:
                 self.policy.remove(meta.id)
                 if meta.host_off is not None:
+                    self._log_drop(meta)
                     self.host.free(meta.host_off, meta.nbytes)
                 meta.host_off, meta.host_valid = None, False
                 self.counters["demotions"] += 1
@@ -991,6 +1007,7 @@ class Store:
                     raise
                 with self._cv:
                     meta.host_off, meta.host_valid, meta.moving = off, True, False
+                    self._log_host(meta)
                     self.policy.insert(meta.id)
                     self.counters["promotions"] += 1
                     self.counters["promoted_bytes"] += n
@@ -1020,6 +1037,7 @@ class Store:
                 meta.host_off = None if off < 0 else off
                 meta.host_valid = True
                 if off >= 0:
+                    self._log_host(meta)
                     self.policy.insert(meta.id)
                 self.counters["promotions"] += 1
                 self.counters["promoted_bytes"] += n
@@ -1112,6 +1130,66 @@ class Store:
                     log.error("background demotion of %s failed: %s", victim.handle, e)
                     break
         log.info("demoter stopped")
+
+    # ------------------------------------------------------------------ host index log
+    @staticmethod
+    def _host_rec(m: ObjectMeta) -> dict[str, Any]:
+        return {"id": m.id, "gen": m.gen, "ns": m.namespace, "key": m.key, "kind": m.spec.kind,
+                "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes, "off": m.host_off,
+                "durable": m.durable, "home": m.home}
+
+    def _host_live(self) -> list[dict[str, Any]]:
+        return [self._host_rec(m) for m in self._objects.values()
+                if m.host_valid and m.host_off is not None and not m.freeing]
+
+    def _log_host(self, meta: ObjectMeta) -> None:
+        """(under _cv) meta's bytes are valid in its host block: recorded before it is published."""
+        if meta.host_off is not None:
+            self.hostlog.append({"h": self._host_rec(meta)}, self._host_live)
+
+    def _log_drop(self, meta: ObjectMeta) -> None:
+        """(under _cv) meta's host block is about to go back to the allocator."""
+        if meta.host_off is not None:
+            self.hostlog.append({"d": meta.id}, self._host_live)
+
+    def _adopt_host_objects(self) -> int:
+        """Take over the host-resident objects of the daemon that handed us its arena."""
+        adopted = 0
+        for r in sorted(self.hostlog.replay(), key=lambda r: r["id"]):
+            n, off = int(r["nbytes"]), r["off"]
+            if off is None or n <= 0 or off < 0 or off + n > self.host.capacity:
+                continue
+            meta = self._objects.get(r["id"])
+            if r["durable"] and (meta is None or meta.gen != r["gen"]):
+                continue  # freed in the journal (the free's host record never made it): not revived
+            try:
+                self.host.reserve(off, n)
+            except ValueError:
+                log.error("host index names overlapping blocks for object %s; not adopted", r["id"])
+                continue
+            if meta is None:
+                spec = TensorSpec(r["kind"], r["dtype"], tuple(r["shape"]), n)
+                meta = ObjectMeta(id=r["id"], gen=r["gen"], namespace=r["ns"], key=r["key"], spec=spec,
+                                  durable=False, home=r.get("home"))
+                if meta.key is not None:
+                    k = (meta.namespace, meta.key)
+                    prev = self._keys.get(k)
+                    if prev is not None and prev > meta.id:
+                        self.host.free(off, n)
+                        continue
+                    if prev is not None:  # replaced by this newer object just before the restart
+                        gone = self._objects.pop(prev)
+                        if gone.nvme:
+                            self.nvme.free(gone.nvme)
+                    self._keys[k] = meta.id
+                self._objects[meta.id] = meta
+            meta.host_off, meta.host_valid = off, True
+            self.policy.insert(meta.id)
+            self._next_id = max(self._next_id, meta.id + 1)
+            adopted += 1
+        self.hostlog.rewrite(self._host_live())
+        log.info("adopted %d host-resident objects from the previous daemon's arena", adopted)
+        return adopted
 
     # ------------------------------------------------------------------ journal
     def _replay(self) -> dict[str, int]:

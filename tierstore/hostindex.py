@@ -1,0 +1,138 @@
+"""The host-tier index log: which arena blocks hold which objects, kept in shared memory
+so a restarted daemon that is handed back the arena (systemd's file-descriptor
+store) can adopt every host-resident object.
+
+A memfd with a 4 KiB header and two halves. Records are appended to the active half:
+``len u32 | crc32c u32 | msgpack`` — ``{"h": ...}`` when an object's bytes become
+valid in a host block (written before the store publishes it), ``{"d": id}`` before a
+host block is given back to the allocator. Replay stops at the first record that does
+not check out (a torn append). When the active half fills up, the live set is written
+to the other half and the header flips to it (one aligned 4-byte store of the
+active half's number).
+
+No fsync: the memfd lives in RAM and outlives the daemon only while systemd holds it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from typing import Any, Callable, Iterable
+
+import msgpack
+
+from .checksum import crc32c
+
+__all__ = ["HostIndexLog", "INDEX_BYTES"]
+
+INDEX_BYTES = 64 << 20
+_HEADER = 4096
+_MAGIC = 0x54534849  # "IHST"
+_HDR = struct.Struct("<IIQ")  # magic, active half, generation
+_REC = struct.Struct("<II")
+
+
+class HostIndexLog:
+    def __init__(self, fd: int | None = None, size: int = INDEX_BYTES) -> None:
+        fresh = fd is None
+        if fresh:
+            fd = os.memfd_create("tierstore-host-index", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+        self.half = (self.size - _HEADER) // 2
+        self.mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        self._lock = threading.Lock()  # appends from several store threads must not interleave
+        if fresh or _HDR.unpack_from(self.mm, 0)[0] != _MAGIC:
+            self._active, self._gen = 0, 0
+            self._clear(0)
+            _HDR.pack_into(self.mm, 0, _MAGIC, 0, 0)
+        else:
+            _, self._active, self._gen = _HDR.unpack_from(self.mm, 0)
+        self._tail = None  # found by replay(); appends need it
+
+    def _base(self, half: int) -> int:
+        return _HEADER + half * self.half
+
+    def _clear(self, half: int) -> None:
+        base = self._base(half)
+        self.mm[base:base + _REC.size] = b"\0" * _REC.size
+
+    # ------------------------------------------------------------------ reading
+    def replay(self) -> list[dict[str, Any]]:
+        """The host-resident objects the log describes (later records win)."""
+        live: dict[int, dict[str, Any]] = {}
+        base = self._base(self._active)
+        pos, end = base, base + self.half
+        while pos + _REC.size <= end:
+            n, crc = _REC.unpack_from(self.mm, pos)
+            if n == 0 or pos + _REC.size + n > end:
+                break
+            payload = bytes(self.mm[pos + _REC.size:pos + _REC.size + n])
+            if crc32c(payload) != crc:
+                break  # a torn append: the daemon died in the middle of it
+            try:
+                rec = msgpack.unpackb(payload, raw=False)
+            except Exception:
+                break
+            if "h" in rec:
+                live[rec["h"]["id"]] = rec["h"]
+            elif "d" in rec:
+                live.pop(rec["d"], None)
+            pos += _REC.size + n
+        self._tail = pos
+        return list(live.values())
+
+    # ------------------------------------------------------------------ writing
+    def start_empty(self) -> None:
+        """Begin a fresh log (a daemon that adopted nothing)."""
+        with self._lock:
+            self._clear(self._active)
+            self._tail = self._base(self._active)
+
+    def append(self, rec: dict[str, Any], live: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        """Append one record; compact into the other half (from ``live()``) when full."""
+        payload = msgpack.packb(rec, use_bin_type=True)
+        with self._lock:
+            if self._tail is None:
+                raise RuntimeError("replay() or start_empty() first")
+            if self._tail + _REC.size * 2 + len(payload) > self._base(self._active) + self.half:
+                self._compact(live())
+            self._write(payload)
+
+    def _write(self, payload: bytes) -> None:
+        pos = self._tail
+        end = pos + _REC.size + len(payload)
+        # the terminator first, then the payload, then the length: a reader never sees
+        # a length whose bytes are not there yet
+        self.mm[end:end + _REC.size] = b"\0" * _REC.size
+        self.mm[pos + _REC.size:end] = payload
+        _REC.pack_into(self.mm, pos, len(payload), crc32c(payload))
+        self._tail = end
+
+    def _compact(self, records: Iterable[dict[str, Any]]) -> None:
+        other = 1 - self._active
+        self._tail = self._base(other)
+        self._clear(other)
+        for h in records:
+            payload = msgpack.packb({"h": h}, use_bin_type=True)
+            if self._tail + _REC.size * 2 + len(payload) > self._base(other) + self.half:
+                raise RuntimeError("host index log too small for the live set")
+            self._write(payload)
+        self._gen += 1
+        self._active = other
+        _HDR.pack_into(self.mm, 0, _MAGIC, other, self._gen)  # the flip
+
+    def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
+        """Replace the log by exactly ``records`` (after an adoption)."""
+        with self._lock:
+            self._compact(records)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):
+            pass
+        os.close(self.fd)
