@@ -283,6 +283,11 @@ class Server:
             elif len(self._sessions) >= self.config.max_clients:
                 reason = TierstoreError(f"the daemon already serves {self.config.max_clients} connections "
                                         "(max_clients); close idle clients or raise the limit")
+            elif (cred.uid not in (0, os.geteuid())
+                  and sum(1 for x in self._sessions.values() if x.cred.uid == cred.uid)
+                  >= self.config.max_clients_per_uid):
+                reason = TierstoreError(f"uid {cred.uid} already holds {self.config.max_clients_per_uid} "
+                                        "connections (max_clients_per_uid); close idle clients")
             if reason is not None:
                 self.refused += 1
                 self._count_error(reason.code)

@@ -485,3 +485,25 @@ def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
         p.terminate()
         p.wait()
         logf.close()
+
+
+@needs_root
+def test_connections_per_uid_are_capped(daemon_factory):
+    import grp
+    import pwd
+
+    group = grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name
+    d = daemon_factory("--allowed-group", group, "--max-clients-per-uid", "2", public=True)
+    code = r"""
+import time
+cs = [Client.connect(socket=sys.argv[1], namespace=sys.argv[2]) for _ in range(2)]
+try:
+    Client.connect(socket=sys.argv[1], namespace=sys.argv[2])
+    print("third admitted")
+except TierstoreError as e:
+    print("refused:", e)
+"""
+    r = _as_nobody(code, d.socket, "capped")
+    assert "refused:" in r.stdout and "max_clients_per_uid" in r.stdout, r.stdout + r.stderr
+    with d.client() as a, d.client() as b, d.client() as c:  # the daemon's own uid is exempt
+        c.ping()

@@ -102,6 +102,8 @@ class Config:
     """Daemon: leases held longer than this are revoked (0 = only on disconnect)."""
     max_clients: int = 256
     """Daemon: connections admitted at once."""
+    max_clients_per_uid: int = 128
+    """Daemon: connections one uid may hold at once (root and the daemon's own uid are exempt)."""
     max_message_bytes: int = 1 << 20
     """Daemon: largest control message accepted."""
     metrics_port: int = -1
@@ -131,8 +133,8 @@ class Config:
             raise ValueError("lease_wait_s and lease_timeout_s must be >= 0")
         if self.prefetch_max_inflight < 1:
             raise ValueError("prefetch_max_inflight must be >= 1")
-        if self.max_clients < 1:
-            raise ValueError("max_clients must be >= 1")
+        if self.max_clients < 1 or self.max_clients_per_uid < 1:
+            raise ValueError("max_clients and max_clients_per_uid must be >= 1")
 
     # -- resolution of embedded defaults -------------------------------------------------
     def resolved(self) -> "Config":
@@ -219,6 +221,7 @@ def add_config_flags(p: "argparse.ArgumentParser") -> None:
     g.add_argument("--allowed-group", action="append", dest="allowed_groups", help="admit this group too")
     g.add_argument("--lease-timeout-s", type=float)
     g.add_argument("--max-clients", type=int)
+    g.add_argument("--max-clients-per-uid", type=int)
     g.add_argument("--max-message-bytes", help="largest control message accepted")
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     g.add_argument("--metrics-addr", help="address for the metrics endpoint (default 127.0.0.1)")
