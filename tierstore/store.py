@@ -127,6 +127,9 @@ class _NamespaceView:
     def put(self, tensor: Any, key: str | None = None, **kw: Any) -> Handle:
         return self._s.put(tensor, key, namespace=self._ns, **kw)
 
+    def free(self, handle: Any) -> None:
+        self._s.free(handle, namespace=self._ns)
+
 
 class Store:
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
