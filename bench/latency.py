@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, gbps, machine, print_table, random_bytes, repeat, size_label, timed  # noqa: E402
+from common import emit_json, gbps, pyplot, machine, print_table, random_bytes, repeat, size_label, timed  # noqa: E402
 
 from tierstore.client import Client  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", default="1MiB,8MiB,64MiB,256MiB,1GiB")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.quick:
         args.ops, args.sizes, args.runs = 300, "1MiB,4MiB", 2
@@ -195,8 +196,40 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["size", "checkout+checkin us"], [[size_label(r["size"]), f"{r['checkout_us']:.1f}"]
                                                    for r in out["checkout"]])
     print(f"# ray: {out['ray'] if isinstance(out['ray'], str) else 'measured, see JSON'}")
+    if args.png:
+        plot(out, args.png)
+        print(f"# plot: {args.png}")
     emit_json(out)
     return out
+
+
+def plot(out: dict, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["floor"] + list(out["ops"])
+    p50 = [out["floor"]["p50_us"]] + [v["p50_us"] for v in out["ops"].values()]
+    p99 = [out["floor"]["p99_us"]] + [v["p99_us"] for v in out["ops"].values()]
+    xs = range(len(names))
+    a1.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
+    a1.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
+    a1.set_xticks(list(xs), names)
+    a1.set_ylabel("latency, us")
+    a1.set_title("small operations through the daemon vs raw round trip")
+    a1.legend()
+    sizes = [b["size"] / 2**20 for b in out["bandwidth"]]
+    a2.plot(sizes, [b["put_gbps"] for b in out["bandwidth"]], marker="o", label="put")
+    a2.plot(sizes, [b["get_gbps"] for b in out["bandwidth"]], marker="o", label="get")
+    a2.plot(sizes, [b["memcpy_gbps"] for b in out["bandwidth"]], "k--", label="memcpy")
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("object size, MiB")
+    a2.set_ylabel("GB/s")
+    a2.legend()
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def ray_bench(sizes: list[int], runs: int) -> dict | str:

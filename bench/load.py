@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table  # noqa: E402
+from common import emit_json, machine, print_table, pyplot  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, zlib
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--host-bytes", default="1GiB")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.quick:
         args.clients, args.seconds, args.host_bytes = 4, 3.0, "128MiB"
@@ -158,6 +159,17 @@ def main(argv: list[str] | None = None) -> dict:
           f"wrong bytes: {wrong}, errors: {errors or 'none'}")
     print(f"# daemon heap (RssAnon) MiB: start {mem_mb[0]:.0f}, first third max {max(mem_mb[:third]):.0f}, "
           f"last third max {max(mem_mb[-third:]):.0f}")
+    if args.png:
+        plt = pyplot()
+        if plt is not None:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.plot([t for t, _ in mem], mem_mb, marker=".")
+            ax.set_xlabel("seconds")
+            ax.set_ylabel("daemon heap (RssAnon), MiB")
+            ax.set_title(f"{args.clients} clients, {total_ops / wall:.0f} ops/s")
+            ax.set_ylim(bottom=0)
+            fig.tight_layout()
+            fig.savefig(args.png, dpi=100)
     out = {"bench": "load", "clients": args.clients, "seconds": args.seconds, "ops": res,
            "ops_per_s": total_ops / wall, "errors": errors, "wrong": wrong, "daemon_heap_mib": mem_mb,
            "machine": machine()}
