@@ -1022,12 +1022,16 @@ class Store:
         return False
 
     def _promote(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
-                 admit_distance: int | None = None, read: bool = True) -> None:
+                 admit_distance: int | None = None, read: bool = True, block: int | None = None) -> None:
         """Bring an NVMe-only object (flagged moving by the caller) into the host tier
-        (``read=False``: only give it host memory; the caller overwrites it)."""
+        (``read=False``: only give it host memory; the caller overwrites it; ``block``: a
+        host block the caller already allocated)."""
         n = meta.nbytes
         try:
-            off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
+            if block is not None:
+                off = block
+            else:
+                off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
             try:
                 if n and read:
                     self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
@@ -1070,13 +1074,22 @@ class Store:
                 if q is not None:
                     self.prefetcher.done(oid, q[0], 0, fetched=False)
                 return
-            meta.moving = meta.prefetching = True
             d = self.policy.distance(oid)
         fetched = False
         try:
-            # a full tier is often only waiting for write-backs: give them a moment
-            self._promote(meta, wait_s=_PREFETCH_WAIT_S, priority=1, admit_distance=d)
-            fetched = True
+            # room first, without claiming the object: a full tier is often only waiting for
+            # write-backs, and a demand access must never wait behind a prefetch that waits
+            off = self._alloc_host(meta.nbytes, wait_s=_PREFETCH_WAIT_S, evict=True, admit_distance=d) \
+                if meta.nbytes else None
+            with self._cv:
+                wanted = not (meta.freeing or meta.host_valid or meta.moving or self._closed)
+                if wanted:
+                    meta.moving = meta.prefetching = True
+                elif off is not None:
+                    self.host.free(off, meta.nbytes)  # demand got there first
+            if wanted:
+                self._promote(meta, wait_s=0.0, priority=1, block=off)
+                fetched = True
         except TierstoreError as e:
             log.debug("prefetch of %s skipped: %s", meta.handle, e)
         finally:
