@@ -104,8 +104,9 @@ class Server:
         self.store = Store(self.config, inherited_fds=inherited)
         # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
         # crash) gets them back and adopts every host-resident object
-        self.notifier.store_fd("arena", self.store.arena.fd)
-        self.notifier.store_fd("index", self.store.hostlog.fd)
+        if self.notifier.store_fd("arena", self.store.arena.fd) and \
+                self.notifier.store_fd("index", self.store.hostlog.fd):
+            self.store.enable_host_index()
         self.handlers = Handlers(self.store, self._server_stats)
         try:
             self._listen = self._bind(path)

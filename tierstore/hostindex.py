@@ -3,9 +3,10 @@ so a restarted daemon that is handed back the arena (systemd's file-descriptor
 store) can adopt every host-resident object.
 
 A memfd with a 4 KiB header and two halves. Records are appended to the active half:
-``len u32 | crc32c u32 | msgpack`` — ``{"h": ...}`` when an object's bytes become
-valid in a host block (written before the store publishes it), ``{"d": id}`` before a
-host block is given back to the allocator. Replay stops at the first record that does
+``len u32 | crc32c u32 | msgpack`` — ``[0, record]`` when an object's bytes become
+valid in a host block (written before the store publishes it), ``[1, id]`` before a
+host block is given back to the allocator. A record is the store's list
+``[id, gen, namespace, key, kind, dtype, shape, nbytes, offset, durable, home]``. Replay stops at the first record that does
 not check out (a torn append). When the active half fills up, the live set is written
 to the other half and the header flips to it (one aligned 4-byte store of the
 active half's number).
@@ -61,9 +62,9 @@ class HostIndexLog:
         self.mm[base:base + _REC.size] = b"\0" * _REC.size
 
     # ------------------------------------------------------------------ reading
-    def replay(self) -> list[dict[str, Any]]:
+    def replay(self) -> list[list[Any]]:
         """The host-resident objects the log describes (later records win)."""
-        live: dict[int, dict[str, Any]] = {}
+        live: dict[int, list[Any]] = {}
         base = self._base(self._active)
         pos, end = base, base + self.half
         while pos + _REC.size <= end:
@@ -77,10 +78,12 @@ class HostIndexLog:
                 rec = msgpack.unpackb(payload, raw=False)
             except Exception:
                 break
-            if "h" in rec:
-                live[rec["h"]["id"]] = rec["h"]
-            elif "d" in rec:
-                live.pop(rec["d"], None)
+            if not isinstance(rec, list) or len(rec) != 2:
+                break
+            if rec[0] == 0:
+                live[rec[1][0]] = rec[1]
+            elif rec[0] == 1:
+                live.pop(rec[1], None)
             pos += _REC.size + n
         self._tail = pos
         return list(live.values())
@@ -92,9 +95,14 @@ class HostIndexLog:
             self._clear(self._active)
             self._tail = self._base(self._active)
 
-    def append(self, rec: dict[str, Any], live: Callable[[], Iterable[dict[str, Any]]]) -> None:
+    def append_host(self, rec: list[Any], live: Callable[[], Iterable[list[Any]]]) -> None:
+        self._append(msgpack.packb([0, rec], use_bin_type=True), live)
+
+    def append_drop(self, oid: int, live: Callable[[], Iterable[list[Any]]]) -> None:
+        self._append(msgpack.packb([1, oid], use_bin_type=True), live)
+
+    def _append(self, payload: bytes, live: Callable[[], Iterable[list[Any]]]) -> None:
         """Append one record; compact into the other half (from ``live()``) when full."""
-        payload = msgpack.packb(rec, use_bin_type=True)
         with self._lock:
             if self._tail is None:
                 raise RuntimeError("replay() or start_empty() first")
@@ -112,12 +120,12 @@ class HostIndexLog:
         _REC.pack_into(self.mm, pos, len(payload), crc32c(payload))
         self._tail = end
 
-    def _compact(self, records: Iterable[dict[str, Any]]) -> None:
+    def _compact(self, records: Iterable[list[Any]]) -> None:
         other = 1 - self._active
         self._tail = self._base(other)
         self._clear(other)
         for h in records:
-            payload = msgpack.packb({"h": h}, use_bin_type=True)
+            payload = msgpack.packb([0, h], use_bin_type=True)
             if self._tail + _REC.size * 2 + len(payload) > self._base(other) + self.half:
                 raise RuntimeError("host index log too small for the live set")
             self._write(payload)
@@ -125,7 +133,7 @@ class HostIndexLog:
         self._active = other
         _HDR.pack_into(self.mm, 0, _MAGIC, other, self._gen)  # the flip
 
-    def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
+    def rewrite(self, records: Iterable[list[Any]]) -> None:
         """Replace the log by exactly ``records`` (after an adoption)."""
         with self._lock:
             self._compact(records)

@@ -176,6 +176,7 @@ class Store:
         self.prefetcher = Prefetcher(self, cfg)
         self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected)
         self.journal = Journal(cfg.nvme_dirs[0])
+        self._hostlog_on = False
         self.replay_info = self._replay()
         self.replay_info["adopted"] = self._adopt_host_objects() if adopt else 0
         if not adopt:
@@ -1149,29 +1150,39 @@ class Store:
 
     # ------------------------------------------------------------------ host index log
     @staticmethod
-    def _host_rec(m: ObjectMeta) -> dict[str, Any]:
-        return {"id": m.id, "gen": m.gen, "ns": m.namespace, "key": m.key, "kind": m.spec.kind,
-                "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes, "off": m.host_off,
-                "durable": m.durable, "home": m.home}
+    def _host_rec(m: ObjectMeta) -> list[Any]:
+        # a list, not a map: this is on the path of every put
+        return [m.id, m.gen, m.namespace, m.key, m.spec.kind, m.spec.dtype, list(m.spec.shape), m.nbytes,
+                m.host_off, m.durable, m.home]
 
-    def _host_live(self) -> list[dict[str, Any]]:
+    def enable_host_index(self) -> None:
+        """Start recording host residency in the index log (the daemon calls this once the
+        arena and the log are in systemd's fd store; without a keeper it is not worth it)."""
+        with self._cv:
+            if not self._hostlog_on:
+                self.hostlog.rewrite(self._host_live())
+                self._hostlog_on = True
+
+    def _host_live(self) -> list[list[Any]]:
         return [self._host_rec(m) for m in self._objects.values()
                 if m.host_valid and m.host_off is not None and not m.freeing]
 
     def _log_host(self, meta: ObjectMeta) -> None:
         """(under _cv) meta's bytes are valid in its host block: recorded before it is published."""
-        if meta.host_off is not None:
-            self.hostlog.append({"h": self._host_rec(meta)}, self._host_live)
+        if self._hostlog_on and meta.host_off is not None:
+            self.hostlog.append_host(self._host_rec(meta), self._host_live)
 
     def _log_drop(self, meta: ObjectMeta) -> None:
         """(under _cv) meta's host block is about to go back to the allocator."""
-        if meta.host_off is not None:
-            self.hostlog.append({"d": meta.id}, self._host_live)
+        if self._hostlog_on and meta.host_off is not None:
+            self.hostlog.append_drop(meta.id, self._host_live)
 
     def _adopt_host_objects(self) -> int:
         """Take over the host-resident objects of the daemon that handed us its arena."""
         adopted = 0
-        for r in sorted(self.hostlog.replay(), key=lambda r: r["id"]):
+        for rec in sorted(self.hostlog.replay(), key=lambda r: r[0]):
+            keys = ("id", "gen", "ns", "key", "kind", "dtype", "shape", "nbytes", "off", "durable", "home")
+            r = dict(zip(keys, rec))
             n, off = int(r["nbytes"]), r["off"]
             if off is None or n <= 0 or off < 0 or off + n > self.host.capacity:
                 continue
@@ -1204,6 +1215,7 @@ class Store:
             self._next_id = max(self._next_id, meta.id + 1)
             adopted += 1
         self.hostlog.rewrite(self._host_live())
+        self._hostlog_on = True  # whoever handed it back keeps it: go on recording
         log.info("adopted %d host-resident objects from the previous daemon's arena", adopted)
         return adopted
 
