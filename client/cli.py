@@ -99,7 +99,7 @@ def _client_command(args: argparse.Namespace) -> int:
             return watch(lambda: connect(args.socket, "default"), args.watch, as_json=args.json,
                          iterations=args.iterations)
         with connect(args.socket, "default") as c:
-            st = c.stat()
+            st = c.stat(ops=args.json)
         if args.json:
             print(json.dumps(st, indent=2, default=str))
         else:

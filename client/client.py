@@ -201,8 +201,9 @@ class Client:
     def step(self) -> None:
         self._conn.request("step")
 
-    def stat(self) -> dict[str, Any]:
-        return self._conn.request("stat")
+    def stat(self, *, ops: bool = False) -> dict[str, Any]:
+        """The daemon's state (see DESIGN.md); ``ops=True`` adds per-op counts and latency histograms."""
+        return self._conn.request("stat", ops=ops)
 
     def ping(self) -> None:
         self._conn.request("ping")

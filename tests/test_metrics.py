@@ -27,7 +27,8 @@ def test_metrics_match_stat(daemon_factory):
             c.get(10**9)
         except Exception:
             pass
-        st = c.stat()
+        st = c.stat(ops=True)
+        assert st["ops"]["put_staged"]["count"] >= 5
         port = st["metrics_port"]
         assert port and port > 0
         m = _scrape(port)
