@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "lookup": lambda: c.lookup("small"),
                 "stat": c.stat,
                 "get_4KiB": lambda: c.get(h, out=dst),
-                "put_4KiB": lambda: c.put(small, key="p", replace=True),
+                "put_4KiB": lambda: c.put(small),  # a new object each time
+                "put_4KiB_replace": lambda: c.put(small, key="p", replace=True),  # overwrite a key
             }
             out["ops"] = {}
             for name, fn in ops.items():

@@ -31,7 +31,7 @@ def test_latency_smoke(tmp_path):
     out = _run("latency.py", "--quick", "--png", str(tmp_path / "lat.png"), cwd=tmp_path)
     assert (tmp_path / "lat.png").stat().st_size > 0
     assert out["bench"] == "latency" and out["floor"]["p50_us"] > 0
-    assert set(out["ops"]) == {"lookup", "stat", "get_4KiB", "put_4KiB"}
+    assert set(out["ops"]) == {"lookup", "stat", "get_4KiB", "put_4KiB", "put_4KiB_replace"}
     assert all(r["checkout_us"] > 0 for r in out["checkout"]) and len(out["bandwidth"]) == 2
 
 
