@@ -505,5 +505,5 @@ except TierstoreError as e:
 """
     r = _as_nobody(code, d.socket, "capped")
     assert "refused:" in r.stdout and "max_clients_per_uid" in r.stdout, r.stdout + r.stderr
-    with d.client() as a, d.client() as b, d.client() as c:  # the daemon's own uid is exempt
+    with d.client(), d.client(), d.client() as c:  # the daemon's own uid is exempt
         c.ping()

@@ -1,0 +1,370 @@
+"""Two-phase puts, staging areas, leases and namespace ownership: the store's
+bookkeeping of who holds what. Part of ``Store`` (a mixin); bytes move in
+``movement``, state is recovered in ``recovery``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import Busy, CapacityExceeded, InvalidArgument, KeyExists, NotFound, PermissionDenied, TierstoreError
+from .index import Handle, ObjectMeta, validate_namespace
+from .tensors import TensorSpec
+
+__all__ = ["Leasing", "WouldBlock", "Reservation", "LeaseInfo", "LOCAL"]
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"  # owner of leases taken through the in-process API
+
+
+class WouldBlock(Exception):
+    """Internal: a ``nowait=True`` call would have to wait or touch the disk.
+
+    The daemon's event loop calls the store with ``nowait=True`` and, on this,
+    hands the request to a worker thread instead; it never reaches a client.
+    """
+
+
+@dataclass(slots=True)
+class Reservation:
+    """First phase of a two-phase put: a host block the writer fills, then commits."""
+
+    rid: int
+    owner: Any
+    host_off: int
+    meta: ObjectMeta
+    tier: str | None
+    replace: bool
+
+
+@dataclass(slots=True)
+class LeaseInfo:
+    lid: int
+    owner: Any
+    oid: int
+    gen: int
+    mode: str
+    host_off: int
+    spec: TensorSpec
+    since: float
+
+
+class Leasing:
+    """Store methods for reservations, leases and namespaces (mixed into ``Store``)."""
+
+    # ------------------------------------------------------------ two-phase put / leases
+    def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
+                    namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None,
+                    nowait: bool = False) -> Reservation:
+        """Allocate a host block for a new object; the caller fills it, then ``commit_put``."""
+        tier = self._check_tier(tier)
+        self._check_fits(spec.nbytes, tier if tier != "nvme" else "host")
+        if key is not None:
+            with self._cv:
+                if (namespace, key) in self._keys and not replace:
+                    raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
+                                    "pass replace=True to overwrite it or free it first")
+        if nowait and spec.nbytes:
+            with self._cv:
+                off = self.host.alloc(spec.nbytes)
+            if off is None:
+                raise WouldBlock()
+        else:
+            off = self._alloc_host(spec.nbytes, wait_s=wait_s, evict=True) if spec.nbytes else -1
+        with self._cv:
+            oid = self._new_id()
+            meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
+                              durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None)
+            meta.host_off = None if off < 0 else off
+            res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace)
+            self._reservations[oid] = res
+            return res
+
+    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
+        """Second phase: make the reserved object visible (and durable, if asked)."""
+        with self._cv:
+            res = self._reservations.get(rid)
+            if res is None or res.owner != owner:
+                raise NotFound(f"no open reservation {rid} for this connection")
+            meta = res.meta
+            if nowait and (meta.durable or res.tier == "nvme"):
+                raise WouldBlock()
+            meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
+        if nowait and not self.journal.lock.acquire(blocking=False):
+            with self._cv:
+                meta.moving = False
+            raise WouldBlock()  # a durable op is syncing the journal; do not wait on the event loop
+        try:
+            if meta.durable or res.tier == "nvme":
+                self._write_down(meta, sync=meta.durable)
+            # journal lock held across check, append and publish: no other put can bind
+            # the same key in between, and compaction sees either both or neither
+            with self.journal.lock:
+                with self._cv:
+                    self._check_key(meta, res.replace)
+                if meta.durable:
+                    self._journal_put(meta)
+                with self._cv:
+                    self._reservations.pop(rid, None)
+                    old = self._bind(meta, res.replace)
+                    meta.host_valid = meta.host_off is not None or meta.nbytes == 0
+                    if res.tier == "nvme" and meta.host_off is not None:
+                        self.host.free(meta.host_off, meta.nbytes)
+                        meta.host_off, meta.host_valid = None, False
+                    if meta.host_valid:
+                        self._log_host(meta)
+                    self._objects[meta.id] = meta
+                    if meta.host_valid and meta.host_off is not None:
+                        self.policy.insert(meta.id)
+                    meta.moving = False
+                    self._cv.notify_all()
+        except BaseException:
+            self.abort_put(rid, owner=owner)
+            raise
+        finally:
+            if nowait:
+                self.journal.lock.release()
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += meta.nbytes
+        if old is not None:
+            self._drop_replaced(old)
+        self._maybe_demote()
+        return meta.handle
+
+    def scratch(self, owner: Any, nbytes: int) -> tuple[int, int]:
+        """A host block private to ``owner`` (a connection's staging area); (offset, nbytes).
+
+        Small puts through the daemon are copied here by the client and moved into
+        place by the daemon in one round trip. Freed by ``release_owner``.
+        """
+        with self._cv:
+            if owner in self._scratch:
+                return self._scratch[owner]
+            off = self.host.alloc(nbytes)
+            if off is None:
+                raise CapacityExceeded("host tier full: no room for a staging area; use the two-phase put")
+            self._scratch[owner] = (off, nbytes)
+            return off, nbytes
+
+    def put_from_scratch(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
+                         durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
+                         owner_uid: int | None = None, nowait: bool = False) -> Handle:
+        """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
+        with self._cv:
+            area = self._scratch.get(owner)
+        if area is None or src < 0 or src + spec.nbytes > area[1]:
+            raise InvalidArgument("staged bytes lie outside this connection's staging area")
+        if nowait and (durable or tier == "nvme"):
+            raise WouldBlock()
+        res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
+                               owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait)
+        if spec.nbytes:
+            self.arena.view(res.host_off, spec.nbytes)[:] = self.arena.view(area[0] + src, spec.nbytes)
+        try:
+            return self.commit_put(res.rid, owner=owner, nowait=nowait)
+        except WouldBlock:
+            self.abort_put(res.rid, owner=owner)
+            raise
+
+    def get_to_scratch(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
+                       nowait: bool = False, stream: str = "default") -> TensorSpec | None:
+        """Copy a small object into ``owner``'s staging area (one round trip, no lease).
+
+        Returns its spec, or None when it does not fit there (use a lease instead).
+        """
+        with self._cv:
+            area = self._scratch.get(owner)
+            meta = self._get_meta(Handle.parse(handle), self._ns(namespace))
+            if area is None or meta.nbytes > area[1]:
+                return None
+            if meta.nbytes == 0:
+                return meta.spec
+            if meta.host_valid and not meta.writer and not meta.moving:
+                # small (<= staging size) copy under the lock: cheaper than pinning around it
+                self.arena.view(area[0], meta.nbytes)[:] = self.arena.view(meta.host_off, meta.nbytes)
+                self.policy.touch(meta.id)
+                self._record(owner, stream, meta, True, False, time.monotonic(), locked=True)
+                self.counters["gets"] += 1
+                self.counters["host_hits"] += 1
+                self.counters["get_bytes"] += meta.nbytes
+                return meta.spec
+            if nowait:
+                raise WouldBlock()
+        t0 = time.monotonic()
+        meta, late = self._pin(handle, namespace)
+        try:
+            hit = self._read_pinned(meta, self.arena.view(area[0], meta.nbytes))
+            self._record(owner, stream, meta, hit, late, t0)
+        finally:
+            self._unpin(meta)
+        return meta.spec
+
+    def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
+        with self._cv:
+            res = self._reservations.get(rid)
+            if res is None or res.owner != owner:
+                return
+            del self._reservations[rid]
+            meta = res.meta
+            if meta.host_off is not None:
+                self.host.free(meta.host_off, meta.nbytes)
+                meta.host_off = None
+            extents, meta.nvme = meta.nvme, None
+            self._cv.notify_all()
+        if extents:
+            self.nvme.free(extents)
+
+    def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
+                timeout_s: float | None = None, nowait: bool = False, stream: str = "default") -> LeaseInfo:
+        """Lease an object in the host tier (promoting it first if needed).
+
+        ``mode``: ``"r"`` shared, ``"rw"`` exclusive, ``"w"`` exclusive for a caller that
+        overwrites every byte (an NVMe-only object is given host memory without being
+        read; its previous bytes are not visible through the lease).
+        """
+        if mode not in ("r", "rw", "w"):
+            raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
+        h = Handle.parse(handle)
+        ns = self._ns(namespace)
+        t0 = time.monotonic()
+        deadline = t0 + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        late = promoted = False
+        while True:
+            with self._cv:
+                meta = self._get_meta(h, ns)
+                if meta.host_valid and not meta.moving and self._lease_ok(meta, mode):
+                    if mode != "w":  # a blind overwrite is no read: nothing to learn or count
+                        self._record(owner, stream, meta, not promoted, late, t0, locked=True)
+                    if mode == "r":
+                        meta.readers += 1
+                    else:
+                        meta.writer = True
+                    self.policy.touch(meta.id)
+                    self.counters["checkouts"] += 1
+                    self.counters["host_hits"] += 1
+                    lid = next(self._ids) + (1 << 40)
+                    info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec, time.monotonic())
+                    self._leases[lid] = info
+                    return info
+                if nowait:
+                    raise WouldBlock()
+                late = late or meta.prefetching
+                if not meta.host_valid and not meta.moving:
+                    meta.moving = True
+                    promote = True
+                else:
+                    promote = False
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise Busy(f"object {h} is leased in a conflicting mode (readers={meta.readers}, "
+                                   f"writer={meta.writer}); check it in elsewhere or wait longer")
+                    self._cv.wait(min(remaining, 1.0))
+                    continue
+            if promote:
+                promoted = mode != "w"
+                self.counters["nvme_reads"] += promoted
+                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=promoted)
+
+    def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
+        """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
+        with self._cv:
+            info = self._leases.get(lid)
+            if info is None or info.owner != owner:
+                raise NotFound(f"no lease {lid} held by this connection")
+            meta = self._objects.get(info.oid)
+            if nowait and info.mode == "rw" and meta is not None and meta.durable:
+                raise WouldBlock()
+            del self._leases[lid]
+            if meta is None:
+                return
+            if info.mode == "r":
+                meta.readers -= 1
+                self._spill_if_home_nvme(meta)
+                self._cv.notify_all()
+                return
+            meta.version += 1
+            meta.nvme_valid = False
+            stale = meta.nvme
+            meta.nvme, meta.crcs = None, None
+            if meta.durable:
+                meta.moving = True  # write-back below; holds off other movers, keeps the writer flag
+            else:
+                meta.writer = False
+                self._cv.notify_all()
+        if not meta.durable:
+            if stale:
+                self.nvme.free(stale)
+            with self._cv:
+                self._spill_if_home_nvme(meta)
+            return
+        try:
+            # durable: the new bytes reach NVMe and the journal before the check-in returns
+            self._write_down(meta, sync=True)
+            with self.journal.lock:
+                self._journal_put(meta)
+        finally:
+            with self._cv:
+                meta.moving = False
+                meta.writer = False
+                self._cv.notify_all()
+        if stale:
+            self.nvme.free(stale)  # only after the journal names the new copy
+        with self._cv:
+            self._spill_if_home_nvme(meta)
+
+    def _spill_if_home_nvme(self, meta: ObjectMeta) -> None:
+        """(under _cv) An object that lives on NVMe goes back down once nobody uses it."""
+        if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid:
+            self._spill.append(meta.id)
+            self._demoter_wake.set()
+
+    def release_owner(self, owner: Any) -> tuple[int, int]:
+        """End every lease and reservation of ``owner`` (a connection that went away)."""
+        with self._cv:
+            lids = [lid for lid, i in self._leases.items() if i.owner == owner]
+            rids = [rid for rid, r in self._reservations.items() if r.owner == owner]
+            if owner is not LOCAL:
+                self.prefetcher.drop_owner(owner)
+        for lid in lids:
+            try:
+                self.release(lid, owner=owner)
+            except TierstoreError as e:
+                log.error("releasing lease %d of a closed connection failed: %s", lid, e)
+        for rid in rids:
+            self.abort_put(rid, owner=owner)
+        with self._cv:
+            area = self._scratch.pop(owner, None)
+            if area is not None:
+                self.host.free(*area)
+                self._cv.notify_all()
+        return len(lids), len(rids)
+
+    def claim_namespace(self, namespace: str, uid: int) -> None:
+        """Bind a namespace to the uid that first uses it (journaled); others are refused."""
+        ns = validate_namespace(namespace)
+        root = ns.split("/")[0]
+        with self.journal.lock:
+            with self._cv:
+                owner = self._ns_owner.get(root)
+                if owner is not None:
+                    if owner != uid and uid != 0:
+                        raise PermissionDenied(f"namespace {root!r} belongs to uid {owner}; use another namespace")
+                    return
+            self.journal.append({"op": "ns", "name": root, "uid": uid})
+            with self._cv:
+                self._ns_owner[root] = uid
+
+    def check_namespace(self, namespace: str, uid: int) -> None:
+        """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
+        owner = self.namespace_owner(validate_namespace(namespace))
+        if owner is not None and owner != uid and uid != 0:
+            raise PermissionDenied(f"namespace {namespace.split('/')[0]!r} belongs to uid {owner}; "
+                                   "use another namespace")
+
+    def namespace_owner(self, namespace: str) -> int | None:
+        with self._cv:
+            return self._ns_owner.get(namespace.split("/")[0])
+

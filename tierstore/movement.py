@@ -1,0 +1,320 @@
+"""How objects move between tiers: host allocation with eviction, demotion and
+promotion, reads from the fastest tier, the background demoter and the prefetch
+worker side. Part of ``Store`` (a mixin); which object to move comes from the policy."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from .errors import CapacityExceeded, KeyExists, TierstoreError
+from .index import Handle, ObjectMeta
+from .tensors import TensorSpec
+from .units import PAGE, align_up
+
+__all__ = ["Movement"]
+
+log = logging.getLogger(__name__)
+
+_PREFETCH_WAIT_S = 1.0
+
+
+class Movement:
+    """Store methods that move bytes between tiers (mixed into ``Store``)."""
+
+    # ------------------------------------------------------------------ internals: data
+    def _host_has_room(self, nbytes: int) -> bool:
+        with self._cv:
+            need = align_up(max(nbytes, 1), PAGE)
+            return (self.host.largest_free >= need
+                    and self.host.used_bytes + need <= self.config.high_watermark * self.host.capacity)
+
+    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None) -> int:
+        """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            victim = None
+            with self._cv:
+                self._check_open()
+                off = self.host.alloc(nbytes)
+                if off is not None:
+                    return off
+                if evict:
+                    victim = self._pick_victim(admit_distance)
+                if victim is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.counters["capacity_errors"] += 1
+                        raise CapacityExceeded(
+                            f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
+                            f"{self.host.capacity} and nothing can be demoted (leased or in flight); "
+                            "check objects in, free some, or pass a longer wait")
+                    self._cv.wait(min(remaining, 0.5))
+                    continue
+            self._demote(victim)
+
+    def _pick_victim(self, admit_distance: int | None = None) -> ObjectMeta | None:
+        """Best victim that may move now (under _cv); marks it moving.
+
+        ``admit_distance`` (a prefetch of an object needed in that many accesses)
+        admits only victims needed later than that, and never another prefetch.
+        """
+        for oid in self.policy.candidates():
+            m = self._objects.get(oid)
+            if m is None or not m.host_valid or m.host_off is None:
+                continue
+            if m.moving or m.pins or m.readers or m.writer or m.freeing:
+                continue
+            if admit_distance is not None:
+                if oid in self.prefetcher.protected:
+                    continue
+                d = self.policy.distance(oid)
+                if d is not None and d <= admit_distance:
+                    continue
+            m.moving = True
+            self.prefetcher.forget(oid)  # evicted before its predicted use: wasted
+            return m
+        return None
+
+    def _demote(self, meta: ObjectMeta) -> None:
+        """Move a host-resident object (flagged moving) down to NVMe and free its host block."""
+        try:
+            if not meta.nvme_valid:
+                self._write_down(meta, sync=meta.durable)
+                if meta.durable:
+                    with self.journal.lock:
+                        self._journal_put(meta)
+            with self._cv:
+                self.policy.remove(meta.id)
+                if meta.host_off is not None:
+                    self._log_drop(meta)
+                    self.host.free(meta.host_off, meta.nbytes)
+                meta.host_off, meta.host_valid = None, False
+                self.counters["demotions"] += 1
+                self.counters["demoted_bytes"] += meta.nbytes
+        finally:
+            with self._cv:
+                meta.moving = False
+                self._cv.notify_all()
+
+    def _write_down(self, meta: ObjectMeta, *, sync: bool) -> None:
+        """Write the host copy of ``meta`` to fresh NVMe extents (meta.moving is set by the caller)."""
+        n = meta.nbytes
+        extents = self.nvme.alloc(n)
+        try:
+            if n:
+                src = self.arena.view(meta.host_off, n)
+                padded = self.arena.view(meta.host_off, align_up(n, PAGE))
+                crcs = self.nvme.write(extents, src, src_padded=padded, sync=sync)
+            else:
+                crcs = []
+        except BaseException:
+            self.nvme.free(extents)
+            raise
+        with self._cv:
+            old = meta.nvme
+            meta.nvme, meta.crcs, meta.nvme_valid = extents, crcs, True
+        if old:
+            self.nvme.free(old)
+
+    def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
+                  ns: str) -> Handle:
+        if key is not None:
+            with self._cv:
+                if (ns, key) in self._keys and not replace:
+                    raise KeyExists(f"key {key!r} already exists in namespace {ns!r}; "
+                                    "pass replace=True to overwrite it or free it first")
+        extents = self.nvme.alloc(spec.nbytes)
+        try:
+            crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
+            with self._cv:
+                meta = ObjectMeta(id=self._new_id(), gen=self._epoch, namespace=ns, key=key, spec=spec,
+                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home="nvme")
+            with self.journal.lock:
+                with self._cv:
+                    self._check_key(meta, replace)
+                if durable:
+                    self._journal_put(meta)
+                with self._cv:
+                    old = self._bind(meta, replace)
+                    self._objects[meta.id] = meta
+        except BaseException:
+            self.nvme.free(extents)
+            raise
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += spec.nbytes
+        if old is not None:
+            self._drop_replaced(old)
+        return meta.handle
+
+    def _read_pinned(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
+        """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them.
+
+        Returns True when they came from the host tier (a hit)."""
+        n = meta.nbytes
+        with self._cv:
+            host_off = meta.host_off if meta.host_valid else None
+            if host_off is not None:
+                self.policy.touch(meta.id)
+        if host_off is not None:
+            self.counters["host_hits"] += 1
+            dst[:] = self.arena.view(host_off, n)
+            return True
+        self.counters["nvme_reads"] += 1
+        if self.config.promote_on_get and meta.home != "nvme" and self._host_has_room(n):
+            with self._cv:
+                off = self.host.alloc(n) if not meta.moving else None
+                if off is not None:
+                    meta.moving = True
+            if off is not None:
+                try:
+                    self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
+                                   dst_padded=self.arena.view(off, align_up(n, PAGE)))
+                except BaseException:
+                    with self._cv:
+                        self.host.free(off, n)
+                        meta.moving = False
+                        self._cv.notify_all()
+                    raise
+                with self._cv:
+                    meta.host_off, meta.host_valid, meta.moving = off, True, False
+                    self._log_host(meta)
+                    self.policy.insert(meta.id)
+                    self.counters["promotions"] += 1
+                    self.counters["promoted_bytes"] += n
+                    self._cv.notify_all()
+                dst[:] = self.arena.view(off, n)
+                return False
+        padded = dst if (dst.ctypes.data % PAGE == 0 and n % PAGE == 0) else None
+        self.nvme.read(meta.nvme, dst, meta.crcs, dst_padded=padded)
+        return False
+
+    def _promote(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
+                 admit_distance: int | None = None, read: bool = True, block: int | None = None) -> None:
+        """Bring an NVMe-only object (flagged moving by the caller) into the host tier
+        (``read=False``: only give it host memory; the caller overwrites it; ``block``: a
+        host block the caller already allocated)."""
+        n = meta.nbytes
+        try:
+            if block is not None:
+                off = block
+            else:
+                off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
+            try:
+                if n and read:
+                    self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
+                                   dst_padded=self.arena.view(off, align_up(n, PAGE)), priority=priority)
+            except BaseException:
+                with self._cv:
+                    self.host.free(off, n)
+                raise
+            with self._cv:
+                meta.host_off = None if off < 0 else off
+                meta.host_valid = True
+                if off >= 0:
+                    self._log_host(meta)
+                    self.policy.insert(meta.id)
+                self.counters["promotions"] += 1
+                self.counters["promoted_bytes"] += n
+        finally:
+            with self._cv:
+                meta.moving = False
+                meta.prefetching = False
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ prefetch
+    def _record(self, owner: Any, stream: str, meta: ObjectMeta, hit: bool, late: bool, t0: float,
+                locked: bool = False) -> None:
+        outcome = "miss" if not hit else ("late" if late else "hit")
+        stall = time.monotonic() - t0 if outcome != "hit" else 0.0
+        if locked:
+            self.prefetcher.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
+        else:
+            with self._cv:
+                self.prefetcher.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
+
+    def _prefetch_fetch(self, oid: int) -> None:
+        """Worker side of a queued prefetch: promote ``oid`` at prefetch priority."""
+        with self._cv:
+            q = self.prefetcher.queued.get(oid)
+            meta = self._objects.get(oid)
+            if q is None or meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed:
+                if q is not None:
+                    self.prefetcher.done(oid, q[0], 0, fetched=False)
+                return
+            d = self.policy.distance(oid)
+        fetched = False
+        try:
+            # room first, without claiming the object: a full tier is often only waiting for
+            # write-backs, and a demand access must never wait behind a prefetch that waits
+            off = self._alloc_host(meta.nbytes, wait_s=_PREFETCH_WAIT_S, evict=True, admit_distance=d) \
+                if meta.nbytes else None
+            with self._cv:
+                wanted = not (meta.freeing or meta.host_valid or meta.moving or self._closed)
+                if wanted:
+                    meta.moving = meta.prefetching = True
+                elif off is not None:
+                    self.host.free(off, meta.nbytes)  # demand got there first
+            if wanted:
+                self._promote(meta, wait_s=0.0, priority=1, block=off)
+                fetched = True
+        except TierstoreError as e:
+            log.debug("prefetch of %s skipped: %s", meta.handle, e)
+        finally:
+            with self._cv:
+                self.prefetcher.done(oid, q[0], meta.nbytes, fetched)
+                self._cv.notify_all()
+
+    def _await_prefetch(self, oids: list[int]) -> int:
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or not any(o in self.prefetcher.queued for o in oids))
+            return sum(1 for o in oids if o in self._objects and self._objects[o].host_valid)
+
+    # ------------------------------------------------------------------ background demotion
+    def _maybe_demote(self) -> None:
+        if self.host.used_bytes > self.config.high_watermark * self.host.capacity:
+            self._demoter_wake.set()
+
+    def _drain_spill(self) -> None:
+        with self._cv:
+            spill, self._spill = self._spill, []
+        for oid in spill:
+            with self._cv:
+                m = self._objects.get(oid)
+                if (m is None or not m.host_valid or m.host_off is None or m.moving or m.pins or m.readers
+                        or m.writer or m.freeing or oid in self.prefetcher.protected):
+                    continue
+                m.moving = True
+                self.prefetcher.forget(oid)
+            try:
+                self._demote(m)
+            except TierstoreError as e:
+                log.error("returning %s to NVMe failed: %s", m.handle, e)
+
+    def _demote_loop(self) -> None:
+        log.debug("demoter started")
+        while True:
+            self._demoter_wake.wait(timeout=1.0)
+            self._demoter_wake.clear()
+            if self._closed:
+                break
+            self._drain_spill()
+            low = self.config.low_watermark * self.host.capacity
+            if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
+                continue
+            while not self._closed and self.host.used_bytes > low:
+                with self._cv:
+                    victim = self._pick_victim()
+                if victim is None:
+                    break
+                try:
+                    self._demote(victim)
+                except TierstoreError as e:
+                    # one failed object (NVMe full, I/O error) must not stop the worker
+                    log.error("background demotion of %s failed: %s", victim.handle, e)
+                    break
+        log.info("demoter stopped")
+
