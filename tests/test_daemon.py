@@ -507,3 +507,21 @@ except TierstoreError as e:
     assert "refused:" in r.stdout and "max_clients_per_uid" in r.stdout, r.stdout + r.stderr
     with d.client(), d.client(), d.client() as c:  # the daemon's own uid is exempt
         c.ping()
+
+
+def test_replacing_a_leased_key_does_not_stall_the_daemon(daemon):
+    import time
+
+    with daemon.client("job") as a, daemon.client("job") as b, daemon.client("other") as c:
+        a.put(torch.ones(10), key="k", durable=True)
+        lease = a.checkout(a.lookup("k"), "r")  # the old object stays leased
+        t0 = time.monotonic()
+        h = b.put(torch.zeros(10), key="k", replace=True)
+        c.lookup("nothing")  # the event loop keeps serving everybody
+        assert time.monotonic() - t0 < 5.0
+        assert torch.equal(b.get(h), torch.zeros(10)) and torch.equal(lease.tensor, torch.ones(10))
+        lease.release()
+        for _ in range(1000):  # the replaced object goes once its lease ends
+            if b.stat()["namespaces"]["job"]["objects"] == 1:
+                break
+        assert b.stat()["namespaces"]["job"]["objects"] == 1

@@ -130,7 +130,12 @@ class Leasing:
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
         if old is not None:
-            self._drop_replaced(old)
+            if nowait:
+                # the replaced object may still be leased, or durable (a journal fsync): its
+                # removal must not hold up the daemon's event loop
+                self._pool.submit(self._drop_replaced, old)
+            else:
+                self._drop_replaced(old)
         self._maybe_demote()
         return meta.handle
 
