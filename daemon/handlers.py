@@ -169,7 +169,7 @@ class Handlers:
         hs = field(msg, "handles", list)
         if len(hs) > 65536:
             raise InvalidArgument("at most 65536 handles per prefetch")
-        self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess)
+        self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess, wait=False)
         return {}
 
     def step(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

@@ -298,16 +298,17 @@ class Store(Leasing, Movement, Recovery):
         return len(old)
 
     def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None,
-                 owner: Any = _LOCAL) -> Future:
+                 owner: Any = _LOCAL, wait: bool = True) -> Future | None:
         """Hint: bring these objects into the host tier now, through the prefetch queue
         (and within its byte budget). The future resolves, once the fetches issued
-        for this hint are done, to how many of the objects are host-resident."""
+        for this hint are done, to how many of the objects are host-resident
+        (``wait=False``: fire and forget, no future)."""
         hs = [Handle.parse(h) for h in handles]
         ns = self._ns(namespace)
         with self._cv:
             oids = [self._get_meta(h, ns).id for h in hs]
             self.prefetcher.hint(owner, oids)
-        return self._pool.submit(self._await_prefetch, oids)
+        return self._pool.submit(self._await_prefetch, oids) if wait else None
 
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         """Block until no prefetch is queued or in flight (benchmarks, tests). False on timeout."""
