@@ -77,6 +77,12 @@ class Client:
         self._arena_fd = arena_fd
         self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
         self._executor: ThreadPoolExecutor | None = None
+        # page-lock this process's mapping where CUDA is present (detected once, reason kept)
+        from .cuda import register_host_memory
+
+        self._pinned_pieces, self.pinned_reason = register_host_memory(self._arena.ctypes.data, self._arena.nbytes) \
+            if self._arena.nbytes else ([], "empty arena")
+        self.pinned = bool(self._pinned_pieces)
         self._staging: tuple[int, int] | None = None
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
 
@@ -107,6 +113,8 @@ class Client:
     # ------------------------------------------------------------------ data
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
             replace: bool = False, wait_s: float = 0.0) -> Handle:
+        if _is_cuda(tensor):
+            return self._put_cuda(tensor, key, tier, durable, replace, wait_s)
         u8, spec = to_bytes(tensor)
         key = validate_key(key)
         if spec.nbytes <= _STAGED_MAX and self._staging_lock.acquire(blocking=False):
@@ -134,8 +142,10 @@ class Client:
         return Handle.parse(self._conn.request("put_commit", rid=r["rid"])["handle"])
 
     def get(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Any:
-        """A new CPU tensor (copy), or the bytes copied into ``out``. ``stream`` tags the
-        access sequence for the prefetcher (e.g. "params" vs "optim")."""
+        """A new CPU tensor (copy), or the bytes copied into ``out`` (CPU or CUDA).
+        ``stream`` tags the access sequence for the prefetcher (e.g. "params" vs "optim")."""
+        if _is_cuda(out):
+            return self._get_cuda(handle, out, stream)
         if self._staging_lock.acquire(blocking=False):
             try:
                 self._staging_area()
@@ -222,6 +232,11 @@ class Client:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        if self._pinned_pieces:
+            from .cuda import unregister_host_memory
+
+            unregister_host_memory(self._pinned_pieces)
+            self._pinned_pieces = []
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -249,6 +264,47 @@ class Client:
             raise TierstoreError(f"daemon named arena bytes [{offset}, {offset + nbytes}) outside the arena")
         return self._arena[offset:offset + nbytes]
 
+    def _put_cuda(self, t: Any, key: str | None, tier: str | None, durable: bool, replace: bool,
+                  wait_s: float) -> Handle:
+        """A CUDA tensor goes device-to-host straight into its reserved arena block (pinned
+        where registered), never through a pageable staging copy."""
+        import torch
+
+        t = t.detach().contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        nbytes = t.numel() * t.element_size()
+        r = self._conn.request("put_reserve", kind="torch", dtype=dtype, shape=list(t.shape), nbytes=nbytes,
+                               key=validate_key(key), tier=tier, durable=durable, replace=replace,
+                               wait_s=float(wait_s))
+        try:
+            if nbytes:
+                view = from_bytes(self._view(r["offset"], nbytes), TensorSpec("torch", dtype, tuple(t.shape), nbytes))
+                view.copy_(t, non_blocking=self.pinned)
+                torch.cuda.current_stream(t.device).synchronize()  # the bytes are in the arena before commit
+        except BaseException:
+            self._conn.submit("put_abort", rid=r["rid"])
+            raise
+        return Handle.parse(self._conn.request("put_commit", rid=r["rid"])["handle"])
+
+    def _get_cuda(self, handle: Handle | int | str, out: Any, stream: str) -> Any:
+        import torch
+
+        r = self._conn.request("get", handle=_wire(handle), stream=stream)
+        try:
+            spec = _spec_of(r)
+            if str(out.dtype).removeprefix("torch.") != spec.dtype or out.numel() * out.element_size() != spec.nbytes:
+                raise InvalidArgument(f"out must be {spec.dtype} with {spec.nbytes} bytes (shape {list(spec.shape)})")
+            if not out.is_contiguous():
+                raise InvalidArgument("out must be contiguous")
+            if spec.nbytes:
+                out.copy_(from_bytes(self._view(r["offset"], spec.nbytes), spec).reshape(out.shape),
+                          non_blocking=self.pinned)
+                # the read lease covers the copy: wait for it before releasing
+                torch.cuda.current_stream(out.device).synchronize()
+        finally:
+            self._conn.submit("release", lid=r["lid"])
+        return out
+
     def _staging_area(self) -> tuple[int, int]:
         if self._staging is None:
             r = self._conn.request("scratch", nbytes=_STAGED_MAX)
@@ -259,6 +315,11 @@ class Client:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-client")
         return self._executor
+
+
+def _is_cuda(t: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
 def _autostart(path: str, timeout_s: float) -> Connection:

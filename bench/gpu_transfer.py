@@ -1,0 +1,81 @@
+"""H2D / D2H GB/s through the registered (pinned) host arena of a daemon client, beside
+torch pinned tensors and pageable memory. Needs a CUDA device (bench/gpu_check.sh).
+Prints a table, then one JSON line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json, gbps, machine, print_table, repeat, size_label, timed  # noqa: E402
+
+from tierstore.client import Client  # noqa: E402
+
+
+def _sync_timed(fn) -> float:
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+    return timed(run)
+
+
+def main() -> dict:
+    if not torch.cuda.is_available():
+        print("# no CUDA device: nothing to measure")
+        out = {"bench": "gpu_transfer", "skipped": "no CUDA device"}
+        emit_json(out)
+        return out
+    base = tempfile.mkdtemp(prefix="tierstore-gpu-")
+    notify = os.path.join(base, "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(notify)
+    sock = os.path.join(base, "run", "ts.sock")
+    d = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir",
+                          os.path.join(base, "nvme"), "--host-bytes", "4GiB", "--log-level", "WARNING"],
+                         env={**os.environ, "NOTIFY_SOCKET": notify})
+    while b"READY=1" not in ns.recv(4096):
+        pass
+    rows, res = [], []
+    try:
+        with Client.connect(socket=sock, namespace="gpu") as c:
+            for n in (1 << 20, 64 << 20, 1 << 30):
+                g = torch.randn(n // 4, device="cuda")
+                hs: list = []
+                put = repeat(lambda: _sync_timed(lambda: hs.append(c.put(g))), 3)
+                out = torch.empty_like(g)
+                get = repeat(lambda: _sync_timed(lambda: c.get(hs[-1], out=out)), 3)
+                pinned = torch.empty(n // 4, pin_memory=True)
+                pageable = torch.empty(n // 4)
+                d2h_p = repeat(lambda: _sync_timed(lambda: pinned.copy_(g, non_blocking=True)), 3)
+                h2d_p = repeat(lambda: _sync_timed(lambda: out.copy_(pinned, non_blocking=True)), 3)
+                d2h_q = repeat(lambda: _sync_timed(lambda: pageable.copy_(g)), 3)
+                r = {"size": n, "arena_d2h": gbps(n, put["median_s"]), "arena_h2d": gbps(n, get["median_s"]),
+                     "pinned_d2h": gbps(n, d2h_p["median_s"]), "pinned_h2d": gbps(n, h2d_p["median_s"]),
+                     "pageable_d2h": gbps(n, d2h_q["median_s"]), "arena_pinned": c.pinned}
+                res.append(r)
+                rows.append([size_label(n), *(f"{r[k]:.2f}" for k in ("arena_d2h", "arena_h2d", "pinned_d2h",
+                                                                        "pinned_h2d", "pageable_d2h"))])
+                for h in hs:
+                    c.free(h)
+            print(f"# GPU transfers via the arena (pinned: {c.pinned}, {c.pinned_reason}); {machine()}")
+    finally:
+        d.terminate()
+        d.wait()
+        ns.close()
+        shutil.rmtree(base, ignore_errors=True)
+    print_table(["size", "arena put D2H", "arena get H2D", "torch pinned D2H", "torch pinned H2D", "pageable D2H"],
+                rows)
+    out = {"bench": "gpu_transfer", "machine": machine(), "results": res}
+    emit_json(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
