@@ -114,8 +114,8 @@ def test_corrupted_chunk_is_refused_and_named(make_store, tmp_path):
 SLOW_SNAPSHOT = r"""
 import sys, torch
 from tierstore import Config, Store
-s = Store(Config(host_bytes="256MiB", nvme_dirs=[sys.argv[1]], nvme_bytes="2GiB"))
-for i in range(100):
+s = Store(Config(host_bytes="640MiB", nvme_dirs=[sys.argv[1]], nvme_bytes="2GiB"))
+for i in range(250):
     s.put(torch.randn(512, 1024), key=f"t/{i}")
 print("filled", flush=True)
 s.snapshot(sys.argv[2])
