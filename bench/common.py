@@ -80,3 +80,30 @@ def pyplot():
         print("# matplotlib not installed: no plot")
         return None
     return plt
+
+
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A kB field of /proc/PID/status (VmHWM, RssAnon, ...) in bytes; 0 if absent."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def time_torch_save_load(obj, path: str, runs: int, warmup: int = 1) -> tuple[dict, dict]:
+    """torch.save (+fsync) and torch.load (page cache dropped first) of ``obj`` at ``path``."""
+    import torch
+
+    def save() -> float:
+        def run() -> None:
+            with open(path, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        return timed(run)
+
+    def load() -> float:
+        drop_cache(path)
+        return timed(lambda: torch.load(path, weights_only=True))
+    return repeat(save, runs, warmup), repeat(load, runs, warmup)

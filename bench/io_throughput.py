@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (drop_cache, emit_json, gbps, machine, print_table, random_bytes, repeat,  # noqa: E402
-                    pyplot, size_label, timed)
+                    pyplot, size_label, time_torch_save_load, timed)
 
 from tierstore import Config, Store  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
@@ -128,21 +128,8 @@ def tierstore_nvme(directory: str, data: np.ndarray, runs: int, chunk: int, thre
 def torch_save_load(path: str, data: np.ndarray, runs: int) -> tuple[dict, dict]:
     import torch
 
-    t = torch.from_numpy(data)
-
-    def w() -> float:
-        def run() -> None:
-            with open(path, "wb") as f:
-                torch.save(t, f)
-                f.flush()
-                os.fsync(f.fileno())
-        return timed(run)
-
-    def r() -> float:
-        drop_cache(path)
-        return timed(lambda: torch.load(path, weights_only=True))
     try:
-        return repeat(w, runs), repeat(r, runs)
+        return time_torch_save_load(torch.from_numpy(data), path, runs)
     finally:
         os.unlink(path)
 
@@ -238,21 +225,7 @@ def snapshot_vs_torch(directory: str, total: int, count: int, runs: int) -> dict
                 return timed(lambda: s.restore(snaps[-1], namespace=ns, progress=False))
 
             sr = repeat(rest, runs, warmup=0)
-        path = os.path.join(d, "t.pt")
-
-        def tsave() -> float:
-            def run() -> None:
-                with open(path, "wb") as f:
-                    torch.save(tensors, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-            return timed(run)
-
-        def tload() -> float:
-            drop_cache(path)
-            return timed(lambda: torch.load(path, weights_only=True))
-        tw = repeat(tsave, runs, warmup=0)
-        tr = repeat(tload, runs, warmup=0)
+        tw, tr = time_torch_save_load(tensors, os.path.join(d, "t.pt"), runs, warmup=0)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     n = per * 4 * count

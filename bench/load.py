@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table, pyplot  # noqa: E402
+from common import emit_json, machine, print_table, proc_status_bytes, pyplot  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, zlib
@@ -78,23 +78,6 @@ print(json.dumps({"lat": {k: v for k, v in lat.items()}, "errors": errors, "byte
 """
 
 
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def private(pid: int) -> int:
-    """Resident anonymous memory (the daemon's heap), without the shared arena (shmem)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--clients", type=int, default=64)
@@ -117,14 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         while b"READY=1" not in ns.recv(4096):
             pass
-        mem = [(0.0, private(daemon.pid))]
+        mem = [(0.0, proc_status_bytes(daemon.pid, "RssAnon"))]
         t0 = time.monotonic()
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, sock, str(i), str(args.seconds)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in range(args.clients)]
         while any(pr.poll() is None for pr in procs):
             time.sleep(min(1.0, args.seconds / 10))
-            mem.append((time.monotonic() - t0, private(daemon.pid)))
+            mem.append((time.monotonic() - t0, proc_status_bytes(daemon.pid, "RssAnon")))
         outs = []
         for pr in procs:
             out, err = pr.communicate()

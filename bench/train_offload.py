@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import pyplot, emit_json, machine, print_table  # noqa: E402
+from common import emit_json, machine, print_table, proc_status_bytes, pyplot  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time, hashlib
@@ -90,14 +90,6 @@ def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy:
     return p, sock, ns
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
     d = tempfile.mkdtemp(dir=base)
     daemon = ns = None
@@ -114,7 +106,7 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
         if r.returncode != 0:
             raise SystemExit(f"{variant} failed:\n{r.stderr[-3000:]}")
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        out["daemon_peak_rss"] = _peak_rss(daemon.pid) if daemon else 0
+        out["daemon_peak_rss"] = proc_status_bytes(daemon.pid, "VmHWM") if daemon else 0
         return out
     finally:
         if daemon is not None:
