@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt2-small", choices=sorted(MODELS))
     p.add_argument("--scale", type=float, default=0.25, help="width scale (1.0 = the real model)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fractions", default="0.25,0.5,0.75")
     p.add_argument("--dir", default=None, help="NVMe directory (default ./bench-io-tmp)")

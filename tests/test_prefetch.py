@@ -157,3 +157,36 @@ def test_two_step_cycles_are_learned(make_store):
     rates = _run_steps(s, a, 1) + _run_steps(s, b, 1)
     assert min(rates) >= 0.95, rates
     assert s.stat()["prefetch"]["traces"][0]["state"] == "learned"
+
+
+def test_belady_walk_ranks_exactly_like_a_full_sort():
+    """The lazy candidate walk (cheap per eviction) yields the same order as sorting
+    every resident object by next use, with repeats, untraced and protected objects."""
+    import random
+
+    from tierstore.policy import LRUPolicy, TracePolicy
+    from tierstore.trace import TraceBook
+
+    rng = random.Random(7)
+    for _ in range(50):
+        book = TraceBook()
+        seq = [rng.randrange(40) for _ in range(rng.randrange(5, 80))]
+        t = book.get("c", "")
+        for _step in range(2):
+            for oid in seq:
+                t.record(oid)
+            t.step()
+        assert t.state == "learned"
+        for oid in seq[:rng.randrange(len(seq))]:
+            t.record(oid)  # move the cursor somewhere mid-step
+        protected = {o: ("c", 1) for o in rng.sample(range(60), 8)}
+        pol = TracePolicy(book, protected)
+        for oid in rng.sample(range(60), 35):  # some traced, some never used by the trace
+            pol.insert(oid)
+        walked = list(pol.candidates())
+        ranked = pol._ranked()
+        full = [o for o in ranked if o not in protected] + [o for o in ranked if o in protected]
+        assert walked == full
+        dists = [pol.distance(o) for o in walked if o not in protected and pol.distance(o) is not None]
+        assert dists == sorted(dists, reverse=True)
+    assert list(LRUPolicy().candidates()) == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Protocol
 
-from .trace import TraceBook
+from .trace import Trace, TraceBook
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "TracePolicy", "make_policy"]
 
@@ -68,6 +68,42 @@ class TracePolicy(LRUPolicy):
     def __init__(self, book: TraceBook, protected: dict[int, object] | None = None) -> None:
         super().__init__(protected)
         self.book = book
+
+    def candidates(self) -> Iterator[int]:
+        learned = self.book.learned_traces()
+        if len(learned) == 1:
+            return self._walk(learned[0])
+        return super().candidates()
+
+    def _walk(self, trace: Trace) -> Iterator[int]:
+        """Candidates under one learned trace, lazily: resident objects the trace never
+        uses (LRU order), then the rest by next use, furthest first, found by walking
+        the trace backwards from its cursor; protected objects last. The store usually
+        takes the first few, so this costs O(victims) instead of a sort per eviction."""
+        resident, protected, positions = self._order, self.protected, trace.positions
+        held = []
+        for oid in list(resident):
+            if oid not in positions:
+                if oid in protected:
+                    held.append(oid)
+                else:
+                    yield oid
+        seq, n, cur = trace.learned, len(trace.learned), trace.cursor
+        seen = set()
+        for i in range(n):
+            p = (cur - i) % n
+            oid = seq[p]
+            if oid in seen or oid not in resident:
+                continue
+            # an object used more than once is ranked by its nearest next use
+            if trace.distance(oid) != (p - cur - 1) % n:
+                continue
+            seen.add(oid)
+            if oid in protected:
+                held.append(oid)
+            else:
+                yield oid
+        yield from (o for o in held if o in resident)
 
     def _ranked(self) -> list[int]:
         order = list(self._order)

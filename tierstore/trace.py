@@ -147,6 +147,9 @@ class TraceBook:
     def learned(self) -> bool:
         return any(t.state == "learned" for t in self.traces.values())
 
+    def learned_traces(self) -> list[Trace]:
+        return [t for t in self.traces.values() if t.state == "learned" and t.learned]
+
     def distance(self, oid: int) -> int | None:
         """Smallest predicted distance to the next use of ``oid`` over all traces."""
         best = None
