@@ -85,6 +85,9 @@ class Client:
         self.pinned = bool(self._pinned_pieces)
         self._staging: tuple[int, int] | None = None
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
+        self._slabmap: Any = None  # the GPU tier's slabs, opened on first use
+        self._side: Any = None  # per-device copy streams
+        self._gpu_lock = threading.Lock()
 
     # ------------------------------------------------------------------ connecting
     @classmethod
@@ -113,7 +116,7 @@ class Client:
     # ------------------------------------------------------------------ data
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
             replace: bool = False, wait_s: float = 0.0) -> Handle:
-        if _is_cuda(tensor):
+        if _is_cuda(tensor) or tier == "gpu":
             return self._put_cuda(tensor, key, tier, durable, replace, wait_s)
         u8, spec = to_bytes(tensor)
         key = validate_key(key)
@@ -232,6 +235,9 @@ class Client:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        if self._slabmap is not None:
+            self._slabmap.close()
+            self._slabmap = None
         if self._pinned_pieces:
             from .cuda import unregister_host_memory
 
@@ -264,23 +270,49 @@ class Client:
             raise TierstoreError(f"daemon named arena bytes [{offset}, {offset + nbytes}) outside the arena")
         return self._arena[offset:offset + nbytes]
 
+    def _gpu(self) -> tuple[Any, Any]:
+        """(slab map, side streams), opening the daemon's GPU slabs on first use."""
+        with self._gpu_lock:
+            if self._side is None:
+                from .gpu import SideStreams
+
+                self._side = SideStreams()
+            if self._slabmap is None and self.server.get("gpu_tier"):
+                from .gpu import SlabMap
+
+                # attach first: the daemon keeps the slabs while this connection lives
+                self._slabmap = SlabMap(self._conn.request("gpu_attach")["slabs"])
+            return self._slabmap, self._side
+
     def _put_cuda(self, t: Any, key: str | None, tier: str | None, durable: bool, replace: bool,
                   wait_s: float) -> Handle:
-        """A CUDA tensor goes device-to-host straight into its reserved arena block (pinned
-        where registered), never through a pageable staging copy."""
+        """A CUDA tensor goes device-to-device into the GPU tier (``tier="gpu"``) or
+        device-to-host straight into its reserved arena block (pinned where registered),
+        on a side stream after the caller's stream; never through a pageable staging copy."""
         import torch
 
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(t))
+        elif not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
         t = t.detach().contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
         nbytes = t.numel() * t.element_size()
+        device = (t.device.index or 0) if t.is_cuda else torch.cuda.current_device()
+        slabs, side = self._gpu()
+        if tier == "gpu" and slabs is None:
+            raise InvalidArgument("the daemon has no GPU tier (start it with --gpu-bytes on a CUDA host)")
         r = self._conn.request("put_reserve", kind="torch", dtype=dtype, shape=list(t.shape), nbytes=nbytes,
                                key=validate_key(key), tier=tier, durable=durable, replace=replace,
-                               wait_s=float(wait_s))
+                               wait_s=float(wait_s), device=device)
         try:
             if nbytes:
-                view = from_bytes(self._view(r["offset"], nbytes), TensorSpec("torch", dtype, tuple(t.shape), nbytes))
-                view.copy_(t, non_blocking=self.pinned)
-                torch.cuda.current_stream(t.device).synchronize()  # the bytes are in the arena before commit
+                src = t.reshape(-1).view(torch.uint8)
+                if r.get("gpu_loc") is not None:
+                    dst = slabs.tensor(r["gpu_loc"], nbytes)
+                else:
+                    dst = torch.from_numpy(self._view(r["offset"], nbytes))
+                side.copy(dst, src, f"cuda:{device}").synchronize()  # the bytes are there before commit
         except BaseException:
             self._conn.submit("put_abort", rid=r["rid"])
             raise
@@ -289,7 +321,8 @@ class Client:
     def _get_cuda(self, handle: Handle | int | str, out: Any, stream: str) -> Any:
         import torch
 
-        r = self._conn.request("get", handle=_wire(handle), stream=stream)
+        slabs, side = self._gpu()
+        r = self._conn.request("get", handle=_wire(handle), stream=stream, device=slabs is not None)
         try:
             spec = _spec_of(r)
             if str(out.dtype).removeprefix("torch.") != spec.dtype or out.numel() * out.element_size() != spec.nbytes:
@@ -297,10 +330,13 @@ class Client:
             if not out.is_contiguous():
                 raise InvalidArgument("out must be contiguous")
             if spec.nbytes:
-                out.copy_(from_bytes(self._view(r["offset"], spec.nbytes), spec).reshape(out.shape),
-                          non_blocking=self.pinned)
-                # the read lease covers the copy: wait for it before releasing
-                torch.cuda.current_stream(out.device).synchronize()
+                if r.get("gpu_loc") is not None:
+                    src = slabs.tensor(r["gpu_loc"], spec.nbytes)
+                else:
+                    src = torch.from_numpy(self._view(r["offset"], spec.nbytes))
+                ev = side.copy(out.reshape(-1).view(torch.uint8), src, out.device)
+                torch.cuda.current_stream(out.device).wait_event(ev)  # later work on out sees the bytes
+                ev.synchronize()  # the read lease covers the copy: wait for it before releasing
         finally:
             self._conn.submit("release", lid=r["lid"])
         return out

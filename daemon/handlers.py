@@ -57,7 +57,7 @@ def _spec(msg: dict[str, Any]) -> TensorSpec:
 def _lease_reply(info) -> dict[str, Any]:
     s = info.spec
     return {"lid": info.lid, "offset": info.host_off, "handle": int(Handle(info.oid, info.gen)), "kind": s.kind,
-            "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes}
+            "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes, "gpu_loc": info.gpu_loc}
 
 
 class Handlers:
@@ -69,7 +69,7 @@ class Handlers:
             "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
             "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
-            "scratch": self.scratch, "put_staged": self.put_staged,
+            "scratch": self.scratch, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
         }
 
     # -- session ---------------------------------------------------------------------------
@@ -83,7 +83,11 @@ class Handlers:
         self.store.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
-                "session": sess.cid, "pid": sess.server_pid}
+                "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None}
+
+    def gpu_attach(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        """The client opens the GPU tier's slabs (CUDA IPC); they stay allocated until it disconnects."""
+        return {"slabs": self.store.gpu_attach(sess)}
 
     # -- puts ------------------------------------------------------------------------------
     def _put_args(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> dict[str, Any]:
@@ -99,8 +103,9 @@ class Handlers:
 
     def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         spec = _spec(msg)
-        res = self.store.reserve_put(spec, **self._put_args(sess, msg, nowait))
-        return {"rid": res.rid, "offset": res.host_off}
+        res = self.store.reserve_put(spec, **self._put_args(sess, msg, nowait),
+                                     device=field(msg, "device", int, 0, min_value=0, max_value=255))
+        return {"rid": res.rid, "offset": res.host_off, "gpu_loc": res.gpu_loc}
 
     def scratch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
@@ -131,14 +136,16 @@ class Handlers:
             if spec is not None:  # the bytes wait in the staging area; no lease to release
                 return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                         "nbytes": spec.nbytes}
-        info = self.store.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream)
+        info = self.store.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream,
+                                  device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
     def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         mode = field(msg, "mode", str, "r")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
         info = self.store.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                  nowait=nowait, stream=field(msg, "stream", str, "default"))
+                                  nowait=nowait, stream=field(msg, "stream", str, "default"),
+                                  device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
     def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

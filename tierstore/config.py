@@ -21,7 +21,7 @@ from .units import parse_size
 __all__ = ["Config", "default_socket_path", "default_nvme_dir", "default_host_bytes", "add_config_flags",
            "config_from_args"]
 
-_SIZE_FIELDS = {"host_bytes", "nvme_bytes", "gpu_bytes", "io_chunk_bytes", "nvme_grow_bytes",
+_SIZE_FIELDS = {"host_bytes", "nvme_bytes", "gpu_bytes", "gpu_slab_bytes", "io_chunk_bytes", "nvme_grow_bytes",
                 "journal_compact_bytes", "prefetch_budget_bytes", "max_message_bytes"}
 _LIST_FIELDS = {"nvme_dirs", "allowed_groups"}
 _HOST_BYTES_CAP = 16 << 30
@@ -66,6 +66,8 @@ class Config:
     """Capacity of the NVMe tier across all directories."""
     gpu_bytes: int = 0
     """Capacity of the GPU tier per device; 0 disables it."""
+    gpu_slab_bytes: int = 1 << 30
+    """The GPU tier is allocated in slabs of at most this size (one CUDA IPC handle each)."""
     policy: str = "lru"
     """Eviction policy: ``lru`` or ``trace``."""
     socket: str = ""
@@ -210,6 +212,7 @@ def add_config_flags(p: "argparse.ArgumentParser") -> None:
     g.add_argument("--nvme-dir", action="append", dest="nvme_dirs", help="NVMe directory (repeat to stripe)")
     g.add_argument("--nvme-bytes", help="NVMe tier capacity, e.g. 200GiB")
     g.add_argument("--gpu-bytes", help="GPU tier capacity per device")
+    g.add_argument("--gpu-slab-bytes", help="GPU tier slab size (one CUDA IPC handle each; default 1GiB)")
     g.add_argument("--socket", help="socket path (default: $XDG_RUNTIME_DIR/tierstore/tierstore.sock)")
     g.add_argument("--policy", choices=["lru", "trace"])
     g.add_argument("--prefetch", type=lambda v: v.lower() in ("1", "true", "yes", "on"), metavar="BOOL")

@@ -87,6 +87,8 @@ class ObjectMeta:
     version: int = 0
     """Bumped by every rw check-in, so a concurrent demotion of old bytes is discarded."""
     owner_uid: int | None = None
+    gpu_loc: int | None = None
+    """Location of the GPU-tier block holding the bytes (then the only copy; see gpu.py)."""
     record: dict[str, Any] | None = None
     """The last journal record written for this (durable) object; compaction rewrites it."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -100,7 +102,7 @@ class ObjectMeta:
         return self.spec.nbytes
 
     def residency(self) -> list[str]:
-        tiers = []
+        tiers = ["gpu"] if self.gpu_loc is not None else []
         if self.host_valid:
             tiers.append("host")
         if self.nvme_valid:

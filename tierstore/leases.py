@@ -38,6 +38,7 @@ class Reservation:
     meta: ObjectMeta
     tier: str | None
     replace: bool
+    gpu_loc: int | None = None
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ class LeaseInfo:
     host_off: int
     spec: TensorSpec
     since: float
+    gpu_loc: int | None = None
+    """Set for a lease on a GPU-tier object (``acquire(device=True)``): the bytes are there."""
 
 
 class Leasing:
@@ -58,8 +61,9 @@ class Leasing:
     # ------------------------------------------------------------ two-phase put / leases
     def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
                     namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None,
-                    nowait: bool = False) -> Reservation:
-        """Allocate a host block for a new object; the caller fills it, then ``commit_put``."""
+                    nowait: bool = False, device: int = 0) -> Reservation:
+        """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
+        object; the caller fills it, then ``commit_put``."""
         tier = self._check_tier(tier)
         self._check_fits(spec.nbytes, tier if tier != "nvme" else "host")
         if key is not None:
@@ -67,6 +71,9 @@ class Leasing:
                 if (namespace, key) in self._keys and not replace:
                     raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
                                     "pass replace=True to overwrite it or free it first")
+        if tier == "gpu":
+            return self._reserve_gpu(spec, key=key, durable=durable, replace=replace, namespace=namespace,
+                                     owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait, device=device)
         if nowait and spec.nbytes:
             with self._cv:
                 off = self.host.alloc(spec.nbytes)
@@ -80,6 +87,25 @@ class Leasing:
                               durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None)
             meta.host_off = None if off < 0 else off
             res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace)
+            self._reservations[oid] = res
+            return res
+
+    def _reserve_gpu(self, spec: TensorSpec, *, key: str | None, durable: bool, replace: bool, namespace: str,
+                     owner: Any, wait_s: float, owner_uid: int | None, nowait: bool, device: int) -> Reservation:
+        if durable:
+            raise InvalidArgument("the gpu tier is volatile: put durable objects to 'host' or 'nvme'")
+        if nowait:
+            with self._cv:
+                loc = self.gpu.alloc(spec.nbytes, device)
+            if loc is None:
+                raise WouldBlock()
+        else:
+            loc = self._alloc_gpu(spec.nbytes, device, wait_s=wait_s)
+        with self._cv:
+            oid = self._new_id()
+            meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
+                              durable=False, owner_uid=owner_uid)
+            res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace, gpu_loc=loc)
             self._reservations[oid] = res
             return res
 
@@ -110,7 +136,10 @@ class Leasing:
                 with self._cv:
                     self._reservations.pop(rid, None)
                     old = self._bind(meta, res.replace)
-                    meta.host_valid = meta.host_off is not None or meta.nbytes == 0
+                    meta.host_valid = res.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
+                    if res.gpu_loc is not None:
+                        meta.gpu_loc = res.gpu_loc
+                        self._gpu_lru[meta.id] = None
                     if res.tier == "nvme" and meta.host_off is not None:
                         self.host.free(meta.host_off, meta.nbytes)
                         meta.host_off, meta.host_valid = None, False
@@ -217,14 +246,20 @@ class Leasing:
             if meta.host_off is not None:
                 self.host.free(meta.host_off, meta.nbytes)
                 meta.host_off = None
+            if res.gpu_loc is not None:
+                self.gpu.free(res.gpu_loc, meta.nbytes)
             extents, meta.nvme = meta.nvme, None
             self._cv.notify_all()
         if extents:
             self.nvme.free(extents)
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                timeout_s: float | None = None, nowait: bool = False, stream: str = "default") -> LeaseInfo:
+                timeout_s: float | None = None, nowait: bool = False, stream: str = "default",
+                device: bool = False) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed).
+
+        ``device=True`` (a CUDA caller): an object in the GPU tier is leased where it is
+        (``LeaseInfo.gpu_loc``); otherwise, and for every other object, the host tier.
 
         ``mode``: ``"r"`` shared, ``"rw"`` exclusive, ``"w"`` exclusive for a caller that
         overwrites every byte (an NVMe-only object is given host memory without being
@@ -240,18 +275,25 @@ class Leasing:
         while True:
             with self._cv:
                 meta = self._get_meta(h, ns)
-                if meta.host_valid and not meta.moving and self._lease_ok(meta, mode):
+                on_gpu = device and meta.gpu_loc is not None
+                if (meta.host_valid or on_gpu) and not meta.moving and self._lease_ok(meta, mode):
                     if mode != "w":  # a blind overwrite is no read: nothing to learn or count
                         self._record(owner, stream, meta, not promoted, late, t0, locked=True)
                     if mode == "r":
                         meta.readers += 1
                     else:
                         meta.writer = True
-                    self.policy.touch(meta.id)
                     self.counters["checkouts"] += 1
-                    self.counters["host_hits"] += 1
+                    if on_gpu:
+                        self._gpu_lru.pop(meta.id, None)
+                        self._gpu_lru[meta.id] = None
+                        self.counters["gpu_hits"] += 1
+                    else:
+                        self.policy.touch(meta.id)
+                        self.counters["host_hits"] += 1
                     lid = next(self._ids) + (1 << 40)
-                    info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec, time.monotonic())
+                    info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
+                                     time.monotonic(), meta.gpu_loc if on_gpu else None)
                     self._leases[lid] = info
                     return info
                 if nowait:
@@ -270,7 +312,7 @@ class Leasing:
                     continue
             if promote:
                 promoted = mode != "w"
-                self.counters["nvme_reads"] += promoted
+                self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
                 self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=promoted)
 
     def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
@@ -345,7 +387,18 @@ class Leasing:
             if area is not None:
                 self.host.free(*area)
                 self._cv.notify_all()
+            if self.gpu is not None:
+                self.gpu.detach(owner)  # its mappings of the slabs died with it
         return len(lids), len(rids)
+
+    def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
+        """``owner`` is about to open the GPU slabs: they stay allocated until it goes
+        (``release_owner``). Returns what it needs to open them."""
+        if self.gpu is None:
+            raise InvalidArgument(f"this store has no GPU tier: {self.gpu_reason}")
+        with self._cv:
+            self.gpu.attach(owner)
+            return self.gpu.export()
 
     def claim_namespace(self, namespace: str, uid: int) -> None:
         """Bind a namespace to the uid that first uses it (journaled); others are refused."""

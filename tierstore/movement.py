@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CapacityExceeded, KeyExists, TierstoreError
+from .gpu import loc_device
 from .index import Handle, ObjectMeta
 from .tensors import TensorSpec
 from .units import PAGE, align_up
@@ -161,6 +162,11 @@ class Movement:
             host_off = meta.host_off if meta.host_valid else None
             if host_off is not None:
                 self.policy.touch(meta.id)
+            gpu_loc = meta.gpu_loc
+        if gpu_loc is not None:  # the pin holds it in the GPU tier while we copy
+            self.counters["gpu_hits"] += 1
+            self.gpu.read(gpu_loc, dst.ctypes.data, n)
+            return True
         if host_off is not None:
             self.counters["host_hits"] += 1
             dst[:] = self.arena.view(host_off, n)
@@ -206,7 +212,9 @@ class Movement:
             else:
                 off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
             try:
-                if n and read:
+                if n and read and meta.gpu_loc is not None:  # down from the GPU tier
+                    self.gpu.read(meta.gpu_loc, self.arena.view(off, n).ctypes.data, n)
+                elif n and read:
                     self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
                                    dst_padded=self.arena.view(off, align_up(n, PAGE)), priority=priority)
             except BaseException:
@@ -214,6 +222,12 @@ class Movement:
                     self.host.free(off, n)
                 raise
             with self._cv:
+                if meta.gpu_loc is not None:
+                    self.gpu.free(meta.gpu_loc, n)
+                    self._gpu_lru.pop(meta.id, None)
+                    meta.gpu_loc = None
+                    self.counters["gpu_demotions"] += 1
+                    self.counters["gpu_demoted_bytes"] += n
                 meta.host_off = None if off < 0 else off
                 meta.host_valid = True
                 if off >= 0:
@@ -243,7 +257,8 @@ class Movement:
         with self._cv:
             q = self.prefetcher.queued.get(oid)
             meta = self._objects.get(oid)
-            if q is None or meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed:
+            if (q is None or meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed
+                    or meta.gpu_loc is not None):
                 if q is not None:
                     self.prefetcher.done(oid, q[0], 0, fetched=False)
                 return
@@ -275,9 +290,60 @@ class Movement:
             self._cv.wait_for(lambda: self._closed or not any(o in self.prefetcher.queued for o in oids))
             return sum(1 for o in oids if o in self._objects and self._objects[o].host_valid)
 
+    # ------------------------------------------------------------------ GPU tier
+    def _alloc_gpu(self, nbytes: int, device: int, *, wait_s: float) -> int:
+        """A GPU-tier block, moving least recently used GPU objects down to the host tier
+        synchronously if needed; CapacityExceeded when nothing can move."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._cv:
+                self._check_open()
+                loc = self.gpu.alloc(nbytes, device)
+                if loc is not None:
+                    return loc
+                victim = self._pick_gpu_victim(device)
+                if victim is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.counters["capacity_errors"] += 1
+                        raise CapacityExceeded(
+                            f"GPU tier full on device {device}: {nbytes} bytes requested, "
+                            f"{self.gpu.capacity(device) - self.gpu.used(device)} free and nothing can move "
+                            "down (leased or in flight); check objects in, free some, or raise gpu_bytes")
+                    self._cv.wait(min(remaining, 0.5))
+                    continue
+            self._promote(victim, wait_s=max(wait_s, self.config.lease_wait_s))
+
+    def _pick_gpu_victim(self, device: int | None = None) -> ObjectMeta | None:
+        """(under _cv) The least recently used GPU-tier object that may move; marks it moving."""
+        for oid in self._gpu_lru:
+            m = self._objects.get(oid)
+            if m is None or m.gpu_loc is None or (device is not None and loc_device(m.gpu_loc) != device):
+                continue
+            if m.moving or m.pins or m.readers or m.writer or m.freeing:
+                continue
+            m.moving = True
+            return m
+        return None
+
+    def _demote_gpu(self) -> None:
+        """Bring every device's GPU tier under the low watermark (moving objects to host)."""
+        for device in self.gpu.over(self.config.high_watermark):
+            while not self._closed and self.gpu.used(device) > self.config.low_watermark * self.gpu.capacity(device):
+                with self._cv:
+                    victim = self._pick_gpu_victim(device)
+                if victim is None:
+                    break
+                try:
+                    self._promote(victim, wait_s=self.config.lease_wait_s)
+                except TierstoreError as e:
+                    log.error("moving %s from the GPU tier to host failed: %s", victim.handle, e)
+                    break
+
     # ------------------------------------------------------------------ background demotion
     def _maybe_demote(self) -> None:
-        if self.host.used_bytes > self.config.high_watermark * self.host.capacity:
+        if self.host.used_bytes > self.config.high_watermark * self.host.capacity or (
+                self.gpu is not None and self.gpu.over(self.config.high_watermark)):
             self._demoter_wake.set()
 
     def _drain_spill(self) -> None:
@@ -304,6 +370,8 @@ class Movement:
             if self._closed:
                 break
             self._drain_spill()
+            if self.gpu is not None:
+                self._demote_gpu()
             low = self.config.low_watermark * self.host.capacity
             if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
                 continue

@@ -94,7 +94,8 @@ class Prefetcher:
         objects = self.store._objects
         for oid in oids:
             meta = objects.get(oid)
-            if meta is None or meta.host_valid or meta.moving or meta.freeing or oid in self.queued:
+            if (meta is None or meta.host_valid or meta.moving or meta.freeing or oid in self.queued
+                    or meta.gpu_loc is not None):
                 continue
             if len(self.queued) >= self.max_inflight:
                 break

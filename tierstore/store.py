@@ -19,6 +19,7 @@ The journal lock is always taken before ``_cv``, never the other way around.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ from .allocator import ExtentAllocator
 from .arena import Arena
 from .config import Config
 from .engine import select_engine
+from .gpu import GpuTier, detect_backend
 from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists, NotFound,
                      StaleHandle, TierstoreError)
 from .index import Handle, ObjectMeta, validate_key, validate_namespace
@@ -44,7 +46,7 @@ from .leases import LOCAL, LeaseInfo, Leasing, Reservation, WouldBlock
 from .movement import Movement
 from .prefetch import Prefetcher
 from .recovery import Recovery
-from .tensors import aligned_empty, from_bytes, out_bytes, to_bytes
+from .tensors import aligned_empty, cuda_source, from_bytes, out_bytes, to_bytes
 from .units import PAGE, align_up
 
 __all__ = ["Store", "Lease", "Reservation", "LeaseInfo", "WouldBlock"]
@@ -109,10 +111,11 @@ class Store(Leasing, Movement, Recovery):
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
 
     def __init__(self, config: Config | None = None, *, namespace: str = "default",
-                 inherited_fds: dict[str, int] | None = None, **overrides: Any) -> None:
+                 inherited_fds: dict[str, int] | None = None, gpu_backend: Any = None, **overrides: Any) -> None:
         """``inherited_fds`` (``{"arena": fd, "index": fd}``, from systemd's fd store) hands
         back the host arena and its index of a previous daemon: its host-resident objects,
-        volatile ones included, are adopted instead of lost."""
+        volatile ones included, are adopted instead of lost. ``gpu_backend``: the CUDA
+        calls of the GPU tier (default: ``tierstore.gpu.detect_backend()``)."""
         cfg = config or Config()
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
@@ -134,7 +137,10 @@ class Store(Leasing, Movement, Recovery):
         self.counters: dict[str, float] = dict.fromkeys(
             ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
              "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
-             "prefetches", "prefetched_bytes", "steps"), 0)
+             "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes"), 0)
+        self._gpu_lru: OrderedDict[int, None] = OrderedDict()
+        self.gpu: GpuTier | None = None
+        self.host_pinned, self.host_pinned_reason = False, "no GPU tier in this process: host memory is not page-locked"
         self.engine = select_engine(cfg.engine, cfg.io_threads)
         try:
             inherited = inherited_fds or {}
@@ -144,6 +150,17 @@ class Store(Leasing, Movement, Recovery):
             self.host = ExtentAllocator(self.arena.size)
             self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
                                  chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes)
+            self.gpu_reason = "gpu_bytes is 0: no GPU tier"
+            if cfg.gpu_bytes:
+                backend, self.gpu_reason = (gpu_backend, f"backend {gpu_backend.name}") if gpu_backend is not None \
+                    else detect_backend()
+                if backend is None:
+                    log.warning("GPU tier disabled: %s", self.gpu_reason)
+                else:
+                    self.gpu = GpuTier(cfg.gpu_bytes, cfg.gpu_slab_bytes, backend)
+                    if self.arena.size:
+                        self.host_pinned, self.host_pinned_reason = self.gpu.pin_host(
+                            self.arena.view(0, self.arena.size).ctypes.data, self.arena.size)
         except BaseException:
             self.engine.close()
             raise
@@ -169,13 +186,16 @@ class Store(Leasing, Movement, Recovery):
         """Store a copy of ``tensor``; returns its handle.
 
         ``tier``: ``None`` (host if it has room, else NVMe), ``"host"`` (demote others
-        to make room, waiting up to ``wait_s``), ``"nvme"``. ``durable=True`` returns
-        only once the bytes and the index record are on NVMe.
+        to make room, waiting up to ``wait_s``), ``"nvme"``, ``"gpu"`` (the GPU tier, on the
+        tensor's device; volatile). ``durable=True`` returns only once the bytes and the
+        index record are on NVMe.
         """
-        u8, spec = to_bytes(tensor)
         ns = self._ns(namespace)
         key = validate_key(key)
         tier = self._check_tier(tier)
+        if tier == "gpu":
+            return self._put_gpu(tensor, key, durable, replace, ns, wait_s)
+        u8, spec = to_bytes(tensor)
         self._check_fits(spec.nbytes, tier)
         use_host = tier == "host" or (tier is None and self._host_has_room(spec.nbytes))
         if use_host:
@@ -190,6 +210,25 @@ class Store(Leasing, Movement, Recovery):
                 raise
             return self.commit_put(res.rid)
         return self._put_nvme(u8, spec, key, durable, replace, ns)
+
+    def _put_gpu(self, tensor: Any, key: str | None, durable: bool, replace: bool, ns: str, wait_s: float) -> Handle:
+        src = cuda_source(tensor)
+        if src is not None:
+            t, spec = src
+            device, addr = t.device.index or 0, t.data_ptr()
+        else:
+            t, spec = to_bytes(tensor)
+            device, addr = 0, t.ctypes.data
+        self._check_fits(spec.nbytes, "gpu")
+        res = self.reserve_put(spec, key=key, tier="gpu", durable=durable, replace=replace, namespace=ns,
+                               owner=_LOCAL, wait_s=wait_s, device=device)
+        try:
+            if spec.nbytes:
+                self.gpu.write(res.gpu_loc, addr, spec.nbytes)
+        except BaseException:
+            self.abort_put(res.rid)
+            raise
+        return self.commit_put(res.rid)
 
     def get(self, handle: Handle | int | str, out: Any = None, *, namespace: str | None = None,
             stream: str = "default", owner: Any = _LOCAL) -> Any:
@@ -252,7 +291,7 @@ class Store(Leasing, Movement, Recovery):
             m = self._get_meta(h, self._ns(namespace))
             return {"handle": str(m.handle), "key": m.key, "namespace": m.namespace, "kind": m.spec.kind,
                     "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes,
-                    "residency": m.residency(), "dirty": m.host_valid and not m.nvme_valid,
+                    "residency": m.residency(), "dirty": (m.host_valid or m.gpu_loc is not None) and not m.nvme_valid,
                     "readers": m.readers, "writer": m.writer, "durable": m.durable}
 
     def ls(self, prefix: str = "", *, namespace: str | None = None) -> list[dict[str, Any]]:
@@ -334,15 +373,17 @@ class Store(Leasing, Movement, Recovery):
                 "tiers": {
                     "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
                              "free_bytes": self.host.free_bytes, "objects": host_objs,
-                             "pinned": False, "pinned_reason": "no CUDA device: host memory is not page-locked"},
+                             "pinned": self.host_pinned, "pinned_reason": self.host_pinned_reason},
                     "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
                              "free_bytes": self.nvme.free_bytes, "objects": nvme_objs,
                              "engine": self.engine.name, "engine_reason": self.engine.reason,
                              "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "drives": self.nvme.describe()},
+                    **({"gpu": {**self.gpu.describe(), "objects": len(self._gpu_lru)}} if self.gpu is not None else {}),
                 },
                 "prefetch": self.prefetcher.stat(),
+                "gpu_reason": self.gpu_reason,
                 "namespaces": namespaces,
                 "leases": len(self._leases),
                 "reservations": len(self._reservations),
@@ -368,6 +409,8 @@ class Store(Leasing, Movement, Recovery):
         self.engine.close()
         self.journal.close()
         self.nvme.close()
+        if self.gpu is not None:
+            self.gpu.close()  # unpins the arena before it is unmapped
         self.arena.close()
         self.hostlog.close()
         log.info("store closed")
@@ -389,11 +432,16 @@ class Store(Leasing, Movement, Recovery):
     def _check_tier(self, tier: str | None) -> str | None:
         if tier not in _TIERS:
             raise InvalidArgument(f"tier must be one of None, 'host', 'nvme', 'gpu'; got {tier!r}")
-        if tier == "gpu":
-            raise InvalidArgument("the gpu tier is not available in this store (no CUDA device / gpu_bytes=0)")
+        if tier == "gpu" and self.gpu is None:
+            raise InvalidArgument(f"the gpu tier is not available in this store: {self.gpu_reason}")
         return tier
 
     def _check_fits(self, nbytes: int, tier: str | None) -> None:
+        if tier == "gpu":
+            if not self.gpu.fits(nbytes):
+                raise CapacityExceeded(f"{nbytes} bytes exceed every GPU-tier slab ({self.config.gpu_slab_bytes} "
+                                       "bytes); raise gpu_slab_bytes or use tier='host'")
+            return
         host_ok = align_up(max(nbytes, 1), PAGE) <= self.host.capacity
         nvme_ok = self.nvme.fits(nbytes)
         if tier == "host" and not host_ok:
@@ -480,6 +528,10 @@ class Store(Leasing, Movement, Recovery):
                 self._log_drop(meta)
                 self.host.free(meta.host_off, meta.nbytes)
                 meta.host_off, meta.host_valid = None, False
+            if meta.gpu_loc is not None:
+                self.gpu.free(meta.gpu_loc, meta.nbytes)
+                self._gpu_lru.pop(meta.id, None)
+                meta.gpu_loc = None
             extents, meta.nvme = meta.nvme, None
             meta.nvme_valid = False
             self._cv.notify_all()

@@ -40,6 +40,17 @@ def is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def cuda_source(obj: Any) -> tuple[Any, TensorSpec] | None:
+    """For a CUDA tensor: (a contiguous tensor whose ``data_ptr()`` holds the bytes, its
+    spec), with the producing stream synchronised; None for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cuda":
+        return None
+    t = obj.detach().resolve_conj().resolve_neg().contiguous()
+    torch.cuda.current_stream(t.device).synchronize()
+    return t, TensorSpec("torch", str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+
+
 def to_bytes(obj: Any) -> tuple[np.ndarray, TensorSpec]:
     """A uint8 view (copy only when needed) of ``obj``'s bytes, and its spec."""
     if isinstance(obj, np.ndarray):

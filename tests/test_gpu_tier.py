@@ -1,0 +1,201 @@
+"""The GPU tier's logic on a CPU host: slab bookkeeping, location encoding, lifetimes,
+placement and movement between the GPU and host tiers.
+
+The CUDA calls (cudaMalloc, IPC handles, cudaMemcpy, cudaHostRegister) are the only
+part replaced here, by host memory (``HostBackend``); everything above them is the
+real store. The same paths run against CUDA in tests/test_gpu.py (gpu marker).
+"""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from tierstore import Config, Store
+from tierstore.errors import CapacityExceeded, InvalidArgument
+from tierstore.gpu import GPU_ALIGN, GpuTier, decode_loc, detect_backend, encode_loc
+
+
+class HostBackend:
+    """Device memory stood in for by host memory; copies are memmove."""
+
+    name = "host-test"
+
+    def __init__(self, devices: int = 1, fail_register: bool = False) -> None:
+        self.devices = devices
+        self.bufs: dict[int, np.ndarray] = {}
+        self.freed: list[int] = []
+        self.registered: list[tuple[int, int]] = []
+        self.fail_register = fail_register
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        buf = np.zeros(nbytes, np.uint8)
+        self.bufs[buf.ctypes.data] = buf
+        return buf.ctypes.data
+
+    def free(self, device: int, ptr: int) -> None:
+        del self.bufs[ptr]
+        self.freed.append(ptr)
+
+    def ipc_handle(self, device: int, ptr: int) -> bytes:
+        return ptr.to_bytes(8, "little") + bytes(56)  # 64 bytes, like cudaIpcMemHandle_t
+
+    def copy(self, device: int, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def host_register(self, address: int, nbytes: int) -> None:
+        if self.fail_register:
+            raise RuntimeError("cudaErrorMemoryAllocation")
+        self.registered.append((address, nbytes))
+
+    def host_unregister(self, address: int) -> None:
+        self.registered = [r for r in self.registered if r[0] != address]
+
+
+def test_locations_round_trip_and_reject_garbage():
+    for d, s, o in [(0, 0, 0), (3, 17, 12345 * 512), (255, 4095, (1 << 40) - 1)]:
+        assert decode_loc(encode_loc(d, s, o)) == (d, s, o)
+    for bad in [-1, 1 << 60, "3", True, 1.5]:
+        with pytest.raises(InvalidArgument):
+            decode_loc(bad)
+    with pytest.raises(InvalidArgument):
+        encode_loc(256, 0, 0)
+
+
+def test_slabs_split_allocate_export_and_outlive_their_mappers():
+    be = HostBackend(devices=2)
+    tier = GpuTier(10 << 20, 4 << 20, be)
+    assert [len(tier.slabs[d]) for d in (0, 1)] == [3, 3]  # 4 + 4 + 2 MiB on each device
+    assert tier.capacity() == 20 << 20 and tier.capacity(1) == 10 << 20
+    exported = tier.export()
+    assert len(exported) == 6 and all(len(e["handle"]) == 64 for e in exported)
+    a = tier.alloc(3 << 20, device=1)
+    b = tier.alloc(3 << 20, device=1)
+    assert decode_loc(a)[:2] == (1, 0) and decode_loc(b)[:2] == (1, 1)  # the second did not fit slab 0
+    assert tier.alloc(5 << 20, device=1) is None  # bigger than any slab
+    assert not tier.fits(5 << 20) and tier.fits(4 << 20)
+    assert tier.used(1) == 6 << 20 and tier.used(0) == 0
+    c = tier.alloc(1)
+    assert decode_loc(c)[0] == 0 and tier.used(0) == GPU_ALIGN  # blocks are GPU_ALIGN-rounded
+    tier.free(a, 3 << 20)
+    assert tier.used(1) == 3 << 20
+    with pytest.raises(InvalidArgument):
+        tier.alloc(10, device=2)
+    tier.attach("client-a")
+    tier.attach("client-b")
+    assert tier.mapped_by() == 2
+    tier.detach("client-a")
+    assert tier.close() is False and be.freed == []  # client-b still maps them: nothing freed
+    tier.detach("client-b")
+    assert tier.close() is True and len(be.freed) == 6 and not be.bufs
+
+
+def test_pinning_is_chunked_and_a_refusal_is_reported():
+    be = HostBackend()
+    tier = GpuTier(1 << 20, 1 << 20, be)
+    buf = np.zeros(10 << 20, np.uint8)
+    ok, why = tier.pin_host(buf.ctypes.data, buf.nbytes, chunk=4 << 20)
+    assert ok and len(be.registered) == 3, why
+    tier.close()
+    assert be.registered == []
+    be2 = HostBackend(fail_register=True)
+    ok, why = GpuTier(1 << 20, 1 << 20, be2).pin_host(buf.ctypes.data, buf.nbytes)
+    assert not ok and "cudaHostRegister failed" in why and "MEMLOCK" in why
+
+
+def test_without_cuda_the_tier_is_absent_with_a_reason(tmp_path):
+    backend, why = detect_backend()
+    if backend is not None:
+        pytest.skip("a CUDA device is present")
+    assert why
+    with Store(Config(host_bytes=8 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=64 << 20, gpu_bytes=4 << 20)) as s:
+        assert "gpu" not in s.stat()["tiers"] and s.stat()["gpu_reason"] == why
+        with pytest.raises(InvalidArgument, match="gpu tier is not available"):
+            s.put(np.zeros(4), tier="gpu")
+
+
+@pytest.fixture
+def gpu_store(tmp_path):
+    be = HostBackend()
+    cfg = Config(host_bytes=16 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=128 << 20, gpu_bytes=4 << 20,
+                 gpu_slab_bytes=2 << 20)
+    s = Store(cfg, gpu_backend=be)
+    yield s, be
+    s.close()
+
+
+def test_gpu_tier_put_get_checkout_free(gpu_store):
+    s, be = gpu_store
+    st = s.stat()
+    assert st["tiers"]["gpu"]["capacity_bytes"] == 4 << 20 and st["tiers"]["host"]["pinned"]
+    x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
+    h = s.put(x, key="w", tier="gpu")
+    st = s.stat()
+    assert st["tiers"]["gpu"]["objects"] == 1 and st["tiers"]["gpu"]["used_bytes"] >= x.nbytes
+    assert st["tiers"]["host"]["used_bytes"] == 0  # the GPU copy is the only one
+    assert s.info(h)["residency"] == ["gpu"] and s.info(h)["dirty"]
+    np.testing.assert_array_equal(s.get(h), x)  # copied out without leaving the GPU tier
+    assert s.counters["gpu_hits"] == 1 and s.stat()["tiers"]["gpu"]["objects"] == 1
+    lease = s.acquire(h, "r", owner="c", device=True)  # a CUDA caller leases it where it is
+    assert lease.gpu_loc is not None and s.gpu.used() > 0
+    s.release(lease.lid, owner="c")
+    with s.checkout(h, "rw") as v:  # a host check-out moves it down to the host tier
+        np.testing.assert_array_equal(v, x)
+        v *= 2
+    assert s.stat()["tiers"]["gpu"]["used_bytes"] == 0 and s.counters["gpu_demotions"] == 1
+    np.testing.assert_array_equal(s.get(h), 2 * x)
+    h2 = s.put(x, key="w2", tier="gpu")
+    s.free(h2)
+    assert s.stat()["tiers"]["gpu"]["used_bytes"] == 0 and s.stat()["tiers"]["gpu"]["objects"] == 0
+
+
+def test_gpu_tier_refuses_durable_and_oversized(gpu_store):
+    s, _ = gpu_store
+    with pytest.raises(InvalidArgument, match="volatile"):
+        s.put(np.zeros(10), tier="gpu", durable=True)
+    with pytest.raises(CapacityExceeded, match="gpu_slab_bytes"):
+        s.put(np.zeros(3 << 20, np.uint8), tier="gpu")
+
+
+def test_a_full_gpu_tier_moves_least_recently_used_objects_to_host(gpu_store):
+    s, _ = gpu_store
+    xs = [np.full(1 << 20, i, np.uint8) for i in range(8)]
+    hs = [s.put(x, key=f"k{i}", tier="gpu") for i, x in enumerate(xs)]  # 8 MiB through a 4 MiB tier
+    st = s.stat()
+    assert st["tiers"]["gpu"]["used_bytes"] <= 4 << 20
+    assert s.counters["gpu_demotions"] >= 4
+    for h, x in zip(hs, xs):
+        np.testing.assert_array_equal(s.get(h), x)
+    on_gpu = [int(m.id) for m in s._objects.values() if m.gpu_loc is not None]
+    assert on_gpu and all(h.id in on_gpu for h in hs[-len(on_gpu):])  # the newest stayed up
+
+
+def test_leased_gpu_objects_never_move(gpu_store):
+    s, _ = gpu_store
+    hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(4)]  # the tier is full
+    leases = [s.acquire(h, "r", owner="c", device=True) for h in hs]
+    with pytest.raises(CapacityExceeded, match="GPU tier full"):
+        s.put(np.zeros(1 << 20, np.uint8), tier="gpu", wait_s=0.1)
+    assert all(s._objects[h.id].gpu_loc is not None for h in hs)
+    for ls in leases:
+        s.release(ls.lid, owner="c")
+    s.release_owner("c")
+
+
+def test_background_demoter_brings_the_gpu_tier_under_its_watermark(tmp_path):
+    be = HostBackend()
+    cfg = Config(host_bytes=16 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=64 << 20, gpu_bytes=4 << 20,
+                 gpu_slab_bytes=4 << 20, high_watermark=0.6, low_watermark=0.3)
+    with Store(cfg, gpu_backend=be) as s:
+        hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(3)]
+        import time
+
+        deadline = time.monotonic() + 10
+        while s.gpu.used() > 0.3 * s.gpu.capacity() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.gpu.used() <= 0.3 * s.gpu.capacity()
+        for i, h in enumerate(hs):
+            assert (s.get(h) == i).all()
