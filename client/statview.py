@@ -30,6 +30,8 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
         cap, used = t["capacity_bytes"], t["used_bytes"]
         lines.append(f"  {name:5} {_bar(used, cap)}  used {format_size(used)} / {format_size(cap)}  "
                      f"free {format_size(cap - used)}  objects {t['objects']}")
+    if "gpu" not in tiers and st.get("gpu_reason"):
+        lines.append(f"  gpu   absent ({st['gpu_reason']})")
     h = tiers.get("host", {})
     if h:
         lines.append(f"        host pinned: {h.get('pinned')} ({h.get('pinned_reason', '')})")

@@ -73,13 +73,26 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     Parameters that are not fp32 (bf16/fp16 training) get an fp32 master copy in the
     pool; the update runs on the master and is copied (rounded) into the parameter.
+
+    CUDA parameters: ``update="gpu"`` (the default for them) fetches each parameter's
+    state host-to-device on a side stream while the previous parameter updates, runs
+    the update on the GPU and writes the state back device-to-host on the side stream,
+    ordered by events. ``update="cpu"`` (ZeRO-Offload style) copies the gradient to
+    the host, updates an fp32 host master and the state in the pool, and copies the
+    parameter back to the GPU.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: Any, *, tier: str | None = "nvme",
                  prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
-                 resume: bool = False) -> None:
+                 resume: bool = False, update: str = "auto") -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+        if update not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"update must be 'auto', 'cpu' or 'gpu', got {update!r}")
+        if update == "gpu" and not all(p.is_cuda for g in inner.param_groups for p in g["params"]):
+            raise ValueError("update='gpu' needs every parameter on a CUDA device; use 'cpu' or 'auto'")
+        self.update = update
+        self._streams: Any = None  # per-device copy streams, made on first GPU update
         if any(len(s) for s in inner.state.values()):
             raise ValueError("wrap the optimizer before its first step (it already holds state); "
                              "or load a state_dict into the wrapper")
@@ -112,7 +125,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Optimizer steps completed (and, after a resume, recovered from the pool)."""
         return self._completed
 
+    def _on_gpu(self, p: torch.Tensor) -> bool:
+        """Does this parameter's update run on its GPU?"""
+        return p.is_cuda and self.update != "cpu"
+
     def _needs_master(self, p: torch.Tensor) -> bool:
+        if p.is_cuda and not self._on_gpu(p):
+            return True  # the host update needs an fp32 host copy of the parameter
         want = p.dtype in (torch.float16, torch.bfloat16) if self.master_weights is None else bool(self.master_weights)
         if want and _local(p)[0] == "dtensor":
             raise ValueError("fp32 master weights of sharded (FSDP2) parameters are not supported; use FSDP2's "
@@ -130,13 +149,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
                 if p.grad is not None]
         saved_groups = self.inner.param_groups
+        pending: list[_GpuItem] = []  # updated on the GPU, state still being written back
+        nxt: _GpuItem | None = None
         try:
             for k, (gi, pi, p) in enumerate(work):
+                if not (self._on_gpu(p) and (gi, pi) in self._layout):
+                    if k + 1 < len(work):
+                        self._prefetch(work[k + 1], read)  # overlap the next parameter's fetch with this update
+                    self._step_one(gi, pi, p, read, write)
+                    continue
+                item = nxt if nxt is not None and nxt.key == (gi, pi) else self._gpu_fetch(gi, pi, p, read, write)
+                nxt = None
                 if k + 1 < len(work):
-                    self._prefetch(work[k + 1], read)  # overlap the next parameter's fetch with this update
-                self._step_one(gi, pi, p, read, write)
+                    g2, p2, q = work[k + 1]
+                    if self._on_gpu(q) and (g2, p2) in self._layout:
+                        nxt = self._gpu_fetch(g2, p2, q, read, write)  # its H2D copies overlap this update
+                    else:
+                        self._prefetch(work[k + 1], read)
+                if k + 2 < len(work):
+                    self._prefetch(work[k + 2], read)  # the pool brings it up from NVMe meanwhile
+                pending.append(item)
+                self._gpu_update(item)
+                while len(pending) > 1:
+                    self._gpu_finish(pending.pop(0))
         finally:
             self.inner.param_groups = saved_groups
+            for item in pending + ([nxt] if nxt is not None else []):
+                self._gpu_finish(item)
         self._completed += 1
         # the progress record flips which version is current: written last, after every parameter
         self.store.put(torch.tensor([self._completed], dtype=torch.int64), key=self._progress_key(),
@@ -161,11 +200,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         master_needed = self._needs_master(p)
         leases = []
         try:
+            host_update = p.is_cuda and not self._on_gpu(p)
             if layout is None:
                 # first step of this parameter: let the optimizer create its state, then move it to the pool
-                target = p.detach().float().clone() if master_needed else p
                 if master_needed:
-                    target.grad = p.grad.float()
+                    target = p.detach().to("cpu" if host_update else p.device, torch.float32, copy=True)
+                    target.grad = p.grad.to(target.device, torch.float32)
+                else:
+                    target = p
                 self.inner.param_groups = [dict(group, params=[target])]
                 self.inner.step()
                 state = self.inner.state.pop(target, {})
@@ -206,7 +248,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     state[name] = _untag(tag, views[name])
             if master_needed:
                 target = views["master"]
-                target.grad = p.grad.float()
+                target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
             else:
                 target = p
             self.inner.state[target] = state
@@ -222,6 +264,110 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         finally:
             for lease in leases:
                 lease.release()
+
+    # ------------------------------------------------------------------ update on the GPU
+    def _side(self, device: torch.device) -> Any:
+        if self._streams is None:
+            from .gpu import SideStreams
+
+            self._streams = SideStreams()
+        return self._streams.stream(device)
+
+    def _gpu_fetch(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> "_GpuItem":
+        """Lease a parameter's state (version ``read`` to read, ``write`` to overwrite) and
+        start its host-to-device copies on the side stream."""
+        item = _GpuItem((gi, pi), p)
+        side = self._side(p.device)
+        try:
+            # device buffers of earlier updates are freed on the compute stream: order after it
+            side.wait_stream(torch.cuda.current_stream(p.device))
+            for name in self._layout[(gi, pi)]:
+                src = self.store.lookup(self._key(gi, pi, name, read))
+                dst = self.store.lookup(self._key(gi, pi, name, write))
+                if src is None or dst is None:
+                    raise RuntimeError(f"optimizer state {self._key(gi, pi, name, read)} is missing from the pool; "
+                                       "was it freed, or is this prefix used by another job?")
+                ls = self._checkout(src, "r")
+                item.leases.append(ls)
+                ld = self._checkout(dst, "w")
+                item.leases.append(ld)
+                host = ls.tensor
+                if host.dim() == 0:  # scalar state (e.g. Adam's step) stays where torch keeps it: the host
+                    item.host[name] = (host.clone(), ld.tensor)
+                    continue
+                with torch.cuda.stream(side):
+                    dev = torch.empty(host.shape, dtype=host.dtype, device=p.device)
+                    dev.copy_(host, non_blocking=True)
+                item.dev[name] = (dev, ld.tensor)
+            item.fetched = torch.cuda.Event()
+            item.fetched.record(side)
+        except BaseException:
+            side.synchronize()  # no copy may still read a view whose lease goes
+            for lease in item.leases:
+                lease.release()
+            raise
+        return item
+
+    def _gpu_update(self, item: "_GpuItem") -> None:
+        gi, pi = item.key
+        p = item.p
+        group = self.param_groups[gi]
+        layout = self._layout[(gi, pi)]
+        cur = torch.cuda.current_stream(p.device)
+        cur.wait_event(item.fetched)
+        views: dict[str, torch.Tensor] = {}
+        for name, (dev, _) in item.dev.items():
+            dev.record_stream(cur)  # allocated on the side stream, used (and freed) on this one
+            views[name] = dev
+        for name, (h, _) in item.host.items():
+            views[name] = h
+        state: dict[str, Any] = {}
+        for name, tag in layout.items():
+            if name == "master":
+                continue
+            if tag == "tensor":
+                state[name] = views[name]
+            elif tag == "dtensor":
+                state[name] = _wrap_like(views[name], p)
+            else:
+                state[name] = _untag(tag, views[name])
+        master_needed = "master" in layout
+        if master_needed:
+            target = views["master"]
+            target.grad = p.grad.float()
+        else:
+            target = p
+        self.inner.state[target] = state
+        self.inner.param_groups = [dict(group, params=[target])]
+        self.inner.step()
+        new_state = self.inner.state.pop(target, {})
+        for name, tag in layout.items():
+            if name != "master" and tag not in ("tensor", "dtensor"):
+                views[name].fill_(new_state[name])
+        if master_needed:
+            p.copy_(target)
+            target.grad = None
+        side = self._side(p.device)
+        side.wait_stream(cur)  # the write-back starts after the update
+        with torch.cuda.stream(side):
+            for dev, dst in item.dev.values():
+                dst.copy_(dev, non_blocking=True)
+        for h, dst in item.host.values():
+            dst.copy_(h)
+        item.stored = torch.cuda.Event()
+        item.stored.record(side)
+
+    def _gpu_finish(self, item: "_GpuItem") -> None:
+        """Wait for the item's copies, then check its state back in."""
+        try:
+            if item.stored is not None:
+                item.stored.synchronize()
+            else:
+                self._side(item.p.device).synchronize()
+        finally:
+            for lease in item.leases:
+                lease.release()
+            item.leases = []
 
     def _checkout(self, h: Any, mode: str) -> Any:
         return self.store.checkout(h, mode, stream=_OPT_STREAM)
@@ -338,16 +484,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: str | None = "nvme",
                       prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
-                      resume: bool = False) -> OffloadedOptimizer:
+                      resume: bool = False, update: str = "auto") -> OffloadedOptimizer:
     """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
 
     ``tier``: where new state goes (``"host"`` or ``"nvme"``). ``resume=True``
     finds the state by key (``prefix``) and continues from the last completed step;
     otherwise any old state under ``prefix`` is freed. ``durable=True`` makes the
     state survive a daemon crash too (each check-in is then written through).
+    ``update``: where CUDA parameters are updated, ``"gpu"`` (default) or ``"cpu"``.
     """
     return OffloadedOptimizer(optimizer, client, tier=tier, prefix=prefix, master_weights=master_weights,
-                              durable=durable, resume=resume)
+                              durable=durable, resume=resume, update=update)
 
 
 def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Any, *, tier: str | None = "nvme",
@@ -362,6 +509,21 @@ def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Any, *, tier
     return make
 
 
+class _GpuItem:
+    """One parameter's state in flight through a GPU update."""
+
+    __slots__ = ("key", "p", "leases", "dev", "host", "fetched", "stored")
+
+    def __init__(self, key: tuple[int, int], p: torch.Tensor) -> None:
+        self.key = key
+        self.p = p
+        self.leases: list[Any] = []
+        self.dev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (device copy, host view to write)
+        self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # scalar state kept on the host
+        self.fetched: Any = None
+        self.stored: Any = None
+
+
 # ---------------------------------------------------------------------------- parameters
 class _ParamOffload:
     """Module hooks that keep parameters in the pool and materialise them per submodule."""
@@ -373,16 +535,17 @@ class _ParamOffload:
         self.handles: list[Any] = []
         self.keys: dict[int, str] = {}  # id(param) -> key
         self.params: dict[int, torch.nn.Parameter] = {}
-        self.shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self.shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self.live: dict[int, int] = {}  # id(param) -> how many running modules need it
-        self.order: list[torch.nn.Module] = []
+        self.staged: dict[int, tuple[torch.Tensor, Any, Any]] = {}  # id(param) -> (device buffer, event, lease)
+        self.streams: Any = None
         for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
             key = f"{self.prefix}/{name}"
             store.put(p.detach(), key=key, tier=tier, replace=True)
             self.keys[id(p)] = key
             self.params[id(p)] = p
-            self.shapes[id(p)] = (p.shape, p.dtype)
-            p.data = torch.empty(0, dtype=p.dtype)  # the pool holds the bytes now
+            self.shapes[id(p)] = (p.shape, p.dtype, p.device)
+            p.data = self._empty(p)  # the pool holds the bytes now
         self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         self.next_of: dict[int, torch.nn.Module] = {}
         for m in self.modules:
@@ -399,26 +562,84 @@ class _ParamOffload:
     def _own(self, m: torch.nn.Module) -> list[torch.nn.Parameter]:
         return [p for p in m.parameters(recurse=False) if id(p) in self.keys]
 
+    def _empty(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=p.dtype, device=self.shapes[id(p)][2] if id(p) in self.shapes else p.device)
+
+    def _fetch(self, p: torch.Tensor) -> torch.Tensor:
+        """The parameter's bytes from the pool, on its device (a staged copy when there is one)."""
+        shape, dtype, device = self.shapes[id(p)]
+        staged = self.staged.pop(id(p), None)
+        if staged is not None:
+            buf, ev, lease = staged
+            cur = torch.cuda.current_stream(device)
+            cur.wait_event(ev)
+            buf.record_stream(cur)
+            ev.synchronize()  # issued during the previous module: normally long done
+            lease.release()
+            return buf
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        h = self.store.lookup(self.keys[id(p)])
+        if buf.is_cuda and not hasattr(self.store, "_get_cuda"):  # an in-process Store reads to the host
+            buf.copy_(self.store.get(h, stream=_PARAM_STREAM).reshape(shape))
+        else:
+            self.store.get(h, out=buf, stream=_PARAM_STREAM)
+        return buf
+
+    def _stage(self, m: torch.nn.Module) -> None:
+        """Start the host-to-device copies of ``m``'s CUDA parameters on a side stream, so
+        they overlap the current module's compute; others get a prefetch hint."""
+        hints = []
+        for p in self._own(m):
+            if self.live.get(id(p), 0) or id(p) in self.staged:
+                continue
+            shape, dtype, device = self.shapes[id(p)]
+            h = self.store.lookup(self.keys[id(p)])
+            if h is None:
+                continue
+            if device.type != "cuda":
+                hints.append(h)
+                continue
+            if self.streams is None:
+                from .gpu import SideStreams
+
+                self.streams = SideStreams()
+            side = self.streams.stream(device)
+            lease = self.store.checkout(h, "r", stream=_PARAM_STREAM)
+            with torch.cuda.stream(side):
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                buf.copy_(lease.tensor.reshape(shape), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(side)
+            self.staged[id(p)] = (buf, ev, lease)
+        if hints:
+            self.store.prefetch(hints)
+
+    def _drop_staged(self) -> None:
+        for buf, ev, lease in self.staged.values():
+            ev.synchronize()
+            lease.release()
+        self.staged = {}
+
     def _load(self, m: torch.nn.Module) -> None:
         for p in self._own(m):
             n = self.live.get(id(p), 0)
             if n == 0:
-                shape, dtype = self.shapes[id(p)]
-                buf = torch.empty(shape, dtype=dtype)
-                self.store.get(self.store.lookup(self.keys[id(p)]), out=buf, stream=_PARAM_STREAM)
-                p.data = buf
+                p.data = self._fetch(p)
             self.live[id(p)] = n + 1
         nxt = self.next_of.get(id(m))
         if nxt is not None:  # bring the next module's parameters up while this one computes
-            hs = [self.store.lookup(self.keys[id(p)]) for p in self._own(nxt)]
-            self.store.prefetch([h for h in hs if h is not None])
+            self._stage(nxt)
+            after = self.next_of.get(id(nxt))
+            if after is not None and any(self.shapes[id(p)][2].type == "cuda" for p in self._own(after)):
+                hs = [self.store.lookup(self.keys[id(p)]) for p in self._own(after)]
+                self.store.prefetch([h for h in hs if h is not None])  # NVMe -> host in the pool meanwhile
 
     def _unload(self, m: torch.nn.Module) -> None:
         for p in self._own(m):
             n = self.live.get(id(p), 0) - 1
             self.live[id(p)] = max(n, 0)
             if n <= 0:
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = self._empty(p)
 
     def _pre(self, m, args):
         self._load(m)
@@ -439,31 +660,30 @@ class _ParamOffload:
         for p in self._own(m):
             if not p.requires_grad:
                 self.live[id(p)] = 0
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = self._empty(p)
 
     def _after_grad(self, p: torch.Tensor) -> None:
         # the engine accumulates a leaf's gradient once, after every use of it in this
         # backward pass: no backward computation needs its bytes after this point
         self.live[id(p)] = 0
-        p.data = torch.empty(0, dtype=p.dtype)
+        p.data = self._empty(p)
 
     def materialize(self) -> None:
         """Load every parameter (for an optimizer step or a checkpoint)."""
         for m in self.modules:
             for p in self._own(m):
                 if self.live.get(id(p), 0) == 0 and p.numel() == 0:
-                    shape, dtype = self.shapes[id(p)]
-                    buf = torch.empty(shape, dtype=dtype)
-                    self.store.get(self.store.lookup(self.keys[id(p)]), out=buf, stream=_PARAM_STREAM)
-                    p.data = buf
+                    p.data = self._fetch(p)
+        self._drop_staged()
 
     def writeback(self) -> None:
         """Store the (updated) materialised parameters and release their memory."""
+        self._drop_staged()  # staged copies hold the old values
         for pid, p in self.params.items():
             if p.numel():
                 self.store.put(p.detach(), key=self.keys[pid], replace=True)
                 if self.live.get(pid, 0) == 0:
-                    p.data = torch.empty(0, dtype=p.dtype)
+                    p.data = self._empty(p)
 
     def undo(self) -> None:
         """Remove the hooks and give every parameter its bytes back."""
