@@ -116,6 +116,8 @@ class Client:
     # ------------------------------------------------------------------ data
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
             replace: bool = False, wait_s: float = 0.0) -> Handle:
+        if tier == "gpu" and not self.server.get("gpu_tier"):
+            raise InvalidArgument(f"the daemon has no GPU tier: {self.server.get('gpu_reason', 'not configured')}")
         if _is_cuda(tensor) or tier == "gpu":
             return self._put_cuda(tensor, key, tier, durable, replace, wait_s)
         u8, spec = to_bytes(tensor)
@@ -300,8 +302,6 @@ class Client:
         nbytes = t.numel() * t.element_size()
         device = (t.device.index or 0) if t.is_cuda else torch.cuda.current_device()
         slabs, side = self._gpu()
-        if tier == "gpu" and slabs is None:
-            raise InvalidArgument("the daemon has no GPU tier (start it with --gpu-bytes on a CUDA host)")
         r = self._conn.request("put_reserve", kind="torch", dtype=dtype, shape=list(t.shape), nbytes=nbytes,
                                key=validate_key(key), tier=tier, durable=durable, replace=replace,
                                wait_s=float(wait_s), device=device)

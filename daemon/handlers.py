@@ -83,7 +83,8 @@ class Handlers:
         self.store.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
-                "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None}
+                "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
+                "gpu_reason": self.store.gpu_reason}
 
     def gpu_attach(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """The client opens the GPU tier's slabs (CUDA IPC); they stay allocated until it disconnects."""

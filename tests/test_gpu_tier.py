@@ -199,3 +199,18 @@ def test_background_demoter_brings_the_gpu_tier_under_its_watermark(tmp_path):
         assert s.gpu.used() <= 0.3 * s.gpu.capacity()
         for i, h in enumerate(hs):
             assert (s.get(h) == i).all()
+
+
+def test_daemon_without_cuda_says_why_there_is_no_gpu_tier(daemon_factory):
+    backend, why = detect_backend()
+    if backend is not None:
+        pytest.skip("a CUDA device is present")
+    d = daemon_factory("--gpu-bytes", "64MiB")
+    with d.client("g") as c:
+        assert "gpu" not in c.stat()["tiers"] and c.stat()["gpu_reason"] == why
+        with pytest.raises(InvalidArgument, match="no GPU tier"):
+            c.put(np.zeros(16, np.float32), tier="gpu")
+        with pytest.raises(InvalidArgument, match="no GPU tier"):
+            c._conn.request("gpu_attach")
+        h = c.put(np.arange(16, dtype=np.float32))  # everything else works as before
+        assert (c.get(h) == np.arange(16)).all()
