@@ -13,7 +13,7 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
   trace+prefetch Belady eviction on the learned trace, trace-driven prefetch
 
 Reported per variant: steady-state hit rate, stall fraction, step time / floor.
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 3] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     per_byte_s = 1.0 / (bw * 1e9)  # compute per layer = time to read that layer's bytes from disk
     compute = Compute()
     largest = max(sum(4 * math.prod(sh) for _, sh in layer) for layer in layers)
-    budget = max(4 * largest, total // 8)
+    # every byte of prefetch budget is a byte the tier cannot keep resident across steps
+    # (and so reads again each step): enough to cover the next objects' disk time, no more
+    budget = max(largest + (1 << 20), total // 8)
     common = dict(steps=args.steps, warmup=args.warmup, compute=compute, per_byte_s=per_byte_s, directory=base,
                   budget=budget)
     floor = run_variant(layers, total, 2 * total + (64 << 20), "lru", False, **common)
