@@ -141,7 +141,7 @@ class Store(Leasing, Movement, Recovery):
         self._gpu_lru: OrderedDict[int, None] = OrderedDict()
         self.gpu: GpuTier | None = None
         self.host_pinned, self.host_pinned_reason = False, "no GPU tier in this process: host memory is not page-locked"
-        self.engine = select_engine(cfg.engine, cfg.io_threads)
+        self.engine = select_engine(cfg.engine, cfg.io_threads, cfg.io_chunk_bytes)
         try:
             inherited = inherited_fds or {}
             adopt = "arena" in inherited and "index" in inherited

@@ -12,8 +12,9 @@ __all__ = ["IOEngine", "EngineFile", "PosixEngine", "probe_direct_io", "select_e
 log = logging.getLogger(__name__)
 
 
-def select_engine(choice: str, threads: int) -> IOEngine:
-    """``auto``: kvikio when the CUDA driver loads and kvikio imports, else posix."""
+def select_engine(choice: str, threads: int, task_bytes: int = 4 << 20) -> IOEngine:
+    """``auto``: kvikio when the CUDA driver loads and kvikio imports, else posix.
+    ``task_bytes``: kvikio's task size (the posix engine's chunks are the NVMe tier's)."""
     from . import kvikio_engine
 
     if choice == "posix":
@@ -22,9 +23,9 @@ def select_engine(choice: str, threads: int) -> IOEngine:
     if choice == "kvikio":
         if not ok:
             raise RuntimeError(f"engine=kvikio requested but unusable: {why}")
-        return kvikio_engine.KvikioEngine(threads, f"requested by configuration; {why}")
+        return kvikio_engine.KvikioEngine(threads, f"requested by configuration; {why}", task_bytes)
     if ok:
         log.info("I/O engine kvikio: %s", why)
-        return kvikio_engine.KvikioEngine(threads, why)
+        return kvikio_engine.KvikioEngine(threads, why, task_bytes)
     log.info("I/O engine posix: kvikio unusable (%s)", why)
     return PosixEngine(threads, f"kvikio unusable: {why}")

@@ -81,17 +81,21 @@ class KvikioFile:
 class KvikioEngine:
     name = "kvikio"
 
-    def __init__(self, threads: int, reason: str) -> None:
+    def __init__(self, threads: int, reason: str, task_bytes: int = 4 << 20) -> None:
         import kvikio.defaults
 
         self.threads = threads
+        self.task_bytes = task_bytes
         self.reason = reason
         setter = getattr(kvikio.defaults, "set", None)
-        if setter is not None:
+        for name, value in (("num_threads", threads), ("task_size", task_bytes)):
             try:
-                setter("num_threads", threads)
-            except Exception as e:  # older kvikio: keyword form only
-                log.info("kvikio thread count left at default: %s", e)
+                if setter is not None:
+                    setter(name, value)
+                else:  # older kvikio: one reset function per setting
+                    getattr(kvikio.defaults, f"{name}_reset")(value)
+            except Exception as e:
+                log.info("kvikio %s left at its default: %s", name, e)
         from .posix import PriorityPool
 
         self._pool = PriorityPool(threads, "tierstore-kvikio")
