@@ -77,23 +77,43 @@ class Connection:
     # ------------------------------------------------------------------ requests
     def submit(self, op: str, **fields: Any) -> Future:
         fut: Future = Future()
+        self._send(op, fields, fut)
+        return fut
+
+    def _send(self, op: str, fields: dict[str, Any], waiter: Any) -> int:
         with self._send_lock:
             if self._closed is not None:
                 raise DaemonUnavailable(f"connection to {self.path} is closed: {self._closed}")
             rid = next(self._ids)
             fields["id"] = rid
             fields["op"] = op
-            self._pending[rid] = fut
+            self._pending[rid] = waiter
             try:
                 self.sock.send(encode(fields))
             except OSError as e:
                 self._pending.pop(rid, None)
                 self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"))
                 raise DaemonUnavailable(f"lost the daemon on {self.path}: {e}") from None
-        return fut
+        return rid
 
     def request(self, op: str, **fields: Any) -> Any:
-        return self.wait(self.submit(op, **fields))
+        """Send and wait. A thread that finds nobody reading replies reads its own (and
+        any others that arrive first) directly: no Future, no hand-off."""
+        if not self._recv_lock.acquire(blocking=False):
+            return self.wait(self.submit(op, **fields))
+        try:
+            rid = self._send(op, fields, _DIRECT)
+            while True:
+                reply = self._recv_one(want=rid)
+                if reply is not None:
+                    if "err" in reply:
+                        err = reply["err"]
+                        raise error_for_code(err.get("code", ""), err.get("message", ""))
+                    return reply.get("ok")
+        finally:
+            self._recv_lock.release()
+            with self._cv:
+                self._cv.notify_all()  # let a follower take over reading
 
     def wait(self, fut: Future) -> Any:
         while not fut.done():
@@ -110,28 +130,31 @@ class Connection:
                     self._cv.wait_for(lambda: fut.done() or not self._recv_lock.locked(), timeout=0.2)
         return fut.result()
 
-    def _recv_one(self) -> None:
+    def _recv_one(self, want: int | None = None) -> dict[str, Any] | None:
+        """Read one reply and hand it to its waiter; the reply itself if it answers ``want``
+        (whose failure, like the connection's, is raised)."""
         try:
             data = self.sock.recv(MAX_REPLY_BYTES)
         except OSError as e:
-            self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"))
-            return
+            return self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"), want)
         if not data:
-            self._fail_all(DaemonUnavailable(f"the daemon on {self.path} closed the connection "
-                                             "(stopped or restarted); reconnect"))
-            return
+            return self._fail_all(DaemonUnavailable(f"the daemon on {self.path} closed the connection "
+                                                    "(stopped or restarted); reconnect"), want)
         try:
             reply = _unpack(data)
         except ProtocolError as e:
-            self._fail_all(e)
-            return
+            return self._fail_all(e, want)
         rid = reply.get("id")
         fut = self._pending.pop(rid, None) if isinstance(rid, int) else None
+        if fut is _DIRECT:
+            if rid == want:
+                return reply
+            return None  # a direct waiter that gave up (cannot happen while it holds the lock)
         if fut is None:
             if "err" in reply:  # an error about no request in particular (e.g. the daemon is closing us)
                 err = reply["err"]
-                self._fail_all(error_for_code(err.get("code", ""), err.get("message", "")))
-            return
+                return self._fail_all(error_for_code(err.get("code", ""), err.get("message", "")), want)
+            return None
         if "err" in reply:
             err = reply["err"]
             fut.set_exception(error_for_code(err.get("code", ""), err.get("message", "")))
@@ -139,15 +162,18 @@ class Connection:
             fut.set_result(reply.get("ok"))
         with self._cv:
             self._cv.notify_all()
+        return None
 
-    def _fail_all(self, exc: TierstoreError) -> None:
+    def _fail_all(self, exc: TierstoreError, want: int | None = None) -> None:
         self._closed = self._closed or exc
         pending, self._pending = self._pending, {}
         for fut in pending.values():
-            if not fut.done():
+            if fut is not _DIRECT and not fut.done():
                 fut.set_exception(exc)
         with self._cv:
             self._cv.notify_all()
+        if want is not None:
+            raise exc
 
     def close(self) -> None:
         if self._closed is None:
@@ -157,6 +183,10 @@ class Connection:
         except OSError:
             pass
         self._fail_all(DaemonUnavailable("connection closed by the client"))
+
+
+_DIRECT = object()
+"""Pending-table marker of a request whose thread reads its own reply."""
 
 
 def _unpack(data: bytes) -> dict[str, Any]:

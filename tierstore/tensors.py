@@ -27,6 +27,9 @@ class TensorSpec:
     nbytes: int
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
 def _torch():
     import torch
 
@@ -60,7 +63,10 @@ def to_bytes(obj: Any) -> tuple[np.ndarray, TensorSpec]:
         if not arr.dtype.isnative:
             arr = arr.astype(arr.dtype.newbyteorder("="))
         arr = np.ascontiguousarray(arr)
-        spec = TensorSpec("numpy", arr.dtype.name, tuple(int(s) for s in arr.shape), int(arr.nbytes))
+        name = _DTYPE_NAMES.get(arr.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[arr.dtype] = arr.dtype.name  # dtype.name is computed in Python each time
+        spec = TensorSpec("numpy", name, tuple(int(s) for s in arr.shape), int(arr.nbytes))
         return arr.reshape(-1).view(np.uint8), spec
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
