@@ -64,6 +64,25 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def in_threads(fn, n: int) -> list[BaseException]:
+    """Run ``fn(k)`` for k in range(n) on n threads; the exceptions they raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(k):
+        try:
+            fn(k)
+        except BaseException as e:  # surfaced by the caller
+            errors.append(e)
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return errors
+
+
 def run_py(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
 

@@ -530,24 +530,16 @@ def test_replacing_a_leased_key_does_not_stall_the_daemon(daemon):
 def test_one_connection_shared_by_many_threads(daemon):
     """Threads share a client: replies reach the right caller whether a thread reads its
     own reply directly or waits while another thread reads for everybody."""
-    import threading
+    from conftest import in_threads
 
-    errors = []
     with daemon.client("threads") as c:
         def work(k):
-            try:
-                for i in range(150):
-                    x = np.full(64 + k, k * 1000 + i, np.int64)
-                    h = c.put(x)
-                    assert np.array_equal(c.get(h), x)
-                    assert c.info(h)["shape"] == [64 + k]
-                    c.free(h)
-            except BaseException as e:
-                errors.append(e)
-        ts = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+            for i in range(150):
+                x = np.full(64 + k, k * 1000 + i, np.int64)
+                h = c.put(x)
+                assert np.array_equal(c.get(h), x)
+                assert c.info(h)["shape"] == [64 + k]
+                c.free(h)
+        errors = in_threads(work, 8)
         assert not errors, errors[:3]
         c.ping()

@@ -1,6 +1,5 @@
 """The in-process store against real files with O_DIRECT."""
 
-import threading
 
 import numpy as np
 import pytest
@@ -224,31 +223,25 @@ def test_full_filesystem_fails_only_that_request(make_store, tmpfs):
 
 
 def test_threads_put_get_concurrently(make_store):
+    from conftest import in_threads
+
     s = make_store(host_bytes="8MiB")
-    errors = []
 
     def worker(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            mine = []
-            for i in range(40):
-                t = torch.randn(int(torch.randint(1, 80_000, (1,), generator=g)), generator=g)
-                mine.append((s.put(t, key=f"w{seed}/{i}", durable=i % 5 == 0), t))
-                h, ref = mine[int(torch.randint(0, len(mine), (1,), generator=g))]
-                assert torch.equal(s.get(h), ref)
-                if i % 7 == 0:
-                    with s.checkout(h, "r") as v:
-                        assert torch.equal(v, ref)
-            for h, ref in mine:
-                assert torch.equal(s.get(h), ref)
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        g = torch.Generator().manual_seed(seed)
+        mine = []
+        for i in range(40):
+            t = torch.randn(int(torch.randint(1, 80_000, (1,), generator=g)), generator=g)
+            mine.append((s.put(t, key=f"w{seed}/{i}", durable=i % 5 == 0), t))
+            h, ref = mine[int(torch.randint(0, len(mine), (1,), generator=g))]
+            assert torch.equal(s.get(h), ref)
+            if i % 7 == 0:
+                with s.checkout(h, "r") as v:
+                    assert torch.equal(v, ref)
+        for h, ref in mine:
+            assert torch.equal(s.get(h), ref)
 
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = in_threads(worker, 4)
     assert not errors, errors
     st = s.stat()
     assert st["leases"] == 0 and st["namespaces"]["default"]["objects"] == 160
