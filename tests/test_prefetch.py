@@ -190,3 +190,49 @@ def test_belady_walk_ranks_exactly_like_a_full_sort():
         dists = [pol.distance(o) for o in walked if o not in protected and pol.distance(o) is not None]
         assert dists == sorted(dists, reverse=True)
     assert list(LRUPolicy().candidates()) == []
+
+
+def test_demand_io_overtakes_queued_prefetch_io(make_store):
+    """On the I/O engine, demand requests (priority 0) queued after prefetch requests
+    (priority 1) run first: in the pool itself, and for a store's reads."""
+    import threading
+    import time
+
+    from tierstore.engine.posix import PriorityPool
+
+    pool = PriorityPool(1, "test-io")
+    gate = threading.Event()
+    order = []
+    pool.submit(gate.wait)  # occupies the only worker
+    for i in range(5):
+        pool.submit(order.append, f"prefetch{i}", priority=1)
+    for i in range(3):
+        pool.submit(order.append, f"demand{i}", priority=0)
+    gate.set()
+    pool.shutdown()
+    assert order == ["demand0", "demand1", "demand2"] + [f"prefetch{i}" for i in range(5)]
+
+    s = make_store(host_bytes="8MiB", io_threads=1, io_chunk_bytes="1MiB")
+    big = torch.randn(1 << 20)  # 4 MiB: four chunks
+    hb = s.put(big, tier="nvme")
+    others = [s.put(torch.randn(1 << 18), tier="nvme") for _ in range(6)]  # 1 MiB: one chunk each
+    ran = []
+    read_chunk = s.nvme._read_chunk
+
+    def logged(e, off, n, dst, *rest):  # observe the order the engine serves chunks in
+        ran.append(dst.nbytes)
+        return read_chunk(e, off, n, dst, *rest)
+    s.nvme._read_chunk = logged
+    block = threading.Event()
+    s.engine.submit(block.wait, priority=1)  # hold the only worker while the backlog forms
+    s.prefetch(others)
+    time.sleep(0.3)  # the prefetch reads are queued now
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("t", s.get(hb)))
+    reader.start()
+    time.sleep(0.3)  # and the demand read's four chunks behind them
+    block.set()
+    reader.join(timeout=30)
+    assert torch.equal(got["t"], big)
+    assert s.wait_prefetch(10)
+    assert ran[:4] == [4 << 20] * 4 and sorted(ran[4:]) == [1 << 20] * 6, ran

@@ -234,10 +234,12 @@ class NvmeTier:
         """
         nbytes = src.nbytes
         crcs = [0] * (-(-nbytes // BLOCK_BYTES))
-        futures = []
-        for e, c_off, c_len in self._chunks(extents):
-            futures.append(self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, crcs))
-        self._gather(futures, extents)
+        chunks = list(self._chunks(extents))
+        if len(chunks) == 1:  # one request: issue it here, a hand-off to the pool would only add latency
+            self._inline(self._write_chunk, extents, *chunks[0], src, src_padded, crcs)
+        else:
+            self._gather([self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, crcs)
+                          for e, c_off, c_len in chunks], extents)
         if sync:
             for dev in {e.dev for e in extents}:
                 drv = self.drives[dev]
@@ -252,13 +254,15 @@ class NvmeTier:
              dst_padded: np.ndarray | None = None, priority: int = 0) -> None:
         """Read the object into ``dst`` (uint8), verifying every block's CRC32C.
 
-        ``priority`` 1 marks a prefetch: queued demand reads (0) go first.
+        ``priority`` 1 marks a prefetch: queued demand reads (0) go first, and a demand
+        read of one chunk is issued at once from the calling thread.
         """
-        futures = []
-        for e, c_off, c_len in self._chunks(extents):
-            futures.append(self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums,
-                                              priority=priority))
-        self._gather(futures, extents)
+        chunks = list(self._chunks(extents))
+        if priority == 0 and len(chunks) == 1:
+            self._inline(self._read_chunk, extents, *chunks[0], dst, dst_padded, checksums)
+        else:
+            self._gather([self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums,
+                                             priority=priority) for e, c_off, c_len in chunks], extents)
         self.bytes_read += dst.nbytes
 
     def _chunks(self, extents: list[Extent]):
@@ -328,6 +332,13 @@ class NvmeTier:
                     f"block {i} (object bytes {off + b}..{off + min(b + BLOCK_BYTES, data.nbytes)}) "
                     f"read from {path} at offset {pos + b} fails its CRC32C; the stored copy is "
                     "corrupt and was not served")
+
+    def _inline(self, fn, extents: list[Extent], *args) -> None:
+        try:
+            fn(*args)
+        except OSError as e:
+            path = self.drives[extents[0].dev].path if extents else "?"
+            raise _io_error(e, path, "I/O on") from None
 
     def _gather(self, futures: list[Future], extents: list[Extent]) -> None:
         first: BaseException | None = None
