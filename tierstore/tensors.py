@@ -28,6 +28,7 @@ class TensorSpec:
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def _torch():
@@ -78,8 +79,14 @@ def to_bytes(obj: Any) -> tuple[np.ndarray, TensorSpec]:
         raise InvalidArgument("cannot store a quantized tensor; dequantize it first")
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    spec = TensorSpec("torch", str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    name = _TORCH_DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _TORCH_DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    spec = TensorSpec("torch", name, tuple(t.shape), t.numel() * t.element_size())
     if spec.nbytes == 0:
         return np.empty(0, np.uint8), spec
     return t.reshape(-1).view(torch.uint8).numpy(), spec
