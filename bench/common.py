@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -107,3 +110,24 @@ def time_torch_save_load(obj, path: str, runs: int, warmup: int = 1) -> tuple[di
         drop_cache(path)
         return timed(lambda: torch.load(path, weights_only=True))
     return repeat(save, runs, warmup), repeat(load, runs, warmup)
+
+
+def start_daemon(base: str, *flags: str, env: dict | None = None,
+                 timeout_s: float = 300) -> tuple[subprocess.Popen, str, socket.socket]:
+    """A real daemon under ``base`` (socket ``base/run/ts.sock``, NVMe tier ``base/nvme``
+    unless ``flags`` name one), started and awaited through systemd's READY=1 protocol.
+    Returns (process, socket path, notify socket); keep the notify socket open until
+    the daemon has stopped (it reports STOPPING=1 there)."""
+    sock = os.path.join(base, "run", "ts.sock")
+    notify = os.path.join(base, "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(notify)
+    ns.settimeout(timeout_s)
+    args = [sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--log-level", "WARNING"]
+    if "--nvme-dir" not in flags:
+        args += ["--nvme-dir", os.path.join(base, "nvme")]
+    p = subprocess.Popen([*args, *flags], env={**os.environ, **(env or {}), "NOTIFY_SOCKET": notify})
+    while b"READY=1" not in ns.recv(4096):
+        if p.poll() is not None:
+            raise SystemExit(f"the daemon exited with status {p.returncode} before it was ready")
+    return p, sock, ns

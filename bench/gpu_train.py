@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table  # noqa: E402
+from common import emit_json, machine, print_table, start_daemon  # noqa: E402
 
 
 def model(layers: int, width: int):
@@ -77,17 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
     nparams = sum(q.numel() for q in model(args.layers, args.width).parameters())
     state_bytes = 2 * 4 * nparams
     base = tempfile.mkdtemp(prefix="tierstore-gpu-train-")
-    notify = os.path.join(base, "notify")
-    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    ns.bind(notify)
-    sock = os.path.join(base, "run", "ts.sock")
     host = 2 * state_bytes + (1 << 30) if args.tier == "host" else state_bytes // 2
-    d = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir",
-                          os.path.join(base, "nvme"), "--host-bytes", str(host), "--nvme-bytes",
-                          str(4 * state_bytes + (1 << 30)), "--policy", "trace", "--log-level", "WARNING"],
-                         env={**os.environ, "NOTIFY_SOCKET": notify})
-    while b"READY=1" not in ns.recv(4096):
-        pass
+    d, sock, ns = start_daemon(base, "--host-bytes", str(host), "--nvme-bytes", str(4 * state_bytes + (1 << 30)),
+                               "--policy", "trace")
     common = dict(layers=args.layers, width=args.width, steps=args.steps, batch=args.batch)
     results, rows = {}, []
     try:

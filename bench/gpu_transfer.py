@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, gbps, machine, print_table, repeat, size_label, timed  # noqa: E402
+from common import emit_json, gbps, machine, print_table, repeat, size_label, start_daemon, timed  # noqa: E402
 
 from tierstore.client import Client  # noqa: E402
 
@@ -33,15 +31,7 @@ def main() -> dict:
         emit_json(out)
         return out
     base = tempfile.mkdtemp(prefix="tierstore-gpu-")
-    notify = os.path.join(base, "notify")
-    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    ns.bind(notify)
-    sock = os.path.join(base, "run", "ts.sock")
-    d = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir",
-                          os.path.join(base, "nvme"), "--host-bytes", "4GiB", "--log-level", "WARNING"],
-                         env={**os.environ, "NOTIFY_SOCKET": notify})
-    while b"READY=1" not in ns.recv(4096):
-        pass
+    d, sock, ns = start_daemon(base, "--host-bytes", "4GiB")
     rows, res = [], []
     try:
         with Client.connect(socket=sock, namespace="gpu") as c:

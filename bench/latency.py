@@ -27,7 +27,8 @@ import msgpack
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, gbps, pyplot, machine, print_table, random_bytes, repeat, size_label, timed  # noqa: E402
+from common import (emit_json, gbps, pyplot, machine, print_table, random_bytes, repeat, size_label,  # noqa: E402
+                    start_daemon, timed)
 
 from tierstore.client import Client  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
@@ -66,21 +67,6 @@ def raw_floor(n: int) -> dict:
     return percentiles(xs)
 
 
-def start_daemon(base: str, host_bytes: int) -> tuple[subprocess.Popen, str, socket.socket]:
-    sock_path = os.path.join(base, "run", "ts.sock")
-    notify = os.path.join(base, "notify")
-    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    ns.bind(notify)
-    ns.settimeout(120)
-    env = {**os.environ, "NOTIFY_SOCKET": notify}
-    p = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock_path, "--nvme-dir",
-                          os.path.join(base, "nvme"), "--host-bytes", str(host_bytes), "--nvme-bytes", "4GiB",
-                          "--log-level", "WARNING"], env=env)
-    while b"READY=1" not in ns.recv(4096):
-        pass
-    return p, sock_path, ns  # ns stays open: the daemon also reports STOPPING=1 to it
-
-
 def timed_ops(fn, n: int) -> list[float]:
     xs = []
     for _ in range(min(100, n)):
@@ -105,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     base = tempfile.mkdtemp(prefix="tierstore-latency-")
     host_bytes = max(3 * max(sizes) + (64 << 20), 256 << 20)
-    daemon, sock_path, notify = start_daemon(base, host_bytes)
+    daemon, sock_path, notify = start_daemon(base, "--host-bytes", str(host_bytes), "--nvme-bytes", "4GiB",
+                                              timeout_s=120)
     out: dict = {"bench": "latency", "machine": machine()}
     try:
         floor = raw_floor(args.ops)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table, proc_status_bytes, pyplot  # noqa: E402
+from common import emit_json, machine, print_table, proc_status_bytes, pyplot, start_daemon  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, zlib
@@ -89,17 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.clients, args.seconds, args.host_bytes = 4, 3.0, "128MiB"
     base = tempfile.mkdtemp(prefix="tierstore-load-")
-    notify = os.path.join(base, "notify")
-    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    ns.bind(notify)
-    ns.settimeout(120)
-    sock = os.path.join(base, "run", "ts.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir",
-                               os.path.join(base, "nvme"), "--host-bytes", args.host_bytes, "--nvme-bytes", "8GiB",
-                               "--log-level", "WARNING"], env={**os.environ, "NOTIFY_SOCKET": notify})
+    daemon, sock, ns = start_daemon(base, "--host-bytes", args.host_bytes, "--nvme-bytes", "8GiB", timeout_s=120)
     try:
-        while b"READY=1" not in ns.recv(4096):
-            pass
         mem = [(0.0, proc_status_bytes(daemon.pid, "RssAnon"))]
         t0 = time.monotonic()
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, sock, str(i), str(args.seconds)],

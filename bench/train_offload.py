@@ -22,13 +22,12 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table, proc_status_bytes, pyplot  # noqa: E402
+from common import emit_json, machine, print_table, proc_status_bytes, pyplot, start_daemon  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time, hashlib
@@ -75,19 +74,9 @@ print(json.dumps({"times": times, "peak_uss": peak, "digest": h.hexdigest(),
 
 
 def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str):
-    sock = os.path.join(base, "run", "ts.sock")
-    notify = os.path.join(base, "notify")
-    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    ns.bind(notify)
-    ns.settimeout(300)
-    p = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir",
-                          os.path.join(base, "nvme"), "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
-                          "--prefetch", "1" if prefetch else "0", "--policy", policy,
-                          "--prefetch-budget-bytes", str(max(host_bytes // 3, 1 << 20)), "--log-level", "WARNING"],
-                         env={**os.environ, "NOTIFY_SOCKET": notify})
-    while b"READY=1" not in ns.recv(4096):
-        pass
-    return p, sock, ns
+    return start_daemon(base, "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
+                        "--prefetch", "1" if prefetch else "0", "--policy", policy,
+                        "--prefetch-budget-bytes", str(max(host_bytes // 3, 1 << 20)))
 
 
 def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:

@@ -54,3 +54,14 @@ def test_load_smoke(tmp_path):
     out = _run("load.py", "--quick", cwd=tmp_path)
     assert out["bench"] == "load" and out["wrong"] == 0
     assert set(out["errors"]) <= {"CapacityExceeded"} and out["ops_per_s"] > 0
+
+
+def test_gpu_benchmarks_say_why_they_skip_without_cuda(tmp_path):
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: bench/gpu_check.sh runs these")
+    for name in ("gpu_transfer.py", "gpu_nvme.py", "gpu_train.py"):
+        out = _run(name, cwd=tmp_path)
+        assert out["skipped"] == "no CUDA device", (name, out)
