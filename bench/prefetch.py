@@ -13,13 +13,17 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
   trace+prefetch Belady eviction on the learned trace, trace-driven prefetch
 
 Reported per variant: steady-state hit rate, stall fraction, step time / floor.
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--quick] [--png F]
+``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
+the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
+
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import mmap
 import os
@@ -32,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import pyplot, emit_json, machine, print_table  # noqa: E402
+from common import emit_json, machine, print_table, pyplot, start_daemon  # noqa: E402
 
 from tierstore import Config, Store  # noqa: E402
 from tierstore.units import format_size  # noqa: E402
@@ -93,50 +97,79 @@ class Compute:
             self.a @ self.b
 
 
-def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch: bool, steps: int,
-                warmup: int, compute: Compute, per_byte_s: float, directory: str, budget: int) -> dict:
-    d = tempfile.mkdtemp(dir=directory)
-    cfg = Config(host_bytes=host_bytes, nvme_dirs=[d], nvme_bytes=4 * total_bytes + (256 << 20), policy=policy,
-                 prefetch=prefetch, prefetch_budget_bytes=budget,
-                 high_watermark=1.0, low_watermark=0.95)  # no background demoter: every eviction is the policy's
-    s = Store(cfg, namespace="bench")
+@contextlib.contextmanager
+def open_pool(mode: str, d: str, host_bytes: int, nvme_bytes: int, policy: str, prefetch: bool, budget: int):
+    """The pool under test: an in-process Store, or a real daemon and a Client of it."""
+    # no background demoter: every eviction is the policy's
+    if mode == "embedded":
+        s = Store(Config(host_bytes=host_bytes, nvme_dirs=[os.path.join(d, "nvme")], nvme_bytes=nvme_bytes,
+                         policy=policy, prefetch=prefetch, prefetch_budget_bytes=budget, high_watermark=1.0,
+                         low_watermark=0.95), namespace="bench")
+        try:
+            yield s
+        finally:
+            s.close()
+        return
+    from tierstore.client import Client
+
+    proc, sock, ns = start_daemon(d, "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
+                                  "--policy", policy, "--prefetch", "1" if prefetch else "0",
+                                  "--prefetch-budget-bytes", str(budget),
+                                  env={"TIERSTORE_HIGH_WATERMARK": "1.0", "TIERSTORE_LOW_WATERMARK": "0.95"})
     try:
-        handles = []
-        for layer in layers:
-            hs = []
-            for name, shape in layer:
-                p = torch.randn(shape)
-                hs.append(("r", s.put(p, key=f"p/{name}")))
-                hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}")))
-                hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}")))
-            nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
-            handles.append((hs, nbytes))
-        times, hit_rates, stalls = [], [], []
-        for step in range(warmup + steps):
-            before = s.stat()["prefetch"]
-            t0 = time.perf_counter()
-            for hs, nbytes in handles:
-                for mode, h in hs:
-                    with s.checkout(h, mode) as v:
-                        if mode == "rw":
-                            v.mul_(0.9)  # the optimizer's update touches every state
-                compute.run(nbytes * per_byte_s)
-            s.step()
-            dt = time.perf_counter() - t0
-            after = s.stat()["prefetch"]
-            n = sum(after[k] - before[k] for k in ("hits", "late", "misses"))
-            if step >= warmup:
-                times.append(dt)
-                hit_rates.append((after["hits"] - before["hits"]) / n)
-                stalls.append((after["stall_s"] - before["stall_s"]) / dt)
-        st = s.stat()
-        return {"step_s": float(np.median(times)), "hit_rate": float(np.mean(hit_rates)),
-                "stall_fraction": float(np.mean(stalls)), "prefetched_bytes": st["prefetch"]["prefetched_bytes"],
-                "wasted_bytes": st["prefetch"]["wasted_bytes"], "nvme_read_bytes": st["tiers"]["nvme"]["bytes_read"],
-                "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"]}
+        with Client.connect(socket=sock, namespace="bench") as c:
+            yield c
     finally:
-        s.close()
+        proc.terminate()
+        proc.wait()
+        ns.close()
+
+
+def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch: bool, steps: int,
+                warmup: int, compute: Compute, per_byte_s: float, directory: str, budget: int,
+                mode: str = "embedded") -> dict:
+    d = tempfile.mkdtemp(dir=directory)
+    try:
+        with open_pool(mode, d, host_bytes, 4 * total_bytes + (256 << 20), policy, prefetch, budget) as s:
+            return _replay(s, layers, steps, warmup, compute, per_byte_s)
+    finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float) -> dict:
+    handles = []
+    for layer in layers:
+        hs = []
+        for name, shape in layer:
+            p = torch.randn(shape)
+            hs.append(("r", s.put(p, key=f"p/{name}")))
+            hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}")))
+            hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}")))
+        nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
+        handles.append((hs, nbytes))
+    times, hit_rates, stalls = [], [], []
+    for step in range(warmup + steps):
+        before = s.stat()["prefetch"]
+        t0 = time.perf_counter()
+        for hs, nbytes in handles:
+            for mode, h in hs:
+                with s.checkout(h, mode) as v:
+                    if mode == "rw":
+                        v.mul_(0.9)  # the optimizer's update touches every state
+            compute.run(nbytes * per_byte_s)
+        s.step()
+        dt = time.perf_counter() - t0
+        after = s.stat()["prefetch"]
+        n = sum(after[k] - before[k] for k in ("hits", "late", "misses"))
+        if step >= warmup:
+            times.append(dt)
+            hit_rates.append((after["hits"] - before["hits"]) / n)
+            stalls.append((after["stall_s"] - before["stall_s"]) / dt)
+    st = s.stat()
+    return {"step_s": float(np.median(times)), "hit_rate": float(np.mean(hit_rates)),
+            "stall_fraction": float(np.mean(stalls)), "prefetched_bytes": st["prefetch"]["prefetched_bytes"],
+            "wasted_bytes": st["prefetch"]["wasted_bytes"], "nvme_read_bytes": st["tiers"]["nvme"]["bytes_read"],
+            "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fractions", default="0.25,0.5,0.75")
     p.add_argument("--dir", default=None, help="NVMe directory (default ./bench-io-tmp)")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
+    p.add_argument("--mode", default="embedded", choices=["embedded", "daemon"],
+                   help="the pool in this process (a Store), or a real daemon and a Client of it")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -165,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     # (and so reads again each step): enough to cover the next objects' disk time, no more
     budget = max(largest + (1 << 20), total // 8)
     common = dict(steps=args.steps, warmup=args.warmup, compute=compute, per_byte_s=per_byte_s, directory=base,
-                  budget=budget)
+                  budget=budget, mode=args.mode)
     floor = run_variant(layers, total, 2 * total + (64 << 20), "lru", False, **common)
     results = {"floor": floor, "variants": []}
     rows = [["floor", "100%", "-", f"{floor['hit_rate'] * 100:.1f}%", f"{floor['stall_fraction'] * 100:.1f}%",
@@ -180,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             results["variants"].append(r)
             rows.append([name, f"{frac * 100:.0f}%", format_size(host), f"{r['hit_rate'] * 100:.1f}%",
                          f"{r['stall_fraction'] * 100:.1f}%", f"{r['step_s']:.3f}", f"{r['step_vs_floor']:.2f}"])
-    print(f"# prefetch replay: {args.model} x{args.scale} ({len(layers)} layer groups, working set "
+    print(f"# prefetch replay ({args.mode}): {args.model} x{args.scale} ({len(layers)} layer groups, working set "
           f"{format_size(total)}: fp32 params + Adam exp_avg/exp_avg_sq), disk read {bw:.2f} GB/s, "
           f"compute per layer = its bytes / disk bandwidth, {args.steps} steps after {args.warmup} warm-up, "
           f"prefetch budget {format_size(budget)}; {machine()}")
@@ -188,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
-    out = {"bench": "prefetch", "model": args.model, "scale": args.scale, "working_set_bytes": total,
+    out = {"bench": "prefetch", "mode": args.mode, "model": args.model, "scale": args.scale, "working_set_bytes": total,
            "disk_read_gbps": bw, "machine": machine(), **results}
     emit_json(out)
     return out

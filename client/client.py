@@ -46,21 +46,34 @@ class ClientLease:
         self._client = client
         self._lid: int | None = reply["lid"]
         self.mode = reply.get("mode")
+        self._durable = reply.get("durable", True)
         self.handle = Handle.parse(reply["handle"])
         spec = _spec_of(reply)
         self.tensor = from_bytes(client._view(reply["offset"], spec.nbytes), spec)
 
     def release(self) -> None:
+        """Check the object back in. Read leases and leases on volatile objects are
+        released without waiting for the reply (the daemon serves a connection's requests
+        in order, so the next request already sees the object checked in); a durable
+        object's ``rw`` check-in waits until its bytes are on NVMe."""
         if self._lid is not None:
             lid, self._lid = self._lid, None
             self.tensor = None
-            self._client._conn.request("release", lid=lid)
+            if self.mode == "r" or not self._durable:
+                self._client._conn.submit("release", lid=lid).add_done_callback(_log_release_error)
+            else:
+                self._client._conn.request("release", lid=lid)
 
     def __enter__(self) -> Any:
         return self.tensor
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _log_release_error(fut: Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("check-in failed: %s", fut.exception())
 
 
 def _spec_of(r: dict[str, Any]) -> TensorSpec:
@@ -248,6 +261,7 @@ class Client:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._conn.drain()
         self._conn.close()
         self._arena = np.empty(0, np.uint8)
         try:

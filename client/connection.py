@@ -12,6 +12,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -174,6 +175,24 @@ class Connection:
             self._cv.notify_all()
         if want is not None:
             raise exc
+
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Read the replies of requests still in flight (fire-and-forget check-ins), so
+        they have taken effect before the connection closes."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and self._closed is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._recv_lock.acquire(timeout=left):
+                return
+            try:
+                if not self._pending:
+                    return
+                self.sock.settimeout(left)
+                self._recv_one()
+            finally:
+                if self._closed is None:
+                    self.sock.settimeout(None)
+                self._recv_lock.release()
 
     def close(self) -> None:
         if self._closed is None:

@@ -57,7 +57,8 @@ def _spec(msg: dict[str, Any]) -> TensorSpec:
 def _lease_reply(info) -> dict[str, Any]:
     s = info.spec
     return {"lid": info.lid, "offset": info.host_off, "handle": int(Handle(info.oid, info.gen)), "kind": s.kind,
-            "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes, "gpu_loc": info.gpu_loc}
+            "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes, "gpu_loc": info.gpu_loc,
+            "durable": info.durable}
 
 
 class Handlers:

@@ -543,3 +543,26 @@ def test_one_connection_shared_by_many_threads(daemon):
         errors = in_threads(work, 8)
         assert not errors, errors[:3]
         c.ping()
+
+
+def test_check_in_is_ordered_and_a_durable_rw_check_in_is_synchronous(daemon):
+    """Read and volatile check-ins do not wait for their reply, yet the connection's next
+    request sees them done; a durable object's rw check-in returns only once its bytes
+    are on NVMe (they survive a kill -9 right after it)."""
+    with daemon.client("ci") as c:
+        hv = c.put(np.zeros(1000, np.float32), key="v")
+        hd = c.put(np.zeros(1000, np.float32), key="d", durable=True)
+        for _ in range(20):
+            with c.checkout(hv, "rw") as v:
+                v += 1
+            with c.checkout(hv, "r") as v:
+                assert float(v[0]) == float(v[-1])
+            assert c.stat()["leases"] == 0
+        c.free(hv)  # no Busy: the read lease before it is gone
+        with c.checkout(hd, "rw") as v:
+            v += 5
+        daemon.kill()  # at once, with nothing else sent after the check-in
+    daemon.start()
+    with daemon.client("ci") as c:
+        assert np.array_equal(c.get(c.lookup("d")), np.full(1000, 5, np.float32))
+        assert c.lookup("v") is None

@@ -53,6 +53,7 @@ class LeaseInfo:
     since: float
     gpu_loc: int | None = None
     """Set for a lease on a GPU-tier object (``acquire(device=True)``): the bytes are there."""
+    durable: bool = False
 
 
 class Leasing:
@@ -293,7 +294,7 @@ class Leasing:
                         self.counters["host_hits"] += 1
                     lid = next(self._ids) + (1 << 40)
                     info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
-                                     time.monotonic(), meta.gpu_loc if on_gpu else None)
+                                     time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable)
                     self._leases[lid] = info
                     return info
                 if nowait:
