@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 
@@ -35,10 +37,11 @@ def test_latency_smoke(tmp_path):
     assert all(r["checkout_us"] > 0 for r in out["checkout"]) and len(out["bandwidth"]) == 2
 
 
-def test_prefetch_smoke(tmp_path):
+@pytest.mark.parametrize("mode", ["embedded", "daemon"])
+def test_prefetch_smoke(tmp_path, mode):
     png = tmp_path / "prefetch.png"
-    out = _run("prefetch.py", "--quick", "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
-    assert out["bench"] == "prefetch" and out["floor"]["hit_rate"] == 1.0
+    out = _run("prefetch.py", "--quick", "--mode", mode, "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
+    assert out["bench"] == "prefetch" and out["mode"] == mode and out["floor"]["hit_rate"] == 1.0
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch"}
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
 
@@ -57,8 +60,6 @@ def test_load_smoke(tmp_path):
 
 
 def test_gpu_benchmarks_say_why_they_skip_without_cuda(tmp_path):
-    import pytest
-
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: bench/gpu_check.sh runs these")
