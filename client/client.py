@@ -96,6 +96,8 @@ class Client:
         self._pinned_pieces, self.pinned_reason = register_host_memory(self._arena.ctypes.data, self._arena.nbytes) \
             if self._arena.nbytes else ([], "empty arena")
         self.pinned = bool(self._pinned_pieces)
+        if self._pinned_pieces or "torch" in sys.modules:  # tell `tierstore stat` (no reply awaited)
+            conn.submit("client_info", pinned=self.pinned, pinned_reason=self.pinned_reason)
         self._staging: tuple[int, int] | None = None
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
         self._slabmap: Any = None  # the GPU tier's slabs, opened on first use

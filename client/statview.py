@@ -35,6 +35,13 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     h = tiers.get("host", {})
     if h:
         lines.append(f"        host pinned: {h.get('pinned')} ({h.get('pinned_reason', '')})")
+    told = [s for s in st.get("sessions", []) if s.get("pinned") is not None]
+    if told:
+        unpinned = [s for s in told if not s["pinned"]]
+        line = f"        clients pinned: {len(told) - len(unpinned)} of {len(told)} that reported"
+        if unpinned:
+            line += f" (pid {unpinned[0]['pid']}: {unpinned[0]['pinned_reason']})"
+        lines.append(line)
     n = tiers.get("nvme", {})
     if n:
         lines.append(f"        engine: {n.get('engine')} ({n.get('engine_reason')})")

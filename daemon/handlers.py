@@ -71,6 +71,7 @@ class Handlers:
             "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
             "scratch": self.scratch, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
+            "client_info": self.client_info,
         }
 
     # -- session ---------------------------------------------------------------------------
@@ -86,6 +87,13 @@ class Handlers:
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.gpu_reason}
+
+    def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        """What the client reports about itself for ``stat``: whether its mapping of the
+        arena is page-locked, and why not."""
+        sess.pinned = field(msg, "pinned", bool)
+        sess.pinned_reason = field(msg, "pinned_reason", str, "")[:300]
+        return {}
 
     def gpu_attach(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """The client opens the GPU tier's slabs (CUDA IPC); they stay allocated until it disconnects."""

@@ -65,6 +65,9 @@ class Session:
     inflight: int = 0
     closed: bool = False
     requests: int = 0
+    pinned: bool | None = None
+    """Whether the client page-locked its arena mapping (reported by it; None: not said)."""
+    pinned_reason: str = ""
 
     def __hash__(self) -> int:
         return id(self)
@@ -503,7 +506,10 @@ class Server:
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
 
     def _server_stats(self) -> dict[str, Any]:
-        return {"clients": len(self._sessions), "pid": os.getpid(), "socket": self.config.socket,
+        sessions = [{"session": s.cid, "pid": s.cred.pid, "uid": s.cred.uid, "namespace": s.namespace,
+                     "requests": s.requests, "age_s": time.monotonic() - s.opened, "pinned": s.pinned,
+                     "pinned_reason": s.pinned_reason} for s in list(self._sessions.values())]
+        return {"clients": len(self._sessions), "sessions": sessions, "pid": os.getpid(), "socket": self.config.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
                 "connections_accepted": self.accepted, "connections_refused": self.refused,
                 "ops": self.latency.snapshot(), "metrics_port": self.metrics_port}

@@ -566,3 +566,17 @@ def test_check_in_is_ordered_and_a_durable_rw_check_in_is_synchronous(daemon):
     with daemon.client("ci") as c:
         assert np.array_equal(c.get(c.lookup("d")), np.full(1000, 5, np.float32))
         assert c.lookup("v") is None
+
+
+def test_stat_lists_sessions_and_whether_each_pinned_its_arena(daemon):
+    # torch is imported in this process: its clients report their pinning
+    with daemon.client("s1") as a, daemon.client("s2") as b:
+        b.ping()
+        st = a.stat()
+        mine = {s["namespace"]: s for s in st["sessions"]}
+        assert set(mine) >= {"s1", "s2"} and st["clients"] == len(st["sessions"])
+        assert mine["s2"]["pid"] == os.getpid() and mine["s2"]["requests"] >= 2
+        assert mine["s2"]["pinned"] is a.pinned and mine["s2"]["pinned_reason"] == a.pinned_reason
+        r = subprocess.run([sys.executable, "-m", "tierstore.client.cli", "stat", "--socket", daemon.socket],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "clients pinned: 0 of 2 that reported" in r.stdout, r.stdout + r.stderr

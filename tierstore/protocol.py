@@ -24,7 +24,7 @@ MAX_REPLY_BYTES = 16 << 20
 
 OPS = frozenset({
     "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "release", "free", "lookup",
-    "keys", "ls", "info", "prefetch", "step", "stat", "ping", "scratch", "put_staged", "gpu_attach",
+    "keys", "ls", "info", "prefetch", "step", "stat", "ping", "scratch", "put_staged", "gpu_attach", "client_info",
 })
 
 
