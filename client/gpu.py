@@ -63,28 +63,33 @@ class SlabMap:
 
 
 class SideStreams:
-    """One copy stream per device. A copy waits for the caller's stream (so the source is
-    ready), runs on the side stream, and returns an event the caller's stream (or the
-    host, before a commit or release) waits on."""
+    """Copy streams per device and direction (``"in"``: host-to-device, ``"out"``:
+    device-to-host; separate, so the two directions of PCIe overlap). A copy waits for
+    the caller's stream (so the source is ready), runs on the side stream, and returns
+    an event the caller's stream (or the host, before a commit or release) waits on."""
 
     def __init__(self) -> None:
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[tuple[int, str], Any] = {}
 
-    def stream(self, device: Any) -> Any:
+    def stream(self, device: Any, role: str = "in") -> Any:
         import torch
 
         idx = torch.device(device).index or 0
-        s = self._streams.get(idx)
+        s = self._streams.get((idx, role))
         if s is None:
-            s = self._streams[idx] = torch.cuda.Stream(device=idx)
+            s = self._streams[(idx, role)] = torch.cuda.Stream(device=idx)
         return s
+
+    def synchronize(self) -> None:
+        for s in self._streams.values():
+            s.synchronize()
 
     def copy(self, dst: Any, src: Any, device: Any) -> Any:
         """``dst.copy_(src)`` on the side stream after the current stream's work; the
         event recorded after it. Tensors used across streams are marked with ``record_stream``."""
         import torch
 
-        side = self.stream(device)
+        side = self.stream(device, "out" if src.is_cuda and not dst.is_cuda else "in")
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)

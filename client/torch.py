@@ -266,18 +266,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 lease.release()
 
     # ------------------------------------------------------------------ update on the GPU
-    def _side(self, device: torch.device) -> Any:
+    def _side(self, device: torch.device, role: str) -> Any:
         if self._streams is None:
             from .gpu import SideStreams
 
             self._streams = SideStreams()
-        return self._streams.stream(device)
+        return self._streams.stream(device, role)
 
     def _gpu_fetch(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> "_GpuItem":
         """Lease a parameter's state (version ``read`` to read, ``write`` to overwrite) and
         start its host-to-device copies on the side stream."""
         item = _GpuItem((gi, pi), p)
-        side = self._side(p.device)
+        side = self._side(p.device, "in")
         try:
             # device buffers of earlier updates are freed on the compute stream: order after it
             side.wait_stream(torch.cuda.current_stream(p.device))
@@ -347,11 +347,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if master_needed:
             p.copy_(target)
             target.grad = None
-        side = self._side(p.device)
+        side = self._side(p.device, "out")
         side.wait_stream(cur)  # the write-back starts after the update
         with torch.cuda.stream(side):
             for dev, dst in item.dev.values():
                 dst.copy_(dev, non_blocking=True)
+                dev.record_stream(side)
         for h, dst in item.host.values():
             dst.copy_(h)
         item.stored = torch.cuda.Event()
@@ -361,9 +362,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Wait for the item's copies, then check its state back in."""
         try:
             if item.stored is not None:
-                item.stored.synchronize()
+                item.stored.synchronize()  # after the update, which waited for the fetch
             else:
-                self._side(item.p.device).synchronize()
+                self._side(item.p.device, "in").synchronize()  # no copy may still read a leased view
         finally:
             for lease in item.leases:
                 lease.release()
@@ -603,7 +604,7 @@ class _ParamOffload:
                 from .gpu import SideStreams
 
                 self.streams = SideStreams()
-            side = self.streams.stream(device)
+            side = self.streams.stream(device, "in")
             lease = self.store.checkout(h, "r", stream=_PARAM_STREAM)
             with torch.cuda.stream(side):
                 buf = torch.empty(shape, dtype=dtype, device=device)
