@@ -25,6 +25,9 @@ from .torch import offload_optimizer
 __all__ = ["main", "TinyGPT", "make_corpus"]
 
 
+_LR = 3e-3
+_WARMUP = 20
+
 def make_corpus(n_sentences: int = 20000, seed: int = 0) -> str:
     rng = random.Random(seed)
     out = []
@@ -58,6 +61,8 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied embeddings
+        for emb in (self.tok, self.pos):  # GPT-2's scale: the tied head starts near uniform (loss ~ log vocab)
+            nn.init.normal_(emb.weight, std=0.02)
         self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1), persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     model = TinyGPT(len(chars), ctx=args.ctx)
     n_params = sum(p.numel() for p in model.parameters())
     with Client.connect(socket=args.socket, namespace=args.namespace, autostart=True) as c:
-        opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), c,
+        opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=0.01), c,
                                 tier=args.tier, prefix="demo-opt", master_weights=True, resume=args.resume)
         start = opt.completed_steps
         print(f"tierstore demo: {n_params:,} parameters, AdamW state + fp32 masters on the {args.tier} tier of "
@@ -107,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             y = torch.stack([data[i + 1:i + args.ctx + 1] for i in ix])
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
+            for group in opt.param_groups:  # a short warm-up; it depends on the step only, so resume follows it
+                group["lr"] = _LR * min(1.0, (step + 1) / _WARMUP)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             now = time.perf_counter()
