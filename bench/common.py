@@ -131,3 +131,15 @@ def start_daemon(base: str, *flags: str, env: dict | None = None,
         if p.poll() is not None:
             raise SystemExit(f"the daemon exited with status {p.returncode} before it was ready")
     return p, sock, ns
+
+
+def skipped_without_cuda(bench: str) -> dict | None:
+    """The JSON result of a GPU benchmark on a host without CUDA (printed), else None."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    out = {"bench": bench, "skipped": "no CUDA device"}
+    print("# no CUDA device: nothing to measure")
+    emit_json(out)
+    return out

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import drop_cache, emit_json, gbps, machine, print_table  # noqa: E402
+from common import drop_cache, emit_json, gbps, machine, print_table, skipped_without_cuda  # noqa: E402
 
 from tierstore.units import parse_size  # noqa: E402
 
@@ -52,11 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        out = {"bench": "gpu_nvme", "skipped": "no CUDA device"}
-        print("# no CUDA device: nothing to measure")
-        emit_json(out)
-        return out
+    skipped = skipped_without_cuda("gpu_nvme")
+    if skipped is not None:
+        return skipped
     n = parse_size(args.size)
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, "gpu_nvme.bin")

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table, start_daemon  # noqa: E402
+from common import emit_json, machine, print_table, skipped_without_cuda, start_daemon  # noqa: E402
 
 
 def model(layers: int, width: int):
@@ -64,11 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        out = {"bench": "gpu_train", "skipped": "no CUDA device"}
-        print("# no CUDA device: nothing to measure")
-        emit_json(out)
-        return out
+    skipped = skipped_without_cuda("gpu_train")
+    if skipped is not None:
+        return skipped
     from tierstore.client import Client
     from tierstore.client.torch import offload_optimizer
 

@@ -12,7 +12,8 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, gbps, machine, print_table, repeat, size_label, start_daemon, timed  # noqa: E402
+from common import (emit_json, gbps, machine, print_table, repeat, size_label, skipped_without_cuda,  # noqa: E402
+                    start_daemon, timed)
 
 from tierstore.client import Client  # noqa: E402
 
@@ -25,11 +26,9 @@ def _sync_timed(fn) -> float:
 
 
 def main() -> dict:
-    if not torch.cuda.is_available():
-        print("# no CUDA device: nothing to measure")
-        out = {"bench": "gpu_transfer", "skipped": "no CUDA device"}
-        emit_json(out)
-        return out
+    skipped = skipped_without_cuda("gpu_transfer")
+    if skipped is not None:
+        return skipped
     base = tempfile.mkdtemp(prefix="tierstore-gpu-")
     d, sock, ns = start_daemon(base, "--host-bytes", "4GiB")
     rows, res = [], []

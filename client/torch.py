@@ -236,34 +236,41 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     leases.append(lease)
                     lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
                 views[name] = lease.tensor
-            state: dict[str, Any] = {}
-            for name, tag in layout.items():
-                if name == "master":
-                    continue
-                if tag == "tensor":
-                    state[name] = views[name]
-                elif tag == "dtensor":  # writes through the local shard land in the pool
-                    state[name] = _wrap_like(views[name], p)
-                else:
-                    state[name] = _untag(tag, views[name])
-            if master_needed:
-                target = views["master"]
-                target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
-            else:
-                target = p
-            self.inner.state[target] = state
-            self.inner.param_groups = [dict(group, params=[target])]
-            self.inner.step()
-            new_state = self.inner.state.pop(target, {})
-            for name, tag in layout.items():  # python scalars changed by the update go back into their views
-                if name != "master" and tag not in ("tensor", "dtensor"):
-                    views[name].fill_(new_state[name])
-            if master_needed:
-                p.copy_(target)  # the parameter is the master rounded to its dtype
-                target.grad = None
+            self._update(group, p, layout, views)
         finally:
             for lease in leases:
                 lease.release()
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, layout: dict[str, str],
+                views: dict[str, torch.Tensor]) -> None:
+        """Run the wrapped optimizer's update of ``p`` on state ``views`` (written in place;
+        with a master in ``views``, the update runs on it and is rounded into ``p``)."""
+        state: dict[str, Any] = {}
+        for name, tag in layout.items():
+            if name == "master":
+                continue
+            if tag == "tensor":
+                state[name] = views[name]
+            elif tag == "dtensor":  # writes through the local shard land in the pool
+                state[name] = _wrap_like(views[name], p)
+            else:
+                state[name] = _untag(tag, views[name])
+        master = views.get("master") if "master" in layout else None
+        if master is not None:
+            target = master
+            target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
+        else:
+            target = p
+        self.inner.state[target] = state
+        self.inner.param_groups = [dict(group, params=[target])]
+        self.inner.step()
+        new_state = self.inner.state.pop(target, {})
+        for name, tag in layout.items():  # python scalars changed by the update go back into their views
+            if name != "master" and tag not in ("tensor", "dtensor"):
+                views[name].fill_(new_state[name])
+        if master is not None:
+            p.copy_(target)  # the parameter is the master rounded to its dtype
+            target.grad = None
 
     # ------------------------------------------------------------------ update on the GPU
     def _side(self, device: torch.device, role: str) -> Any:
@@ -321,32 +328,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             views[name] = dev
         for name, (h, _) in item.host.items():
             views[name] = h
-        state: dict[str, Any] = {}
-        for name, tag in layout.items():
-            if name == "master":
-                continue
-            if tag == "tensor":
-                state[name] = views[name]
-            elif tag == "dtensor":
-                state[name] = _wrap_like(views[name], p)
-            else:
-                state[name] = _untag(tag, views[name])
-        master_needed = "master" in layout
-        if master_needed:
-            target = views["master"]
-            target.grad = p.grad.float()
-        else:
-            target = p
-        self.inner.state[target] = state
-        self.inner.param_groups = [dict(group, params=[target])]
-        self.inner.step()
-        new_state = self.inner.state.pop(target, {})
-        for name, tag in layout.items():
-            if name != "master" and tag not in ("tensor", "dtensor"):
-                views[name].fill_(new_state[name])
-        if master_needed:
-            p.copy_(target)
-            target.grad = None
+        self._update(group, p, layout, views)
         side = self._side(p.device, "out")
         side.wait_stream(cur)  # the write-back starts after the update
         with torch.cuda.stream(side):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,27 +35,32 @@ class Movement:
 
     def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None) -> int:
         """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise."""
+        return self._alloc_evicting(
+            lambda: self.host.alloc(nbytes), lambda: self._pick_victim(admit_distance) if evict else None,
+            self._demote, wait_s,
+            lambda: (f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
+                     f"{self.host.capacity} and nothing can be demoted (leased or in flight); "
+                     "check objects in, free some, or pass a longer wait"))
+
+    def _alloc_evicting(self, alloc, pick, move, wait_s: float, full: Callable[[], str]) -> int:
+        """``alloc()`` (under _cv) until it succeeds, moving ``pick()``'s victims out of the
+        way with ``move`` (outside the lock); waiting up to ``wait_s`` while nothing can move."""
         deadline = time.monotonic() + wait_s
         while True:
-            victim = None
             with self._cv:
                 self._check_open()
-                off = self.host.alloc(nbytes)
-                if off is not None:
-                    return off
-                if evict:
-                    victim = self._pick_victim(admit_distance)
+                got = alloc()
+                if got is not None:
+                    return got
+                victim = pick()
                 if victim is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self.counters["capacity_errors"] += 1
-                        raise CapacityExceeded(
-                            f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
-                            f"{self.host.capacity} and nothing can be demoted (leased or in flight); "
-                            "check objects in, free some, or pass a longer wait")
+                        raise CapacityExceeded(full())
                     self._cv.wait(min(remaining, 0.5))
                     continue
-            self._demote(victim)
+            move(victim)
 
     def _pick_victim(self, admit_distance: int | None = None) -> ObjectMeta | None:
         """Best victim that may move now (under _cv); marks it moving.
@@ -294,25 +299,12 @@ class Movement:
     def _alloc_gpu(self, nbytes: int, device: int, *, wait_s: float) -> int:
         """A GPU-tier block, moving least recently used GPU objects down to the host tier
         synchronously if needed; CapacityExceeded when nothing can move."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            with self._cv:
-                self._check_open()
-                loc = self.gpu.alloc(nbytes, device)
-                if loc is not None:
-                    return loc
-                victim = self._pick_gpu_victim(device)
-                if victim is None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        self.counters["capacity_errors"] += 1
-                        raise CapacityExceeded(
-                            f"GPU tier full on device {device}: {nbytes} bytes requested, "
-                            f"{self.gpu.capacity(device) - self.gpu.used(device)} free and nothing can move "
-                            "down (leased or in flight); check objects in, free some, or raise gpu_bytes")
-                    self._cv.wait(min(remaining, 0.5))
-                    continue
-            self._promote(victim, wait_s=max(wait_s, self.config.lease_wait_s))
+        return self._alloc_evicting(
+            lambda: self.gpu.alloc(nbytes, device), lambda: self._pick_gpu_victim(device),
+            lambda v: self._promote(v, wait_s=max(wait_s, self.config.lease_wait_s)), wait_s,
+            lambda: (f"GPU tier full on device {device}: {nbytes} bytes requested, "
+                     f"{self.gpu.capacity(device) - self.gpu.used(device)} free and nothing can move "
+                     "down (leased or in flight); check objects in, free some, or raise gpu_bytes"))
 
     def _pick_gpu_victim(self, device: int | None = None) -> ObjectMeta | None:
         """(under _cv) The least recently used GPU-tier object that may move; marks it moving."""
