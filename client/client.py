@@ -103,6 +103,7 @@ class Client:
         self._slabmap: Any = None  # the GPU tier's slabs, opened on first use
         self._side: Any = None  # per-device copy streams
         self._gpu_lock = threading.Lock()
+        self._gpu_ok: bool | None = None
 
     # ------------------------------------------------------------------ connecting
     @classmethod
@@ -166,10 +167,11 @@ class Client:
         ``stream`` tags the access sequence for the prefetcher (e.g. "params" vs "optim")."""
         if _is_cuda(out):
             return self._get_cuda(handle, out, stream)
+        dev = self._gpu_readable()  # then a GPU-tier object is read where it is, not moved down
         if self._staging_lock.acquire(blocking=False):
             try:
                 self._staging_area()
-                r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream)
+                r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream, device=dev)
                 if r.get("staged"):
                     # a small object: the daemon copied it into our staging area, no lease held
                     spec = _spec_of(r)
@@ -180,11 +182,16 @@ class Client:
             finally:
                 self._staging_lock.release()
         else:
-            r = self._conn.request("get", handle=_wire(handle), stream=stream)
+            r = self._conn.request("get", handle=_wire(handle), stream=stream, device=dev)
         try:
             spec = _spec_of(r)
             dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
-            if spec.nbytes:
+            if spec.nbytes and r.get("gpu_loc") is not None:
+                import torch
+
+                slabs, _ = self._gpu()
+                torch.from_numpy(dst).copy_(slabs.tensor(r["gpu_loc"], spec.nbytes))  # device-to-host, synchronous
+            elif spec.nbytes:
                 dst[:] = self._arena[r["offset"]:r["offset"] + spec.nbytes]
         finally:
             # the read lease only guards the copy above; its release needs no answer
@@ -287,6 +294,13 @@ class Client:
         if offset < 0 or offset + nbytes > self._arena.nbytes:
             raise TierstoreError(f"daemon named arena bytes [{offset}, {offset + nbytes}) outside the arena")
         return self._arena[offset:offset + nbytes]
+
+    def _gpu_readable(self) -> bool:
+        """Can this process read the daemon's GPU tier (it has one, and CUDA works here)?"""
+        if self._gpu_ok is None:
+            torch = sys.modules.get("torch")
+            self._gpu_ok = bool(self.server.get("gpu_tier")) and torch is not None and torch.cuda.is_available()
+        return self._gpu_ok
 
     def _gpu(self) -> tuple[Any, Any]:
         """(slab map, side streams), opening the daemon's GPU slabs on first use."""
