@@ -531,6 +531,7 @@ class _ParamOffload:
             p.data = self._empty(p)  # the pool holds the bytes now
         self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         self.next_of: dict[int, torch.nn.Module] = {}
+        self.prev_of: dict[int, torch.nn.Module] = {}
         for m in self.modules:
             self.handles.append(m.register_forward_pre_hook(self._pre))
             self.handles.append(m.register_forward_hook(self._post))
@@ -538,6 +539,7 @@ class _ParamOffload:
             self.handles.append(m.register_full_backward_hook(self._bwd_post))
         for a, b in zip(self.modules, self.modules[1:]):
             self.next_of[id(a)] = b
+            self.prev_of[id(b)] = a  # backward runs the modules in reverse
         for p in self.params.values():
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
@@ -603,16 +605,17 @@ class _ParamOffload:
             lease.release()
         self.staged = {}
 
-    def _load(self, m: torch.nn.Module) -> None:
+    def _load(self, m: torch.nn.Module, order: dict[int, torch.nn.Module]) -> None:
+        """Materialise ``m``'s parameters; stage the module that runs next in ``order``."""
         for p in self._own(m):
             n = self.live.get(id(p), 0)
             if n == 0:
                 p.data = self._fetch(p)
             self.live[id(p)] = n + 1
-        nxt = self.next_of.get(id(m))
+        nxt = order.get(id(m))
         if nxt is not None:  # bring the next module's parameters up while this one computes
             self._stage(nxt)
-            after = self.next_of.get(id(nxt))
+            after = order.get(id(nxt))
             if after is not None and any(self.shapes[id(p)][2].type == "cuda" for p in self._own(after)):
                 hs = [self.store.lookup(self.keys[id(p)]) for p in self._own(after)]
                 self.store.prefetch([h for h in hs if h is not None])  # NVMe -> host in the pool meanwhile
@@ -625,7 +628,7 @@ class _ParamOffload:
                 p.data = self._empty(p)
 
     def _pre(self, m, args):
-        self._load(m)
+        self._load(m, self.next_of)
 
     def _post(self, m, args, out):
         # autograd saved the Parameter objects themselves (leaves), not their bytes:
@@ -633,7 +636,7 @@ class _ParamOffload:
         self._unload(m)
 
     def _bwd_pre(self, m, grad_output):
-        self._load(m)
+        self._load(m, self.prev_of)
 
     def _bwd_post(self, m, grad_input, grad_output):
         # frozen parameters can go now; trainable ones once their gradient is accumulated
