@@ -32,6 +32,9 @@ ITEMSIZE = {
 _MAX_NBYTES = 1 << 50
 _MAX_DIMS = 64
 
+_INLINE_STAT_OBJECTS = 20_000
+"""Above this many objects a ``stat`` runs on a worker thread, not the event loop."""
+
 
 def _handle(msg: dict[str, Any], name: str = "handle") -> Handle:
     return Handle.parse(field(msg, name, (int, str)))
@@ -194,6 +197,8 @@ class Handlers:
         return {}
 
     def stat(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        if nowait and len(self.store._objects) > _INLINE_STAT_OBJECTS:
+            raise WouldBlock()  # counting many objects would hold up the event loop
         st = self.store.stat()
         st.update(self._server_stats())
         if not field(msg, "ops", bool, False):  # the latency histograms only when asked for

@@ -580,3 +580,20 @@ def test_stat_lists_sessions_and_whether_each_pinned_its_arena(daemon):
         r = subprocess.run([sys.executable, "-m", "tierstore.client.cli", "stat", "--socket", daemon.socket],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "clients pinned: 0 of 2 that reported" in r.stdout, r.stdout + r.stderr
+
+
+def test_stat_of_a_large_store_runs_off_the_event_loop(make_store, monkeypatch):
+    """Counting objects is O(objects): above a threshold the event loop hands `stat` to a
+    worker (WouldBlock) instead of stalling every other client; below it, it answers inline."""
+    from tierstore.daemon import handlers as hmod
+    from tierstore.store import WouldBlock
+
+    s = make_store()
+    for i in range(12):
+        s.put(np.zeros(4, np.float32), key=f"k{i}")
+    hs = hmod.Handlers(s, lambda: {"clients": 0})
+    assert hs.stat(None, {}, True)["namespaces"]["default"]["objects"] == 12
+    monkeypatch.setattr(hmod, "_INLINE_STAT_OBJECTS", 10)
+    with pytest.raises(WouldBlock):
+        hs.stat(None, {}, True)
+    assert hs.stat(None, {}, False)["tiers"]["host"]["objects"] == 12

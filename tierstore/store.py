@@ -362,13 +362,20 @@ class Store(Leasing, Movement, Recovery):
 
     def stat(self) -> dict[str, Any]:
         with self._cv:
-            host_objs = sum(1 for m in self._objects.values() if m.host_valid)
-            nvme_objs = sum(1 for m in self._objects.values() if m.nvme_valid)
-            namespaces: dict[str, dict[str, int]] = {}
-            for m in self._objects.values():
-                d = namespaces.setdefault(m.namespace, {"objects": 0, "bytes": 0})
-                d["objects"] += 1
-                d["bytes"] += m.nbytes
+            metas = list(self._objects.values())
+        # counted outside the lock (one pass, O(objects)): a put or a move racing with it
+        # shows up in this stat or the next, and nothing else waits for the count
+        host_objs = nvme_objs = 0
+        namespaces: dict[str, dict[str, int]] = {}
+        for m in metas:
+            host_objs += m.host_valid
+            nvme_objs += m.nvme_valid
+            d = namespaces.get(m.namespace)
+            if d is None:
+                d = namespaces[m.namespace] = {"objects": 0, "bytes": 0}
+            d["objects"] += 1
+            d["bytes"] += m.spec.nbytes
+        with self._cv:
             return {
                 "tiers": {
                     "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
