@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from tierstore.errors import NotFound, StaleHandle
+
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters"]
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError("update='gpu' needs every parameter on a CUDA device; use 'cpu' or 'auto'")
         self.update = update
         self._streams: Any = None  # per-device copy streams, made on first GPU update
+        self._handles: dict[str, Any] = {}  # key -> handle, so a step does not look every key up
         if any(len(s) for s in inner.state.values()):
             raise ValueError("wrap the optimizer before its first step (it already holds state); "
                              "or load a state_dict into the wrapper")
@@ -189,7 +192,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         layout = self._layout.get((gi, pi))
         if not layout:
             return
-        hs = [self.store.lookup(self._key(gi, pi, n, version)) for n in layout]
+        hs = [self._lookup(gi, pi, n, version) for n in layout]
         hs = [h for h in hs if h is not None]
         if hs:
             self.store.prefetch(hs)
@@ -226,13 +229,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 return
             views: dict[str, torch.Tensor] = {}
             for name in layout:
-                src = self.store.lookup(self._key(gi, pi, name, read))
-                dst = self.store.lookup(self._key(gi, pi, name, write))
-                if src is None or dst is None:
-                    raise RuntimeError(f"optimizer state {self._key(gi, pi, name, read)} is missing from the pool; "
-                                       "was it freed, or is this prefix used by another job?")
-                with self._checkout(src, "r") as s:
-                    lease = self._checkout(dst, "w")  # fully overwritten below: no need to read it
+                with self._checkout_state(gi, pi, name, read, "r") as s:
+                    lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
                     leases.append(lease)
                     lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
                 views[name] = lease.tensor
@@ -289,14 +287,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             # device buffers of earlier updates are freed on the compute stream: order after it
             side.wait_stream(torch.cuda.current_stream(p.device))
             for name in self._layout[(gi, pi)]:
-                src = self.store.lookup(self._key(gi, pi, name, read))
-                dst = self.store.lookup(self._key(gi, pi, name, write))
-                if src is None or dst is None:
-                    raise RuntimeError(f"optimizer state {self._key(gi, pi, name, read)} is missing from the pool; "
-                                       "was it freed, or is this prefix used by another job?")
-                ls = self._checkout(src, "r")
+                ls = self._checkout_state(gi, pi, name, read, "r")
                 item.leases.append(ls)
-                ld = self._checkout(dst, "w")
+                ld = self._checkout_state(gi, pi, name, write, "w")
                 item.leases.append(ld)
                 host = ls.tensor
                 if host.dim() == 0:  # scalar state (e.g. Adam's step) stays where torch keeps it: the host
@@ -358,11 +351,36 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _put_both(self, gi: int, pi: int, name: str, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
         for version in (0, 1):
-            self.store.put(t, key=self._key(gi, pi, name, version), tier=self.tier, replace=True,
-                           durable=self.durable)
+            key = self._key(gi, pi, name, version)
+            self._handles[key] = self.store.put(t, key=key, tier=self.tier, replace=True, durable=self.durable)
+
+    def _lookup(self, gi: int, pi: int, name: str, version: int) -> Any:
+        """The handle of a state tensor, looked up once (keys keep their objects while we run)."""
+        key = self._key(gi, pi, name, version)
+        h = self._handles.get(key)
+        if h is None:
+            h = self.store.lookup(key)
+            if h is not None:
+                self._handles[key] = h
+        return h
+
+    def _checkout_state(self, gi: int, pi: int, name: str, version: int, mode: str) -> Any:
+        key = self._key(gi, pi, name, version)
+        h = self._lookup(gi, pi, name, version)
+        if h is not None:
+            try:
+                return self._checkout(h, mode)
+            except (NotFound, StaleHandle):
+                self._handles.pop(key, None)  # the key was re-bound behind our back: look it up again
+                h = self._lookup(gi, pi, name, version)
+        if h is None:
+            raise RuntimeError(f"optimizer state {key} is missing from the pool; "
+                               "was it freed, or is this prefix used by another job?")
+        return self._checkout(h, mode)
 
     # ------------------------------------------------------------------ resume / cleanup
     def _clear_pool(self) -> None:
+        self._handles.clear()
         for k in self.store.keys(prefix=self.prefix + "/"):
             h = self.store.lookup(k)
             if h is not None:
@@ -521,10 +539,11 @@ class _ParamOffload:
         self.shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self.live: dict[int, int] = {}  # id(param) -> how many running modules need it
         self.staged: dict[int, tuple[torch.Tensor, Any, Any]] = {}  # id(param) -> (device buffer, event, lease)
+        self.objects: dict[int, Any] = {}  # id(param) -> its object's handle (set by every put)
         self.streams: Any = None
         for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
             key = f"{self.prefix}/{name}"
-            store.put(p.detach(), key=key, tier=tier, replace=True)
+            self.objects[id(p)] = store.put(p.detach(), key=key, tier=tier, replace=True)
             self.keys[id(p)] = key
             self.params[id(p)] = p
             self.shapes[id(p)] = (p.shape, p.dtype, p.device)
@@ -563,12 +582,24 @@ class _ParamOffload:
             lease.release()
             return buf
         buf = torch.empty(shape, dtype=dtype, device=device)
-        h = self.store.lookup(self.keys[id(p)])
         if buf.is_cuda and not hasattr(self.store, "_get_cuda"):  # an in-process Store reads to the host
-            buf.copy_(self.store.get(h, stream=_PARAM_STREAM).reshape(shape))
+            buf.copy_(self._by_handle(p, lambda h: self.store.get(h, stream=_PARAM_STREAM)).reshape(shape))
         else:
-            self.store.get(h, out=buf, stream=_PARAM_STREAM)
+            self._by_handle(p, lambda h: self.store.get(h, out=buf, stream=_PARAM_STREAM))
         return buf
+
+    def _by_handle(self, p: torch.Tensor, fn: Callable[[Any], Any]) -> Any:
+        """``fn(handle of p)``, looking the key up again if the cached handle went stale."""
+        h = self.objects.get(id(p))
+        if h is not None:
+            try:
+                return fn(h)
+            except (NotFound, StaleHandle):
+                pass  # re-bound behind our back
+        h = self.objects[id(p)] = self.store.lookup(self.keys[id(p)])
+        if h is None:
+            raise RuntimeError(f"parameter {self.keys[id(p)]} is missing from the pool; was it freed?")
+        return fn(h)
 
     def _stage(self, m: torch.nn.Module) -> None:
         """Start the host-to-device copies of ``m``'s CUDA parameters on a side stream, so
@@ -578,26 +609,31 @@ class _ParamOffload:
             if self.live.get(id(p), 0) or id(p) in self.staged:
                 continue
             shape, dtype, device = self.shapes[id(p)]
-            h = self.store.lookup(self.keys[id(p)])
-            if h is None:
-                continue
             if device.type != "cuda":
-                hints.append(h)
+                h = self.objects.get(id(p))
+                if h is not None:
+                    hints.append(h)
                 continue
             if self.streams is None:
                 from .gpu import SideStreams
 
                 self.streams = SideStreams()
             side = self.streams.stream(device, "in")
-            lease = self.store.checkout(h, "r", stream=_PARAM_STREAM)
+            lease = self._by_handle(p, lambda h: self.store.checkout(h, "r", stream=_PARAM_STREAM))
             with torch.cuda.stream(side):
                 buf = torch.empty(shape, dtype=dtype, device=device)
                 buf.copy_(lease.tensor.reshape(shape), non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(side)
             self.staged[id(p)] = (buf, ev, lease)
+        self._hint(hints)
+
+    def _hint(self, hints: list[Any]) -> None:
         if hints:
-            self.store.prefetch(hints)
+            try:
+                self.store.prefetch(hints)
+            except (NotFound, StaleHandle):  # a hint only: a re-bound key is found at its next fetch
+                log.debug("prefetch hint named a re-bound parameter; skipped")
 
     def _drop_staged(self) -> None:
         for buf, ev, lease in self.staged.values():
@@ -617,8 +653,8 @@ class _ParamOffload:
             self._stage(nxt)
             after = order.get(id(nxt))
             if after is not None and any(self.shapes[id(p)][2].type == "cuda" for p in self._own(after)):
-                hs = [self.store.lookup(self.keys[id(p)]) for p in self._own(after)]
-                self.store.prefetch([h for h in hs if h is not None])  # NVMe -> host in the pool meanwhile
+                # NVMe -> host in the pool meanwhile
+                self._hint([self.objects[id(p)] for p in self._own(after) if id(p) in self.objects])
 
     def _unload(self, m: torch.nn.Module) -> None:
         for p in self._own(m):
@@ -667,7 +703,7 @@ class _ParamOffload:
         self._drop_staged()  # staged copies hold the old values
         for pid, p in self.params.items():
             if p.numel():
-                self.store.put(p.detach(), key=self.keys[pid], replace=True)
+                self.objects[pid] = self.store.put(p.detach(), key=self.keys[pid], replace=True)
                 if self.live.get(pid, 0) == 0:
                     p.data = self._empty(p)
 

@@ -275,3 +275,27 @@ def test_demo_trains_and_resumes(daemon):
     assert "steps 25..75" in out
     final = float(out.strip().splitlines()[-1].split("loss ")[1].split()[0])
     assert final < 2.0, out[-1500:]  # uniform over the corpus' characters is ~3.09
+
+
+def test_state_keys_re_bound_behind_the_optimizer_are_found_again(make_store):
+    """The optimizer looks each state key up once; when a key is re-bound to a new object
+    (its cached handle goes stale), the next step looks it up again and the numbers stay
+    those of the plain optimizer."""
+    torch.manual_seed(0)
+    plain = Net()
+    off = copy.deepcopy(plain)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    s = make_store()
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="rebind")
+    sch_p, sch_o = (torch.optim.lr_scheduler.StepLR(o, step_size=100) for o in (opt_p, opt_o))
+    _train(plain, opt_p, sch_p, 3)
+    _train(off, opt_o, sch_o, 3)
+    cur = opt_o.completed_steps % 2
+    rebound = [k for k in s.keys(prefix="rebind/0.0/") if k.endswith(f"@{cur}")]
+    assert rebound
+    for key in rebound:
+        s.put(s.get(s.lookup(key)), key=key, replace=True)  # same bytes, a new object and handle
+    _train(plain, opt_p, sch_p, 5, start=3)
+    _train(off, opt_o, sch_o, 5, start=3)
+    for a, b in zip(plain.parameters(), off.parameters()):
+        assert torch.equal(a, b)
