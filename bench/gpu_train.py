@@ -3,7 +3,7 @@ against tierstore with the update on the GPU (``update="gpu"``) and on the host
 (``update="cpu"``), and torchao's ``CPUOffloadOptimizer`` when installed. Same model,
 same data; parameters compared with the plain run. Needs a CUDA device.
 
-Usage: python bench/gpu_train.py [--layers 24] [--width 2048] [--steps 6] [--tier host]
+Usage: python bench/gpu_train.py [--layers 16] [--width 2048] [--steps 6] [--tier host]
 Prints a table, then one JSON line.
 """
 
@@ -56,7 +56,7 @@ def run(make_opt, layers: int, width: int, steps: int, batch: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--layers", type=int, default=16)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
