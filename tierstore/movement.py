@@ -79,8 +79,6 @@ class Movement:
                     continue
                 d = self.policy.distance(oid)
                 if d is not None and d <= admit_distance:
-                    if self.policy.name == "trace":
-                        break  # candidates come furthest-next-use first: the rest are needed sooner
                     continue
             m.moving = True
             self.prefetcher.forget(oid)  # evicted before its predicted use: wasted

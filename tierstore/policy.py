@@ -10,9 +10,9 @@ not yet used are offered only after every other candidate (no prefetch thrash).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
-from .trace import Trace, TraceBook
+from .trace import HORIZON, Trace, TraceBook
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "TracePolicy", "make_policy"]
 
@@ -60,14 +60,44 @@ class LRUPolicy:
 
 
 class TracePolicy(LRUPolicy):
-    """Belady with a learned trace: evict the object whose next use is furthest away
-    (objects no trace will use again first); LRU until some trace is learned."""
+    """Belady with the learned traces; LRU until some trace is learned.
+
+    Objects no trace will use again go first. With one learned trace: among objects
+    needed within the prefetcher's reach (the next accesses whose bytes fit in its
+    budget, at most ``HORIZON``) the one needed furthest away goes first (Belady);
+    every object needed later than that is fetched back in time anyway, and evicting
+    any of them costs the same bytes per step, so among those the one latest in the
+    step's order goes first. That keeps the part a too-small tier rotates in one
+    place, the end of the step. Plain Belady's rotation drifts into the head of the
+    next step (at the wrap the object just used is the one needed furthest away), and
+    the head is then read back with no compute before it to hide behind. With
+    several learned traces (several clients or streams): plain Belady on the
+    nearest next use over all of them.
+    """
 
     name = "trace"
 
-    def __init__(self, book: TraceBook, protected: dict[int, object] | None = None) -> None:
+    def __init__(self, book: TraceBook, protected: dict[int, object] | None = None,
+                 size_of: Callable[[int], int] | None = None, reach_bytes: int = 0) -> None:
         super().__init__(protected)
         self.book = book
+        self.size_of = size_of
+        """Bytes of an object (None: the reach is ``HORIZON`` accesses)."""
+        self.reach_bytes = reach_bytes
+
+    def horizon(self, trace: Trace) -> int:
+        """Accesses ahead the prefetcher can reach: within ``HORIZON`` and, with sizes, the
+        next accesses whose bytes fit in ``reach_bytes`` (at least the next one)."""
+        seq, n = trace.learned, len(trace.learned)
+        limit = min(HORIZON, n)
+        if self.size_of is None:
+            return limit
+        total = 0
+        for i in range(limit):
+            total += self.size_of(seq[(trace.cursor + 1 + i) % n])
+            if total > self.reach_bytes:
+                return max(i, 1)
+        return limit
 
     def candidates(self) -> Iterator[int]:
         learned = self.book.learned_traces()
@@ -76,53 +106,74 @@ class TracePolicy(LRUPolicy):
         return super().candidates()
 
     def _walk(self, trace: Trace) -> Iterator[int]:
-        """Candidates under one learned trace, lazily: resident objects the trace never
-        uses (LRU order), then the rest by next use, furthest first, found by walking
-        the trace backwards from its cursor; protected objects last. The store usually
-        takes the first few, so this costs O(victims) instead of a sort per eviction."""
-        resident, protected, positions = self._order, self.protected, trace.positions
+        """Candidates under one learned trace, lazily; protected objects last. The store
+        usually takes the first few, so this costs O(trace) at most, not a sort."""
         held = []
-        for oid in list(resident):
-            if oid not in positions:
-                if oid in protected:
-                    held.append(oid)
-                else:
-                    yield oid
-        seq, n, cur = trace.learned, len(trace.learned), trace.cursor
-        seen = set()
-        for i in range(n):
-            p = (cur - i) % n
-            oid = seq[p]
-            if oid in seen or oid not in resident:
-                continue
-            # an object used more than once is ranked by its nearest next use
-            if trace.distance(oid) != (p - cur - 1) % n:
-                continue
-            seen.add(oid)
-            if oid in protected:
+        for oid in self._traced_order(trace):
+            if oid in self.protected:
                 held.append(oid)
             else:
                 yield oid
-        yield from (o for o in held if o in resident)
+        yield from (o for o in held if o in self._order)
+
+    def _traced_order(self, trace: Trace) -> Iterator[int]:
+        """Resident objects the trace never uses (LRU order); those needed beyond the
+        horizon, latest trace position first; those needed within it, furthest next
+        use first (walking the trace back from the horizon)."""
+        resident, positions = self._order, trace.positions
+        for oid in list(resident):
+            if oid not in positions:
+                yield oid
+        seq, n, cur = trace.learned, len(trace.learned), trace.cursor
+        horizon = self.horizon(trace)
+        seen = set()
+        for p in range(n - 1, -1, -1):
+            oid = seq[p]
+            if oid not in seen and oid in resident and trace.distance(oid) >= horizon:
+                seen.add(oid)
+                yield oid
+        for i in range(horizon):
+            p = (cur + horizon - i) % n
+            oid = seq[p]
+            # an object used more than once is ranked by its nearest next use
+            if oid not in seen and oid in resident and trace.distance(oid) == (p - cur - 1) % n:
+                seen.add(oid)
+                yield oid
 
     def _ranked(self) -> list[int]:
+        """Every resident object sorted: with one learned trace the walk's order (the
+        walk is the fast path; tests compare the two), with several plain Belady on
+        the nearest next use over all of them."""
         order = list(self._order)
-        if not self.book.learned():
+        learned = self.book.learned_traces()
+        if not learned:
             return order
         inf = 1 << 62
+        if len(learned) > 1:
+            def belady(oid: int) -> int:
+                d = self.book.distance(oid)
+                return -(inf if d is None else d)
+            return sorted(order, key=belady)  # stable: LRU order breaks ties
+        t = learned[0]
+        horizon = self.horizon(t)
 
-        def key(oid: int) -> int:
-            d = self.book.distance(oid)
-            return -(inf if d is None else d)
+        def key(oid: int) -> tuple[int, int]:
+            d = t.distance(oid)
+            if d is None:
+                return (0, 0)
+            if d >= horizon:
+                return (1, -max(t.positions[oid]))
+            return (2, -d)
         return sorted(order, key=key)  # stable: LRU order breaks ties
 
     def distance(self, oid: int) -> int | None:
         return self.book.distance(oid)
 
 
-def make_policy(name: str, book: TraceBook, protected: dict[int, object]) -> EvictionPolicy:
+def make_policy(name: str, book: TraceBook, protected: dict[int, object],
+                size_of: Callable[[int], int] | None = None, reach_bytes: int = 0) -> EvictionPolicy:
     if name == "lru":
         return LRUPolicy(protected)
     if name == "trace":
-        return TracePolicy(book, protected)
+        return TracePolicy(book, protected, size_of, reach_bytes)
     raise ValueError(f"unknown policy {name!r}")

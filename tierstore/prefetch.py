@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .trace import TraceBook
+from .trace import HORIZON, TraceBook
 
 if TYPE_CHECKING:
     from .config import Config
@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["Prefetcher"]
 
 log = logging.getLogger(__name__)
-
-_LOOKAHEAD = 64
-"""Trace entries examined per access (the byte budget usually stops earlier)."""
-
 
 class Prefetcher:
     def __init__(self, store: "Store", config: "Config") -> None:
@@ -61,7 +57,7 @@ class Prefetcher:
         trace = self.book.get(owner, stream)
         trace.record(oid)
         if self.enabled:
-            self._schedule(owner, trace.upcoming(_LOOKAHEAD))
+            self._schedule(owner, self._reach(trace.upcoming(HORIZON)))
 
     def hint(self, owner: Any, oids: list[int]) -> int:
         """Explicit prefetch() hints: the same queue and budget as predictions."""
@@ -88,6 +84,20 @@ class Prefetcher:
         if p is not None:
             self.protected_bytes -= p[1]
             self.counters["wasted_bytes"] += p[1]
+
+    def _reach(self, upcoming: list[int]) -> list[int]:
+        """The next accesses whose bytes, resident or not, fit in the budget (at least one).
+
+        Fetching further ahead than the budget's worth of accesses would only make room
+        by evicting objects needed sooner than the ones fetched; the eviction policy uses
+        the same reach (``TracePolicy.horizon``)."""
+        objects, total = self.store._objects, 0
+        for i, oid in enumerate(upcoming):
+            meta = objects.get(oid)
+            total += meta.nbytes if meta is not None else 0
+            if total > self.budget_bytes:
+                return upcoming[:max(i, 1)]
+        return upcoming
 
     def _schedule(self, owner: Any, oids: list[int]) -> int:
         n = 0

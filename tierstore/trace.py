@@ -13,11 +13,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-__all__ = ["Trace", "TraceBook", "similarity"]
+__all__ = ["HORIZON", "Trace", "TraceBook", "similarity"]
 
 _SIMILAR = 0.8
 """Fraction of accesses that must keep their relative order for a step to 'repeat'."""
 _MAX_STEP_ACCESSES = 1 << 20
+HORIZON = 64
+"""Accesses ahead the prefetcher looks (its byte budget usually stops it earlier)."""
 
 
 def similarity(a: list[int], b: list[int]) -> float:
