@@ -66,6 +66,27 @@ def test_the_head_of_the_step_stays_resident(make_store):
     assert min(_run_steps(s, order, 1)) >= 0.95
 
 
+def test_the_heads_of_two_interleaved_loops_stay_resident(make_store):
+    """The same with two learned traces (two streams, as two ranks of a job are): when
+    a step ends, the first objects of the next step of both loops are resident."""
+    s = make_store(host_bytes="8MiB", policy="trace", prefetch=True, prefetch_budget_bytes="1MiB",
+                   high_watermark=1.0, low_watermark=0.9)
+    hs = {st: [s.put(torch.full((OBJ // 4,), float(i)), key=f"{st}{i}") for i in range(16)] for st in "ab"}
+    missing = []
+    for step in range(7):
+        for i in range(16):
+            for st in "ab":
+                with s.checkout(hs[st][i], "r", stream=st) as v:
+                    assert v[0].item() == float(i)
+                s.wait_prefetch(timeout_s=30)
+        if step >= 3:
+            missing += [f"{x}{j}" for x in "ab" for j in range(2) if "host" not in s.info(hs[x][j])["residency"]]
+        s.step()
+    traces = s.stat()["prefetch"]["traces"]
+    assert len(traces) == 2 and all(t["state"] == "learned" for t in traces)
+    assert not missing, missing
+
+
 def test_changed_loop_order_is_relearned(make_store):
     s, hs = _cyclic_store(make_store, "trace", True)
     order = list(enumerate(hs))

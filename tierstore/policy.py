@@ -70,9 +70,8 @@ class TracePolicy(LRUPolicy):
     step's order goes first. That keeps the part a too-small tier rotates in one
     place, the end of the step. Plain Belady's rotation drifts into the head of the
     next step (at the wrap the object just used is the one needed furthest away), and
-    the head is then read back with no compute before it to hide behind. With
-    several learned traces (several clients or streams): plain Belady on the
-    nearest next use over all of them.
+    the head is then read back with no compute before it to hide behind. Several
+    learned traces (several clients or streams) follow the same rule, by a sort.
     """
 
     name = "trace"
@@ -141,29 +140,29 @@ class TracePolicy(LRUPolicy):
                 yield oid
 
     def _ranked(self) -> list[int]:
-        """Every resident object sorted: with one learned trace the walk's order (the
-        walk is the fast path; tests compare the two), with several plain Belady on
-        the nearest next use over all of them."""
+        """Every resident object sorted, for several learned traces (several clients or
+        streams) the same rule as the walk: needed within some trace's reach ranks by
+        its nearest next use; otherwise by its latest position in its trace's step, as a
+        fraction of the step. With one trace this is the walk's order (tests compare)."""
         order = list(self._order)
-        learned = self.book.learned_traces()
-        if not learned:
+        reach = [(t, self.horizon(t)) for t in self.book.learned_traces()]
+        if not reach:
             return order
-        inf = 1 << 62
-        if len(learned) > 1:
-            def belady(oid: int) -> int:
-                d = self.book.distance(oid)
-                return -(inf if d is None else d)
-            return sorted(order, key=belady)  # stable: LRU order breaks ties
-        t = learned[0]
-        horizon = self.horizon(t)
 
-        def key(oid: int) -> tuple[int, int]:
-            d = t.distance(oid)
-            if d is None:
-                return (0, 0)
-            if d >= horizon:
-                return (1, -max(t.positions[oid]))
-            return (2, -d)
+        def key(oid: int) -> tuple[int, float]:
+            near = late = None
+            for t, horizon in reach:
+                d = t.distance(oid)
+                if d is None:
+                    continue
+                if d < horizon:
+                    near = d if near is None else min(near, d)
+                else:
+                    at = max(t.positions[oid]) / len(t.learned)
+                    late = at if late is None else max(late, at)
+            if near is not None:
+                return (2, -near)
+            return (0, 0.0) if late is None else (1, -late)
         return sorted(order, key=key)  # stable: LRU order breaks ties
 
     def distance(self, oid: int) -> int | None:
