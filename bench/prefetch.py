@@ -18,7 +18,7 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
