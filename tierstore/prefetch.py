@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from .trace import HORIZON, TraceBook
 
@@ -85,7 +85,7 @@ class Prefetcher:
             self.protected_bytes -= p[1]
             self.counters["wasted_bytes"] += p[1]
 
-    def _reach(self, upcoming: list[int]) -> list[int]:
+    def _reach(self, upcoming: Iterable[int]) -> Iterator[int]:
         """The next accesses whose bytes, resident or not, fit in the budget (at least one).
 
         Fetching further ahead than the budget's worth of accesses would only make room
@@ -95,11 +95,11 @@ class Prefetcher:
         for i, oid in enumerate(upcoming):
             meta = objects.get(oid)
             total += meta.nbytes if meta is not None else 0
-            if total > self.budget_bytes:
-                return upcoming[:max(i, 1)]
-        return upcoming
+            if total > self.budget_bytes and i:
+                return
+            yield oid
 
-    def _schedule(self, owner: Any, oids: list[int]) -> int:
+    def _schedule(self, owner: Any, oids: Iterable[int]) -> int:
         n = 0
         objects = self.store._objects
         for oid in oids:

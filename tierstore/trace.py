@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Iterator
 
 __all__ = ["HORIZON", "Trace", "TraceBook", "similarity"]
 
@@ -107,12 +108,13 @@ class Trace:
         k = bisect.bisect_left(ps, self.cursor)
         return ps[k] if k < len(ps) else ps[0]
 
-    def upcoming(self, limit: int) -> list[int]:
-        """The next ``limit`` accesses after the cursor, wrapping into the next step."""
+    def upcoming(self, limit: int) -> Iterator[int]:
+        """The next ``limit`` accesses after the cursor, wrapping into the next step (lazily)."""
         n = len(self.learned)
         if self.state != "learned" or n == 0:
-            return []
-        return [self.learned[(self.cursor + 1 + i) % n] for i in range(min(limit, n))]
+            return iter(())
+        seq, start = self.learned, self.cursor + 1
+        return (seq[(start + i) % n] for i in range(min(limit, n)))
 
     def distance(self, oid: int) -> int | None:
         """Accesses until ``oid`` is next used (0 = the next one), or None if not in the trace."""
