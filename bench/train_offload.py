@@ -8,12 +8,14 @@ memory is its own), the offloaded ones against a daemon started for it:
   host            state on the daemon's host tier (arena = 2.2x the state: two versions)
   nvme            state on the NVMe tier, host tier = 25% of the state bytes, no prefetch
   nvme+prefetch   the same with the trace-driven prefetcher
+  cache+prefetch  state placed by the store (tier=None): the 25 % host tier keeps what
+                  fits resident across steps (trace eviction), the rest on NVMe; prefetch
 
 Reported: median step time (vs plain), the training process's peak unique memory
 (private pages, sampled after every step), the daemon's peak resident memory, their
 sum (the node's memory spent on training) and the saving against plain as a fraction
 of the optimizer-state bytes. Every variant must end with the same parameters.
-Usage: python bench/train_offload.py [--width 4096] [--layers 16] [--steps 3] [--quick] [--png F]
+Usage: python bench/train_offload.py [--width 4096] [--layers 16] [--steps 3] [--variants a,b] [--quick] [--png F]
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ print(json.dumps({"times": times, "peak_uss": peak, "digest": h.hexdigest(),
 """
 
 
+VARIANTS = ("plain", "host", "nvme", "nvme+prefetch", "cache+prefetch")
+
+
 def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str):
     return start_daemon(base, "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
                         "--prefetch", "1" if prefetch else "0", "--policy", policy,
@@ -88,7 +93,8 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
             if variant == "host":
                 host, tier, prefetch = int(2.2 * state_bytes) + (64 << 20), "host", False
             else:
-                host, tier, prefetch = max(state_bytes // 4, 8 << 20), "nvme", variant == "nvme+prefetch"
+                host, prefetch = max(state_bytes // 4, 8 << 20), variant.endswith("+prefetch")
+                tier = None if variant.startswith("cache") else "nvme"
             daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace")
             wcfg.update(socket=sock, tier=tier)
         r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(wcfg)], capture_output=True, text=True)
@@ -114,8 +120,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dir", default=None)
     p.add_argument("--png", default=None)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)} (plain is "
+                   "always run: the others are compared with it)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.quick:
         args.width, args.layers, args.steps, args.warmup = 256, 3, 1, 2
     base = args.dir or os.path.abspath("bench-io-tmp")
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
            "warmup": args.warmup}
     results = {}
-    for v in ("plain", "host", "nvme", "nvme+prefetch"):
+    for v in variants:
         results[v] = run(v, cfg, state_bytes, base)
     plain = results["plain"]
     med = {v: sorted(r["times"])[len(r["times"]) // 2] for v, r in results.items()}

@@ -488,7 +488,8 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: st
                       resume: bool = False, update: str = "auto") -> OffloadedOptimizer:
     """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
 
-    ``tier``: where new state goes (``"host"`` or ``"nvme"``). ``resume=True``
+    ``tier``: where new state goes (``"host"``, ``"nvme"``, or ``None``: the host tier
+    while it has room, then NVMe, cached by the eviction policy). ``resume=True``
     finds the state by key (``prefix``) and continues from the last completed step;
     otherwise any old state under ``prefix`` is freed. ``durable=True`` makes the
     state survive a daemon crash too (each check-in is then written through).
