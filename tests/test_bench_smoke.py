@@ -49,7 +49,7 @@ def test_prefetch_smoke(tmp_path, mode):
 def test_train_offload_smoke(tmp_path):
     out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
     assert out["bench"] == "train_offload"
-    assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch"]
+    assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch", "cache+prefetch"]
     assert all(r["identical"] for r in out["results"])  # offloading never changes the numbers
 
 
