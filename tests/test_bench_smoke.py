@@ -46,6 +46,12 @@ def test_prefetch_smoke(tmp_path, mode):
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
 
 
+def test_eviction_smoke(tmp_path):
+    out = _run("eviction.py", "--quick", cwd=tmp_path)
+    assert out["bench"] == "eviction" and [r["traces"] for r in out["results"]] == [1, 2]
+    assert all(r["walk_ms"] > 0 and r["sort_ms"] > 0 for r in out["results"])
+
+
 def test_train_offload_smoke(tmp_path):
     out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
     assert out["bench"] == "train_offload"

@@ -200,41 +200,51 @@ def test_two_step_cycles_are_learned(make_store):
     assert s.stat()["prefetch"]["traces"][0]["state"] == "learned"
 
 
-def test_belady_walk_ranks_exactly_like_a_full_sort():
-    """The lazy candidate walk (cheap per eviction) yields the same order as sorting
-    every resident object by next use, with repeats, untraced and protected objects."""
+def test_candidate_walk_follows_the_eviction_order():
+    """The lazy candidate walk (cheap per eviction) yields every resident object once,
+    in the order of the policy's keys computed object by object — with one and with
+    several traces, repeats, untraced and protected objects, and after inserts and
+    removals that the walk's own bookkeeping must follow."""
     import random
 
     from tierstore.policy import LRUPolicy, TracePolicy
     from tierstore.trace import TraceBook
 
     rng = random.Random(7)
-    for _ in range(50):
+    classes = set()
+    for case in range(60):
         book = TraceBook()
-        seq = [rng.randrange(120) for _ in range(rng.randrange(5, 200))]
-        t = book.get("c", "")
-        for _step in range(2):
-            for oid in seq:
-                t.record(oid)
-            t.step()
-        assert t.state == "learned"
-        for oid in seq[:rng.randrange(len(seq))]:
-            t.record(oid)  # move the cursor somewhere mid-step
-        protected = {o: ("c", 1) for o in rng.sample(range(140), 8)}
-        pol = TracePolicy(book, protected)
-        for oid in rng.sample(range(140), 80):  # some traced, some never used by the trace
+        n_traces = 1 + case % 3
+        for c in range(n_traces):
+            seq = [rng.randrange(150) for _ in range(rng.randrange(5, 200))]
+            t = book.get(f"c{c}", "")
+            for _step in range(2):
+                for oid in seq:
+                    t.record(oid)
+                t.step()
+            assert t.state == "learned"
+            for oid in seq[:rng.randrange(len(seq))]:
+                t.record(oid)  # move the cursor somewhere mid-step
+        protected = {o: ("c", 1) for o in rng.sample(range(170), 8)}
+        sized = case % 2 == 0
+        pol = TracePolicy(book, protected, (lambda o: 1 + o % 5) if sized else None, 40)
+        resident = rng.sample(range(170), 90)  # some traced, some never used by a trace
+        for oid in resident:
             pol.insert(oid)
+        list(pol.candidates())  # builds the bookkeeping; the edits below must keep it right
+        for oid in rng.sample(resident, 20):
+            pol.remove(oid)
+        for oid in rng.sample(range(170), 20):
+            pol.insert(oid)
+            pol.touch(rng.choice(resident))
         walked = list(pol.candidates())
-        ranked = pol._ranked()
-        full = [o for o in ranked if o not in protected] + [o for o in ranked if o in protected]
-        assert walked == full
-        horizon = pol.horizon(t)
-        traced = [o for o in walked if o not in protected and pol.distance(o) is not None]
-        far = [o for o in traced if pol.distance(o) >= horizon]
-        near = [pol.distance(o) for o in traced if pol.distance(o) < horizon]
-        assert traced == far + [o for o in traced if pol.distance(o) < horizon]
-        assert [max(t.positions[o]) for o in far] == sorted((max(t.positions[o]) for o in far), reverse=True)
-        assert near == sorted(near, reverse=True)
+        assert sorted(walked) == sorted(pol._order)
+        keys = pol.keys()
+        free = [o for o in walked if o not in protected]
+        assert walked == free + [o for o in walked if o in protected]
+        assert [keys[o] for o in free] == sorted(keys[o] for o in free)
+        classes |= {k[0] for k in keys.values()}
+    assert classes == {0, 1, 2}  # untraced, beyond every reach, within one: all exercised
     assert list(LRUPolicy().candidates()) == []
 
 

@@ -9,6 +9,8 @@ not yet used are offered only after every other candidate (no prefetch thrash).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import OrderedDict
 from typing import Callable, Iterator, Protocol
 
@@ -62,16 +64,21 @@ class LRUPolicy:
 class TracePolicy(LRUPolicy):
     """Belady with the learned traces; LRU until some trace is learned.
 
-    Objects no trace will use again go first. With one learned trace: among objects
-    needed within the prefetcher's reach (the next accesses whose bytes fit in its
-    budget, at most ``HORIZON``) the one needed furthest away goes first (Belady);
-    every object needed later than that is fetched back in time anyway, and evicting
-    any of them costs the same bytes per step, so among those the one latest in the
-    step's order goes first. That keeps the part a too-small tier rotates in one
-    place, the end of the step. Plain Belady's rotation drifts into the head of the
-    next step (at the wrap the object just used is the one needed furthest away), and
-    the head is then read back with no compute before it to hide behind. Several
-    learned traces (several clients or streams) follow the same rule, by a sort.
+    Objects no trace will use again go first (LRU order). Among objects needed within
+    the prefetcher's reach in their trace (the next accesses whose bytes fit in its
+    budget, at most ``HORIZON``) the one needed furthest away goes first (Belady), and
+    those go last; every object needed later than that is fetched back in time anyway,
+    and evicting any of them costs the same bytes per step, so among those the one
+    latest in its step (by position over the step's length) goes first. That keeps
+    the part a too-small tier rotates in one place, the end of the step. Plain
+    Belady's rotation drifts into the head of the next step (at the wrap the object
+    just used is the one needed furthest away), and the head is then read back with
+    no compute before it to hide behind.
+
+    Cost per eviction: O(traces x HORIZON) plus the candidates skipped, not a pass
+    over every resident object: the policy keeps, per learned trace, the sorted
+    positions of its resident objects, and the resident objects no trace uses, in
+    LRU order; both are rebuilt only when a learned order changes.
     """
 
     name = "trace"
@@ -83,7 +90,70 @@ class TracePolicy(LRUPolicy):
         self.size_of = size_of
         """Bytes of an object (None: the reach is ``HORIZON`` accesses)."""
         self.reach_bytes = reach_bytes
+        self._version = -1
+        self._traces: list[Trace] = []
+        self._where: dict[int, list[int]] = {}
+        """Traced oid -> indexes in ``_traces`` of the traces that use it."""
+        self._resident_at: list[list[int]] = []
+        """Per trace: the latest positions of its resident objects, sorted."""
+        self._untraced: OrderedDict[int, None] = OrderedDict()
 
+    # ------------------------------------------------------------------ bookkeeping
+    def _sync(self) -> None:
+        if self._version == self.book.version:
+            return
+        self._version = self.book.version
+        self._traces = self.book.learned_traces()
+        self._where = {}
+        for i, t in enumerate(self._traces):
+            for oid in t.positions:
+                self._where.setdefault(oid, []).append(i)
+        self._resident_at = [[] for _ in self._traces]
+        self._untraced = OrderedDict()
+        for oid in self._order:
+            self._add(oid)
+        for lst in self._resident_at:
+            lst.sort()
+
+    def _add(self, oid: int, keep_sorted: bool = False) -> None:
+        where = self._where.get(oid)
+        if where is None:
+            self._untraced[oid] = None
+            return
+        for i in where:
+            p = self._traces[i].positions[oid][-1]
+            if keep_sorted:
+                bisect.insort(self._resident_at[i], p)
+            else:
+                self._resident_at[i].append(p)
+
+    def insert(self, oid: int) -> None:
+        fresh = oid not in self._order
+        super().insert(oid)
+        if self._version == self.book.version:
+            if fresh:
+                self._add(oid, keep_sorted=True)
+            elif oid in self._untraced:
+                self._untraced.move_to_end(oid)
+
+    def touch(self, oid: int) -> None:
+        super().touch(oid)
+        if oid in self._untraced:
+            self._untraced.move_to_end(oid)
+
+    def remove(self, oid: int) -> None:
+        if oid in self._order and self._version == self.book.version:
+            if oid in self._untraced:
+                del self._untraced[oid]
+            else:
+                for i in self._where.get(oid, ()):
+                    lst, p = self._resident_at[i], self._traces[i].positions[oid][-1]
+                    k = bisect.bisect_left(lst, p)
+                    if k < len(lst) and lst[k] == p:
+                        del lst[k]
+        super().remove(oid)
+
+    # ------------------------------------------------------------------ ranking
     def horizon(self, trace: Trace) -> int:
         """Accesses ahead the prefetcher can reach: within ``HORIZON`` and, with sizes, the
         next accesses whose bytes fit in ``reach_bytes`` (at least the next one)."""
@@ -99,71 +169,80 @@ class TracePolicy(LRUPolicy):
         return limit
 
     def candidates(self) -> Iterator[int]:
-        learned = self.book.learned_traces()
-        if len(learned) == 1:
-            return self._walk(learned[0])
-        return super().candidates()
+        self._sync()
+        if not self._traces:
+            return super().candidates()
+        return self._walk()
 
-    def _walk(self, trace: Trace) -> Iterator[int]:
-        """Candidates under one learned trace, lazily; protected objects last. The store
-        usually takes the first few, so this costs O(trace) at most, not a sort."""
+    def _walk(self) -> Iterator[int]:
+        """Candidates under the learned traces, lazily; protected objects last."""
         held = []
-        for oid in self._traced_order(trace):
+        for oid in self._traced_order():
             if oid in self.protected:
                 held.append(oid)
             else:
                 yield oid
         yield from (o for o in held if o in self._order)
 
-    def _traced_order(self, trace: Trace) -> Iterator[int]:
-        """Resident objects the trace never uses (LRU order); those needed beyond the
-        horizon, latest trace position first; those needed within it, furthest next
-        use first (walking the trace back from the horizon)."""
-        resident, positions = self._order, trace.positions
-        for oid in list(resident):
-            if oid not in positions:
-                yield oid
-        seq, n, cur = trace.learned, len(trace.learned), trace.cursor
-        horizon = self.horizon(trace)
-        seen = set()
-        for p in range(n - 1, -1, -1):
-            oid = seq[p]
-            if oid not in seen and oid in resident and trace.distance(oid) >= horizon:
+    def _traced_order(self) -> Iterator[int]:
+        yield from list(self._untraced)
+        traces, where = self._traces, self._where
+        horizons = [self.horizon(t) for t in traces]
+
+        def nearest(oid: int) -> int | None:
+            """The smallest next-use distance within a trace's reach, or None."""
+            best = None
+            for i in where[oid]:
+                d = traces[i].distance(oid)
+                if d is not None and d < horizons[i] and (best is None or d < best):
+                    best = d
+            return best
+
+        seen: set[int] = set()
+        # beyond every reach: latest in its step first (a k-way merge of the per-trace lists)
+        heap = [(-lst[-1] / len(traces[i].learned), i, len(lst) - 1) for i, lst in enumerate(self._resident_at) if lst]
+        heapq.heapify(heap)
+        while heap:
+            _, i, k = heapq.heappop(heap)
+            lst = self._resident_at[i]
+            if k >= len(lst):
+                continue
+            oid = traces[i].learned[lst[k]]
+            if k:
+                heapq.heappush(heap, (-lst[k - 1] / len(traces[i].learned), i, k - 1))
+            if oid not in seen and oid in self._order and nearest(oid) is None:
                 seen.add(oid)
                 yield oid
-        for i in range(horizon):
-            p = (cur + horizon - i) % n
-            oid = seq[p]
-            # an object used more than once is ranked by its nearest next use
-            if oid not in seen and oid in resident and trace.distance(oid) == (p - cur - 1) % n:
-                seen.add(oid)
-                yield oid
+        # within some reach: furthest next use first
+        near: dict[int, int] = {}
+        for i, t in enumerate(traces):
+            n, cur = len(t.learned), t.cursor
+            for j in range(horizons[i]):
+                oid = t.learned[(cur + 1 + j) % n]
+                if oid not in seen and oid not in near and oid in self._order:
+                    near[oid] = nearest(oid)
+        yield from sorted(near, key=lambda o: -near[o])
 
-    def _ranked(self) -> list[int]:
-        """Every resident object sorted, for several learned traces (several clients or
-        streams) the same rule as the walk: needed within some trace's reach ranks by
-        its nearest next use; otherwise by its latest position in its trace's step, as a
-        fraction of the step. With one trace this is the walk's order (tests compare)."""
-        order = list(self._order)
-        reach = [(t, self.horizon(t)) for t in self.book.learned_traces()]
-        if not reach:
-            return order
-
-        def key(oid: int) -> tuple[int, float]:
-            near = late = None
-            for t, horizon in reach:
-                d = t.distance(oid)
-                if d is None:
-                    continue
-                if d < horizon:
-                    near = d if near is None else min(near, d)
-                else:
-                    at = max(t.positions[oid]) / len(t.learned)
-                    late = at if late is None else max(late, at)
-            if near is not None:
-                return (2, -near)
-            return (0, 0.0) if late is None else (1, -late)
-        return sorted(order, key=key)  # stable: LRU order breaks ties
+    def keys(self) -> dict[int, tuple[int, float]]:
+        """The key the walk orders candidates by, for every resident object (for tests):
+        (0, LRU rank) untraced, (1, -position / length) beyond every reach, (2, -distance)
+        within one."""
+        self._sync()
+        traces = self._traces
+        horizons = [self.horizon(t) for t in traces]
+        keys = {}
+        for rank, oid in enumerate(self._order):
+            if oid not in self._where:
+                keys[oid] = (0, float(rank))
+                continue
+            ds = [traces[i].distance(oid) for i in self._where[oid]]
+            near = [d for d, i in zip(ds, self._where[oid]) if d is not None and d < horizons[i]]
+            if near:
+                keys[oid] = (2, -float(min(near)))
+            else:
+                keys[oid] = (1, -max(traces[i].positions[oid][-1] / len(traces[i].learned)
+                                     for i in self._where[oid]))
+        return keys
 
     def distance(self, oid: int) -> int | None:
         return self.book.distance(oid)

@@ -61,6 +61,8 @@ class Trace:
     positions: dict[int, list[int]] = field(default_factory=dict)
     steps: int = 0
     relearned: int = 0
+    version: int = 0
+    """Bumped whenever ``learned`` (and so ``positions``) changes."""
 
     def record(self, oid: int) -> None:
         if len(self.current) < _MAX_STEP_ACCESSES:
@@ -87,18 +89,23 @@ class Trace:
             self._learn(self.previous + cur)
         else:
             self.state = "learning"
-            self.learned, self.positions = [], {}
+            if self.learned:
+                self.learned, self.positions = [], {}
+                self.version += 1
             if was == "learned":
                 self.relearned += 1
         self.before, self.previous = self.previous, cur
         self.cursor = len(self.learned) - 1 if self.learned else 0
 
     def _learn(self, seq: list[int]) -> None:
-        self.learned = list(seq)
         self.state = "learned"
+        if seq == self.learned:
+            return  # the usual case in a training loop: nothing to rebuild
+        self.learned = list(seq)
         self.positions = {}
         for i, x in enumerate(seq):
             self.positions.setdefault(x, []).append(i)
+        self.version += 1
 
     def _locate(self, oid: int) -> int:
         """The position of ``oid`` at or after the cursor (wrapping); cursor if unknown."""
@@ -132,6 +139,8 @@ class TraceBook:
 
     def __init__(self) -> None:
         self.traces: dict[tuple[object, str], Trace] = {}
+        self.version = 0
+        """Bumped whenever some trace's learned order changes or a trace goes away."""
 
     def get(self, owner: object, stream: str) -> Trace:
         t = self.traces.get((owner, stream))
@@ -142,11 +151,14 @@ class TraceBook:
     def step(self, owner: object) -> None:
         for (o, _), t in self.traces.items():
             if o is owner or o == owner:
+                before = t.version
                 t.step()
+                self.version += t.version != before
 
     def drop(self, owner: object) -> None:
         for k in [k for k in self.traces if k[0] is owner or k[0] == owner]:
             del self.traces[k]
+            self.version += 1
 
     def learned(self) -> bool:
         return any(t.state == "learned" for t in self.traces.values())
