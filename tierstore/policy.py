@@ -49,13 +49,17 @@ class LRUPolicy:
     def remove(self, oid: int) -> None:
         self._order.pop(oid, None)
 
-    def _ranked(self) -> list[int]:
-        return list(self._order)
-
     def candidates(self) -> Iterator[int]:
-        ranked = self._ranked()
-        free = [o for o in ranked if o not in self.protected]
-        return iter(free + [o for o in ranked if o in self.protected])
+        """Lazily (the store usually takes the first): unprotected objects, least recently
+        used first, then protected ones. Valid until the policy next changes."""
+        protected = self.protected
+        held = []
+        for oid in self._order:
+            if oid in protected:
+                held.append(oid)
+            else:
+                yield oid
+        yield from held
 
     def distance(self, oid: int) -> int | None:
         return None
