@@ -57,8 +57,8 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     p = st.get("prefetch", {})
     total = p.get("hits", 0) + p.get("misses", 0) + p.get("late", 0)
     rate = p.get("hits", 0) / total if total else 0.0
-    lines.append(f"  prefetch: hit rate {rate * 100:.1f}%  hits {p.get('hits', 0)}  late {p.get('late', 0)}  "
-                 f"misses {p.get('misses', 0)}  stall {p.get('stall_s', 0):.3f} s  "
+    lines.append(f"  prefetch: hit rate {rate * 100:.1f}%  hits {p.get('hits', 0)}  late {p.get('late', 0)} "
+                 f"(waited {p.get('late_wait_s', 0):.3f} s)  misses {p.get('misses', 0)}  stall {p.get('stall_s', 0):.3f} s  "
                  f"prefetched {format_size(p.get('prefetched_bytes', 0))}  wasted {format_size(p.get('wasted_bytes', 0))}")
     for t in p.get("traces", []):
         lines.append(f"    trace client {t['client']} stream {t['stream']}: {t['state']}, {t['length']} accesses/step, "

@@ -78,6 +78,7 @@ def _collector(stat: Callable[[], dict[str, Any]]) -> Any:
                 m.add_metric([], p[name])
                 yield m
             for name, key in (("tierstore_prefetch_stall_seconds", "stall_s"),
+                              ("tierstore_prefetch_late_wait_seconds", "late_wait_s"),
                               ("tierstore_prefetched_bytes", "prefetched_bytes"),
                               ("tierstore_prefetch_wasted_bytes", "wasted_bytes")):
                 m = CounterMetricFamily(name, key)

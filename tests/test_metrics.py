@@ -41,6 +41,8 @@ def test_metrics_match_stat(daemon_factory):
     assert m['tierstore_requests_total{op="put_staged"}'] >= 5
     assert m['tierstore_request_seconds_count{op="put_staged"}'] == m['tierstore_requests_total{op="put_staged"}']
     assert m["tierstore_clients"] >= 1
+    assert m["tierstore_prefetch_hits_total"] == st["prefetch"]["hits"]
+    assert m["tierstore_prefetch_late_wait_seconds_total"] == st["prefetch"]["late_wait_s"]
 
 
 def test_metrics_bind_loopback_by_default(daemon_factory):

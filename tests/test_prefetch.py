@@ -248,6 +248,33 @@ def test_candidate_walk_follows_the_eviction_order():
     assert list(LRUPolicy().candidates()) == []
 
 
+def test_a_late_hit_is_counted_with_its_wait(make_store):
+    """An access that finds its object's prefetch still in flight waits for it (no
+    second read) and counts as late, with the time it waited."""
+    import threading
+    import time
+
+    s = make_store(host_bytes="8MiB", io_threads=1, io_chunk_bytes="1MiB")
+    t = torch.randn(1 << 18)
+    h = s.put(t, tier="nvme")
+    block = threading.Event()
+    s.engine.submit(block.wait, priority=1)  # the prefetch read queues behind this
+    s.prefetch([h], wait=False)
+    time.sleep(0.3)
+    assert s.info(h)["residency"] == ["nvme"]  # in flight, not there yet
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("t", s.get(h)))
+    reader.start()
+    time.sleep(0.3)
+    block.set()
+    reader.join(timeout=30)
+    assert torch.equal(got["t"], t)
+    p = s.stat()
+    assert (p["prefetch"]["late"], p["prefetch"]["misses"]) == (1, 0)
+    assert 0.25 <= p["prefetch"]["late_wait_s"] <= p["prefetch"]["stall_s"]
+    assert p["tiers"]["nvme"]["bytes_read"] == t.numel() * 4  # read once, by the prefetch
+
+
 def test_demand_io_overtakes_queued_prefetch_io(make_store):
     """On the I/O engine, demand requests (priority 0) queued after prefetch requests
     (priority 1) run first: in the pool itself, and for a store's reads."""

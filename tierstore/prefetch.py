@@ -37,8 +37,9 @@ class Prefetcher:
         """Queued or in flight: oid -> (owner, nbytes)."""
         self.queued_bytes = 0
         self.counters: dict[str, float] = dict.fromkeys(
-            ("hits", "late", "misses", "stall_s", "prefetched_bytes", "wasted_bytes", "issued", "dropped"), 0)
-        self.counters["stall_s"] = 0.0
+            ("hits", "late", "misses", "stall_s", "late_wait_s", "prefetched_bytes", "wasted_bytes", "issued",
+             "dropped"), 0)
+        self.counters["stall_s"] = self.counters["late_wait_s"] = 0.0
         self._q: queue.Queue = queue.Queue()
         self._workers = [threading.Thread(target=self._run, name=f"tierstore-prefetch-{i}", daemon=True)
                          for i in range(self.max_inflight)]
@@ -51,6 +52,8 @@ class Prefetcher:
         c = self.counters
         c[{"hit": "hits", "late": "late", "miss": "misses"}[outcome]] += 1
         c["stall_s"] += stall_s
+        if outcome == "late":
+            c["late_wait_s"] += stall_s
         used = self.protected.pop(oid, None)
         if used is not None:
             self.protected_bytes -= used[1]
@@ -133,7 +136,7 @@ class Prefetcher:
     def stat(self) -> dict[str, Any]:
         c = self.counters
         return {"hits": int(c["hits"]), "late": int(c["late"]), "misses": int(c["misses"]),
-                "stall_s": c["stall_s"], "prefetched_bytes": int(c["prefetched_bytes"]),
+                "stall_s": c["stall_s"], "late_wait_s": c["late_wait_s"], "prefetched_bytes": int(c["prefetched_bytes"]),
                 "wasted_bytes": int(c["wasted_bytes"]), "issued": int(c["issued"]), "dropped": int(c["dropped"]),
                 "queued": len(self.queued), "protected_bytes": self.protected_bytes,
                 "budget_bytes": self.budget_bytes, "enabled": self.enabled, "traces": self.book.describe()}
