@@ -18,7 +18,7 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -82,9 +82,11 @@ def disk_read_gbps(directory: str, nbytes: int = 64 << 20) -> float:
 
 
 class Compute:
-    """A matmul loop calibrated to take ``seconds`` per call."""
+    """A matmul loop calibrated to take ``seconds`` per call; ``sleep=True``: a sleep of
+    that long instead (compute on an accelerator: the CPU stays free for the I/O)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sleep: bool = False) -> None:
+        self.sleep = sleep
         self.a = torch.randn(256, 256)
         self.b = torch.randn(256, 256)
         for _ in range(5):
@@ -95,6 +97,9 @@ class Compute:
         self.per_mm = (time.perf_counter() - t0) / 50
 
     def run(self, seconds: float) -> None:
+        if self.sleep:
+            time.sleep(seconds)
+            return
         for _ in range(max(1, math.ceil(seconds / self.per_mm))):
             self.a @ self.b
 
@@ -187,6 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the pool in this process (a Store), or a real daemon and a Client of it")
     p.add_argument("--budget", type=float, default=None,
                    help="prefetch budget as a fraction of the working set (default: 1/8, at least the largest layer)")
+    p.add_argument("--compute", default="matmul", choices=["matmul", "sleep"],
+                   help="between accesses: a matmul on one core (default), or a sleep of the same length, "
+                        "as when the compute runs on an accelerator and leaves the CPU to the I/O")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -198,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     total = sum(3 * 4 * math.prod(shape) for layer in layers for _, shape in layer)
     bw = disk_read_gbps(base)
     per_byte_s = 1.0 / (bw * 1e9)  # compute per layer = time to read that layer's bytes from disk
-    compute = Compute()
+    compute = Compute(sleep=args.compute == "sleep")
     largest = max(sum(4 * math.prod(sh) for _, sh in layer) for layer in layers)
     # every byte of prefetch budget is a byte the tier cannot keep resident across steps
     # (and so reads again each step): enough to cover the next objects' disk time, no more
@@ -232,14 +240,14 @@ def main(argv: list[str] | None = None) -> dict:
                     "1.00"])
     print(f"# prefetch replay ({args.mode}): {args.model} x{args.scale} ({len(layers)} layer groups, working set "
           f"{format_size(total)}: fp32 params + Adam exp_avg/exp_avg_sq), disk read {bw:.2f} GB/s, "
-          f"compute per layer = its bytes / disk bandwidth, {args.steps} steps after {args.warmup} warm-up, "
+          f"compute ({args.compute}) per layer = its bytes / disk bandwidth, {args.steps} steps after {args.warmup} warm-up, "
           f"prefetch budget {format_size(budget)}; each variant against the mean of floor runs just before and "
           f"after it; {machine()}")
     print_table(["variant", "host", "host bytes", "hit rate", "stall", "step s", "floor s", "vs floor"], rows)
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
-    out = {"bench": "prefetch", "mode": args.mode, "model": args.model, "scale": args.scale, "working_set_bytes": total,
+    out = {"bench": "prefetch", "mode": args.mode, "compute": args.compute, "model": args.model, "scale": args.scale, "working_set_bytes": total,
            "disk_read_gbps": bw, "machine": machine(), **results}
     emit_json(out)
     return out

@@ -40,8 +40,11 @@ def test_latency_smoke(tmp_path):
 @pytest.mark.parametrize("mode", ["embedded", "daemon"])
 def test_prefetch_smoke(tmp_path, mode):
     png = tmp_path / "prefetch.png"
-    out = _run("prefetch.py", "--quick", "--mode", mode, "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
+    compute = "matmul" if mode == "embedded" else "sleep"
+    out = _run("prefetch.py", "--quick", "--mode", mode, "--compute", compute, "--dir", str(tmp_path), "--png",
+               str(png), cwd=tmp_path)
     assert out["bench"] == "prefetch" and out["mode"] == mode and out["floor"]["hit_rate"] == 1.0
+    assert out["compute"] == compute
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch"}
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
 
