@@ -12,7 +12,9 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
   lru+prefetch   LRU eviction, trace-driven prefetch
   trace+prefetch Belady eviction on the learned trace, trace-driven prefetch
 
-Reported per variant: steady-state hit rate, stall fraction, step time / floor. This
+Reported per variant: steady-state hit rate, stall fraction, NVMe bytes read and
+written per step and the disk time they take over the step's compute time (the
+step-time target applies where that is below 1), step time / floor. This
 machine's speed drifts over minutes, so each variant is compared with floor runs made
 just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
@@ -62,19 +64,26 @@ def layer_shapes(model: str, scale: float) -> list[list[tuple[str, tuple[int, ..
     return layers
 
 
-def disk_read_gbps(directory: str, nbytes: int = 64 << 20) -> float:
+def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """(read, write) GB/s of O_DIRECT 4 MiB requests in ``directory``."""
     path = os.path.join(directory, "calib.bin")
     m = mmap.mmap(-1, nbytes)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    chunk = 4 << 20
     try:
         os.pwritev(fd, [m], 0)
         os.fsync(fd)
         t0 = time.perf_counter()
-        for off in range(0, nbytes, 4 << 20):
-            os.preadv(fd, [memoryview(m)[off:off + (4 << 20)]], off)
-        return nbytes / (time.perf_counter() - t0) / 1e9
+        for off in range(0, nbytes, chunk):
+            os.pwritev(fd, [memoryview(m)[off:off + chunk]], off)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            os.preadv(fd, [memoryview(m)[off:off + chunk]], off)
+        return nbytes / (time.perf_counter() - t0) / 1e9, write
     except OSError:
-        return 1.0
+        return 1.0, 1.0
     finally:
         os.close(fd)
         os.unlink(path)
@@ -154,9 +163,9 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
             hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}")))
         nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
         handles.append((hs, nbytes))
-    times, hit_rates, stalls = [], [], []
+    times, hit_rates, stalls, read, written = [], [], [], [], []
     for step in range(warmup + steps):
-        before = s.stat()["prefetch"]
+        before = s.stat()
         t0 = time.perf_counter()
         for hs, nbytes in handles:
             for mode, h in hs:
@@ -166,17 +175,21 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
             compute.run(nbytes * per_byte_s)
         s.step()
         dt = time.perf_counter() - t0
-        after = s.stat()["prefetch"]
-        n = sum(after[k] - before[k] for k in ("hits", "late", "misses"))
+        after = s.stat()
+        pa, pb, na, nb = after["prefetch"], before["prefetch"], after["tiers"]["nvme"], before["tiers"]["nvme"]
+        n = sum(pa[k] - pb[k] for k in ("hits", "late", "misses"))
         if step >= warmup:
             times.append(dt)
-            hit_rates.append((after["hits"] - before["hits"]) / n)
-            stalls.append((after["stall_s"] - before["stall_s"]) / dt)
+            hit_rates.append((pa["hits"] - pb["hits"]) / n)
+            stalls.append((pa["stall_s"] - pb["stall_s"]) / dt)
+            read.append(na["bytes_read"] - nb["bytes_read"])
+            written.append(na["bytes_written"] - nb["bytes_written"])
     st = s.stat()
     return {"step_s": float(np.median(times)), "hit_rate": float(np.mean(hit_rates)),
             "stall_fraction": float(np.mean(stalls)), "prefetched_bytes": st["prefetch"]["prefetched_bytes"],
             "wasted_bytes": st["prefetch"]["wasted_bytes"], "nvme_read_bytes": st["tiers"]["nvme"]["bytes_read"],
-            "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"]}
+            "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"],
+            "read_bytes_per_step": float(np.mean(read)), "written_bytes_per_step": float(np.mean(written))}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -204,8 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(base, exist_ok=True)
     layers = layer_shapes(args.model, args.scale)
     total = sum(3 * 4 * math.prod(shape) for layer in layers for _, shape in layer)
-    bw = disk_read_gbps(base)
+    bw, wbw = disk_gbps(base)
     per_byte_s = 1.0 / (bw * 1e9)  # compute per layer = time to read that layer's bytes from disk
+    compute_s = total * per_byte_s
     compute = Compute(sleep=args.compute == "sleep")
     largest = max(sum(4 * math.prod(sh) for _, sh in layer) for layer in layers)
     # every byte of prefetch budget is a byte the tier cannot keep resident across steps
@@ -227,28 +241,35 @@ def main(argv: list[str] | None = None) -> dict:
             r = run_variant(layers, total, host, policy, pf, **common)
             floors.append(run_variant(layers, total, floor_host, "lru", False, **common))
             local_floor = (floors[-2]["step_s"] + floors[-1]["step_s"]) / 2
+            # the target applies where the disk can move a step's bytes within its compute
+            disk_s = r["read_bytes_per_step"] / (bw * 1e9) + r["written_bytes_per_step"] / (wbw * 1e9)
             r.update({"variant": name, "host_fraction": frac, "host_bytes": host, "floor_s": local_floor,
-                      "step_vs_floor": r["step_s"] / local_floor})
+                      "step_vs_floor": r["step_s"] / local_floor, "disk_s_per_step": disk_s,
+                      "disk_vs_compute": disk_s / compute_s})
             results["variants"].append(r)
             rows.append([name, f"{frac * 100:.0f}%", format_size(host), f"{r['hit_rate'] * 100:.1f}%",
-                         f"{r['stall_fraction'] * 100:.1f}%", f"{r['step_s']:.3f}", f"{local_floor:.3f}",
+                         f"{r['stall_fraction'] * 100:.1f}%",
+                         f"{format_size(r['read_bytes_per_step'])} / {format_size(r['written_bytes_per_step'])}",
+                         f"{disk_s / compute_s:.2f}", f"{r['step_s']:.3f}", f"{local_floor:.3f}",
                          f"{r['step_vs_floor']:.2f}"])
     results["floors_s"] = [f["step_s"] for f in floors]
     floor["step_s"] = float(np.median(results["floors_s"]))
     rows.insert(0, ["floor", "100%", "-", f"{floor['hit_rate'] * 100:.1f}%", f"{floor['stall_fraction'] * 100:.1f}%",
-                    f"{floor['step_s']:.3f}", f"{min(results['floors_s']):.3f}-{max(results['floors_s']):.3f}",
+                    "-", "0", f"{floor['step_s']:.3f}", f"{min(results['floors_s']):.3f}-{max(results['floors_s']):.3f}",
                     "1.00"])
     print(f"# prefetch replay ({args.mode}): {args.model} x{args.scale} ({len(layers)} layer groups, working set "
-          f"{format_size(total)}: fp32 params + Adam exp_avg/exp_avg_sq), disk read {bw:.2f} GB/s, "
+          f"{format_size(total)}: fp32 params + Adam exp_avg/exp_avg_sq), disk read {bw:.2f} GB/s, write {wbw:.2f} GB/s, "
           f"compute ({args.compute}) per layer = its bytes / disk bandwidth, {args.steps} steps after {args.warmup} warm-up, "
           f"prefetch budget {format_size(budget)}; each variant against the mean of floor runs just before and "
           f"after it; {machine()}")
-    print_table(["variant", "host", "host bytes", "hit rate", "stall", "step s", "floor s", "vs floor"], rows)
+    print_table(["variant", "host", "host bytes", "hit rate", "stall", "read/written per step", "disk/compute",
+                 "step s", "floor s", "vs floor"], rows)
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
     out = {"bench": "prefetch", "mode": args.mode, "compute": args.compute, "model": args.model, "scale": args.scale, "working_set_bytes": total,
-           "disk_read_gbps": bw, "machine": machine(), **results}
+           "disk_read_gbps": bw, "disk_write_gbps": wbw, "compute_s_per_step": compute_s, "machine": machine(),
+           **results}
     emit_json(out)
     return out
 
