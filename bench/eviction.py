@@ -28,7 +28,7 @@ from tierstore.trace import TraceBook  # noqa: E402
 def build(n_traces: int, per_trace: int) -> TracePolicy:
     """``n_traces`` learned traces of ``per_trace`` objects, all resident, cursors mid-step."""
     book = TraceBook()
-    pol = TracePolicy(book, {}, lambda oid: 4 << 20, 64 << 20)
+    pol = TracePolicy(book, {}, lambda trace: 16)  # the prefetcher reaching 16 accesses ahead
     first = 0
     for r in range(n_traces):
         t = book.get(f"rank{r}", "default")

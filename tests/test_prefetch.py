@@ -87,6 +87,58 @@ def test_the_heads_of_two_interleaved_loops_stay_resident(make_store):
     assert not missing, missing
 
 
+def test_reach_is_the_budgets_worth_of_accesses(make_store):
+    """The prefetcher's reach (a binary search in running byte sums) equals walking the
+    upcoming accesses until their bytes exceed the budget, at every cursor position."""
+    import random
+
+    rng = random.Random(3)
+    s = make_store(host_bytes="64MiB", policy="trace", prefetch=True, prefetch_budget_bytes="300KiB")
+    hs = [s.put(torch.zeros(rng.choice([1, 1000, 20000, 40000, 90000]))) for _ in range(40)]
+    order = [rng.randrange(40) for _ in range(120)]
+    for _ in range(2):
+        for i in order:
+            s.get(hs[i])
+        s.step()
+    trace = s.prefetcher.book.learned_traces()[0]
+    sizes = [s.info(hs[i])["nbytes"] for i in order]
+    budget = s.config.prefetch_budget_bytes
+    for i in order:
+        s.get(hs[i])
+        total, want = 0, min(64, len(order))
+        for k in range(min(64, len(order))):
+            total += sizes[(trace.cursor + 1 + k) % len(order)]
+            if total > budget:
+                want = max(k, 1)
+                break
+        assert s.prefetcher.reach(trace) == want
+
+
+def test_an_object_evicted_after_the_scan_passed_it_is_fetched_again(make_store):
+    """The prefetcher looks at each upcoming access once; an object it passed as resident
+    and that is then moved down is queued again at the next access."""
+    s = make_store(host_bytes="64MiB", policy="trace", prefetch=True, prefetch_budget_bytes="3MiB")
+    hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}") for i in range(8)]  # all resident
+    for _ in range(2):
+        for h in hs:
+            s.get(h)
+        s.step()
+    s.get(hs[0])  # the scan passes p1..p5 (resident) within its 3 MiB reach
+    meta = s._objects[hs[3].id]
+    with s._cv:
+        meta.moving = True
+    s._demote(meta)
+    assert "host" not in s.info(hs[3])["residency"]
+    s.get(hs[1])
+    assert s.wait_prefetch(10)
+    assert "host" in s.info(hs[3])["residency"]
+    before = s.stat()["prefetch"]
+    s.get(hs[2])
+    s.get(hs[3])
+    after = s.stat()["prefetch"]
+    assert after["hits"] - before["hits"] == 2 and after["misses"] == before["misses"]
+
+
 def test_changed_loop_order_is_relearned(make_store):
     s, hs = _cyclic_store(make_store, "trace", True)
     order = list(enumerate(hs))
@@ -226,8 +278,14 @@ def test_candidate_walk_follows_the_eviction_order():
             for oid in seq[:rng.randrange(len(seq))]:
                 t.record(oid)  # move the cursor somewhere mid-step
         protected = {o: ("c", 1) for o in rng.sample(range(170), 8)}
-        sized = case % 2 == 0
-        pol = TracePolicy(book, protected, (lambda o: 1 + o % 5) if sized else None, 40)
+        def reach(t, budget=40):  # the prefetcher's rule, for objects of 1 + oid % 5 bytes
+            total = 0
+            for i in range(min(64, len(t.learned))):
+                total += 1 + t.learned[(t.cursor + 1 + i) % len(t.learned)] % 5
+                if total > budget:
+                    return max(i, 1)
+            return min(64, len(t.learned))
+        pol = TracePolicy(book, protected, reach if case % 2 == 0 else None)
         resident = rng.sample(range(170), 90)  # some traced, some never used by a trace
         for oid in resident:
             pol.insert(oid)

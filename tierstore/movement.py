@@ -99,6 +99,7 @@ class Movement:
                     self._log_drop(meta)
                     self.host.free(meta.host_off, meta.nbytes)
                 meta.host_off, meta.host_valid = None, False
+                self.prefetcher.demoted(meta.id)
                 self.counters["demotions"] += 1
                 self.counters["demoted_bytes"] += meta.nbytes
         finally:

@@ -88,12 +88,11 @@ class TracePolicy(LRUPolicy):
     name = "trace"
 
     def __init__(self, book: TraceBook, protected: dict[int, object] | None = None,
-                 size_of: Callable[[int], int] | None = None, reach_bytes: int = 0) -> None:
+                 reach: Callable[[Trace], int] | None = None) -> None:
         super().__init__(protected)
         self.book = book
-        self.size_of = size_of
-        """Bytes of an object (None: the reach is ``HORIZON`` accesses)."""
-        self.reach_bytes = reach_bytes
+        self.reach = reach
+        """Accesses ahead of a trace's cursor the prefetcher fetches (None: ``HORIZON``)."""
         self._version = -1
         self._traces: list[Trace] = []
         self._where: dict[int, list[int]] = {}
@@ -159,18 +158,8 @@ class TracePolicy(LRUPolicy):
 
     # ------------------------------------------------------------------ ranking
     def horizon(self, trace: Trace) -> int:
-        """Accesses ahead the prefetcher can reach: within ``HORIZON`` and, with sizes, the
-        next accesses whose bytes fit in ``reach_bytes`` (at least the next one)."""
-        seq, n = trace.learned, len(trace.learned)
-        limit = min(HORIZON, n)
-        if self.size_of is None:
-            return limit
-        total = 0
-        for i in range(limit):
-            total += self.size_of(seq[(trace.cursor + 1 + i) % n])
-            if total > self.reach_bytes:
-                return max(i, 1)
-        return limit
+        """Accesses ahead that the prefetcher reaches (``Prefetcher.reach``)."""
+        return self.reach(trace) if self.reach is not None else min(HORIZON, len(trace.learned))
 
     def candidates(self) -> Iterator[int]:
         self._sync()
@@ -208,15 +197,27 @@ class TracePolicy(LRUPolicy):
         heapq.heapify(heap)
         while heap:
             _, i, k = heapq.heappop(heap)
-            lst = self._resident_at[i]
+            lst, t = self._resident_at[i], traces[i]
             if k >= len(lst):
                 continue
-            oid = traces[i].learned[lst[k]]
+            n, cur, p = len(t.learned), t.cursor, lst[k]
+            if (p - cur - 1) % n < horizons[i]:
+                # inside this trace's reach, and so is every position from there down to the
+                # cursor (or to 0, where the reach wraps): skip them all at once
+                if p > cur:
+                    k = bisect.bisect_right(lst, cur, 0, k)
+                    if k:
+                        heapq.heappush(heap, (-lst[k - 1] / n, i, k - 1))
+                continue
             if k:
-                heapq.heappush(heap, (-lst[k - 1] / len(traces[i].learned), i, k - 1))
-            if oid not in seen and oid in self._order and nearest(oid) is None:
-                seen.add(oid)
-                yield oid
+                heapq.heappush(heap, (-lst[k - 1] / n, i, k - 1))
+            oid = t.learned[p]
+            if oid in seen or oid not in self._order:
+                continue
+            if (len(where[oid]) > 1 or len(t.positions[oid]) > 1) and nearest(oid) is not None:
+                continue  # used elsewhere too, within some reach
+            seen.add(oid)
+            yield oid
         # within some reach: furthest next use first
         near: dict[int, int] = {}
         for i, t in enumerate(traces):
@@ -253,9 +254,9 @@ class TracePolicy(LRUPolicy):
 
 
 def make_policy(name: str, book: TraceBook, protected: dict[int, object],
-                size_of: Callable[[int], int] | None = None, reach_bytes: int = 0) -> EvictionPolicy:
+                reach: Callable[[Trace], int] | None = None) -> EvictionPolicy:
     if name == "lru":
         return LRUPolicy(protected)
     if name == "trace":
-        return TracePolicy(book, protected, size_of, reach_bytes)
+        return TracePolicy(book, protected, reach)
     raise ValueError(f"unknown policy {name!r}")

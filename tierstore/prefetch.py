@@ -8,18 +8,21 @@ reads run at prefetch priority so demand reads overtake them on the I/O engine.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable
 
-from .trace import HORIZON, TraceBook
+from .trace import HORIZON, Trace, TraceBook
 
 if TYPE_CHECKING:
     from .config import Config
     from .store import Store
 
 __all__ = ["Prefetcher"]
+
+_DONE, _AGAIN, _FULL = object(), object(), object()
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,10 @@ class Prefetcher:
              "dropped"), 0)
         self.counters["stall_s"] = self.counters["late_wait_s"] = 0.0
         self._q: queue.Queue = queue.Queue()
+        self._scanned: dict[int, tuple[Trace, int, int]] = {}
+        """Per trace: (trace, version, ticks of the last access the scan has passed)."""
+        self._sums: dict[int, tuple[Trace, int, list[int]]] = {}
+        """Per trace: (trace, version, running byte sums over two rounds of its order)."""
         self._workers = [threading.Thread(target=self._run, name=f"tierstore-prefetch-{i}", daemon=True)
                          for i in range(self.max_inflight)]
         for w in self._workers:
@@ -59,8 +66,8 @@ class Prefetcher:
             self.protected_bytes -= used[1]
         trace = self.book.get(owner, stream)
         trace.record(oid)
-        if self.enabled:
-            self._schedule(owner, self._reach(trace.upcoming(HORIZON)))
+        if self.enabled and trace.state == "learned":
+            self._advance(owner, trace)
 
     def hint(self, owner: Any, oids: list[int]) -> int:
         """Explicit prefetch() hints: the same queue and budget as predictions."""
@@ -72,6 +79,10 @@ class Prefetcher:
     def drop_owner(self, owner: Any) -> None:
         """A client went away: forget its traces, queued fetches and protections."""
         self.book.drop(owner)
+        live = {id(t) for t in self.book.traces.values()}
+        for cache in (self._scanned, self._sums):
+            for k in [k for k in cache if k not in live]:
+                del cache[k]
         for oid, (o, n) in list(self.queued.items()):
             if o is owner:
                 del self.queued[oid]  # the worker sees it gone and skips it
@@ -88,19 +99,78 @@ class Prefetcher:
             self.protected_bytes -= p[1]
             self.counters["wasted_bytes"] += p[1]
 
-    def _reach(self, upcoming: Iterable[int]) -> Iterator[int]:
-        """The next accesses whose bytes, resident or not, fit in the budget (at least one).
+    def reach(self, trace: Trace) -> int:
+        """How many accesses ahead of ``trace``'s cursor the prefetcher fetches: the next
+        ones whose bytes, resident or not, fit in the budget (at least one, at most
+        ``HORIZON``). Fetching further ahead would only make room by evicting objects
+        needed sooner than the ones fetched; the eviction policy uses the same reach.
+        O(log n): a binary search in the trace's running byte sums."""
+        n = len(trace.learned)
+        if n == 0:
+            return 0
+        sums = self._sums.get(id(trace))
+        if sums is None or sums[0] is not trace or sums[1] != trace.version:
+            objects, acc, run = self.store._objects, 0, [0]
+            for j in range(2 * n):
+                meta = objects.get(trace.learned[j % n])
+                acc += meta.nbytes if meta is not None else 0
+                run.append(acc)
+            sums = self._sums[id(trace)] = (trace, trace.version, run)
+        run, s = sums[2], trace.cursor + 1
+        limit = min(HORIZON, n)
+        k = bisect.bisect_right(run, run[s] + (self.budget_bytes if self.enabled else 0), s, s + limit + 1) - 1 - s
+        return max(1, k)
 
-        Fetching further ahead than the budget's worth of accesses would only make room
-        by evicting objects needed sooner than the ones fetched; the eviction policy uses
-        the same reach (``TracePolicy.horizon``)."""
-        objects, total = self.store._objects, 0
-        for i, oid in enumerate(upcoming):
-            meta = objects.get(oid)
-            total += meta.nbytes if meta is not None else 0
-            if total > self.budget_bytes and i:
-                return
-            yield oid
+    def _advance(self, owner: Any, trace: Trace) -> None:
+        """Queue what the trace predicts within reach, looking only at accesses not seen by
+        an earlier call (amortized O(1) per access): an access is passed once its object
+        is resident or queued; the scan stops at the first one the budget or the in-flight
+        limit holds back, and restarts at an object being moved down."""
+        seq, n = trace.learned, len(trace.learned)
+        end = trace.ticks + self.reach(trace)
+        start = trace.ticks + 1
+        st = self._scanned.get(id(trace))
+        if st is not None and st[0] is trace and st[1] == trace.version and st[2] >= start:
+            start = st[2] + 1
+        pending = None
+        a = start
+        while a <= end:
+            got = self._offer(owner, seq[a % n])
+            if got is _FULL:
+                break
+            if got is _AGAIN and pending is None:
+                pending = a
+            a += 1
+        self._scanned[id(trace)] = (trace, trace.version, a - 1 if pending is None else pending - 1)
+
+    def demoted(self, oid: int) -> None:
+        """``oid`` left the host tier: a scan that passed it as resident must see it again."""
+        for trace, version, done in list(self._scanned.values()):
+            d = trace.distance(oid) if trace.version == version else None
+            if d is not None and trace.ticks + 1 + d <= done:
+                self._scanned[id(trace)] = (trace, version, trace.ticks + d)
+
+    def _offer(self, owner: Any, oid: int) -> object:
+        """Queue ``oid`` if it needs fetching: _DONE (queued, or nothing to do), _AGAIN (being
+        moved down: look again later) or _FULL (budget or in-flight limit reached)."""
+        meta = self.store._objects.get(oid)
+        if meta is None or meta.freeing or oid in self.queued or meta.gpu_loc is not None:
+            return _DONE
+        if meta.moving:
+            return _AGAIN if meta.host_valid else _DONE  # a demotion, or someone else's promotion
+        if meta.host_valid:
+            return _DONE
+        if len(self.queued) >= self.max_inflight or \
+                self.queued_bytes + self.protected_bytes + meta.nbytes > self.budget_bytes:
+            return _FULL
+        self._queue(owner, oid, meta.nbytes)
+        return _DONE
+
+    def _queue(self, owner: Any, oid: int, nbytes: int) -> None:
+        self.queued[oid] = (owner, nbytes)
+        self.queued_bytes += nbytes
+        self.counters["issued"] += 1
+        self._q.put(oid)
 
     def _schedule(self, owner: Any, oids: Iterable[int]) -> int:
         n = 0
@@ -114,10 +184,7 @@ class Prefetcher:
                 break
             if self.queued_bytes + self.protected_bytes + meta.nbytes > self.budget_bytes:
                 break
-            self.queued[oid] = (owner, meta.nbytes)
-            self.queued_bytes += meta.nbytes
-            self.counters["issued"] += 1
-            self._q.put(oid)
+            self._queue(owner, oid, meta.nbytes)
             n += 1
         return n
 

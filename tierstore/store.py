@@ -165,10 +165,8 @@ class Store(Leasing, Movement, Recovery):
             self.engine.close()
             raise
         self.prefetcher = Prefetcher(self, cfg)
-        objects = self._objects
         self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected,
-                                  lambda oid: objects[oid].nbytes if oid in objects else 0,
-                                  cfg.prefetch_budget_bytes if cfg.prefetch else 0)
+                                  self.prefetcher.reach)
         self.journal = Journal(cfg.nvme_dirs[0])
         self._hostlog_on = False
         self.replay_info = self._replay()

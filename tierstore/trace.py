@@ -63,12 +63,14 @@ class Trace:
     relearned: int = 0
     version: int = 0
     """Bumped whenever ``learned`` (and so ``positions``) changes."""
+    ticks: int = 0
+    """Positions the cursor has moved forward in total (a clock along the repeating order)."""
 
     def record(self, oid: int) -> None:
         if len(self.current) < _MAX_STEP_ACCESSES:
             self.current.append(oid)
         if self.state == "learned":
-            self.cursor = self._locate(oid)
+            self._move(self._locate(oid))
 
     def step(self) -> None:
         """Close the current step and decide whether the order repeats.
@@ -95,7 +97,12 @@ class Trace:
             if was == "learned":
                 self.relearned += 1
         self.before, self.previous = self.previous, cur
-        self.cursor = len(self.learned) - 1 if self.learned else 0
+        self._move(len(self.learned) - 1 if self.learned else 0)
+
+    def _move(self, cursor: int) -> None:
+        if self.learned:
+            self.ticks += (cursor - self.cursor) % len(self.learned)
+        self.cursor = cursor
 
     def _learn(self, seq: list[int]) -> None:
         self.state = "learned"
