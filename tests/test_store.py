@@ -293,3 +293,36 @@ def test_write_only_checkout_skips_the_read(make_store):
     assert torch.equal(s.get(h), torch.full((300_000,), 5.0))
     with pytest.raises(InvalidArgument, match="'r', 'rw' or 'w'"):
         s.checkout(h, "x")
+
+
+@pytest.mark.parametrize("tier,durable", [("nvme", False), (None, True)])
+def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durable):
+    """A connection that goes away while its put is being committed (the daemon then
+    aborts what the client left open) must not pull the host block and the NVMe copy
+    from under the commit: the object is published whole, never without its bytes."""
+    import threading
+
+    from tierstore.tensors import to_bytes
+
+    s = make_store(host_bytes="16MiB")
+    t = torch.arange(1 << 18, dtype=torch.float32)
+    u8, spec = to_bytes(t)
+    res = s.reserve_put(spec, key="k", tier=tier, durable=durable, replace=False, namespace="default", owner="c1")
+    s.arena.view(res.host_off, spec.nbytes)[:] = u8
+    written, go = threading.Event(), threading.Event()
+    real = s._write_down
+
+    def slow_write_down(meta, *, sync):
+        real(meta, sync=sync)
+        written.set()
+        go.wait(10)
+    s._write_down = slow_write_down
+    out = {}
+    committer = threading.Thread(target=lambda: out.setdefault("h", s.commit_put(res.rid, owner="c1")))
+    committer.start()
+    assert written.wait(10)
+    s.release_owner("c1")  # the client's connection closed while its commit was under way
+    go.set()
+    committer.join(10)
+    assert torch.equal(s.get(out["h"]), t) and torch.equal(s.get(s.lookup("k")), t)
+    assert s.stat()["reservations"] == 0

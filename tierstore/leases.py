@@ -39,6 +39,8 @@ class Reservation:
     tier: str | None
     replace: bool
     gpu_loc: int | None = None
+    committing: bool = False
+    """A commit is under way: only it may still abort the reservation."""
 
 
 @dataclass(slots=True)
@@ -117,12 +119,18 @@ class Leasing:
             if res is None or res.owner != owner:
                 raise NotFound(f"no open reservation {rid} for this connection")
             meta = res.meta
+            if res.committing:
+                raise InvalidArgument(f"reservation {rid} is already being committed")
             if nowait and (meta.durable or res.tier == "nvme"):
                 raise WouldBlock()
             meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
+            # from here the commit owns the reservation: a client that dies now (its
+            # connection's cleanup aborts what it left open) cannot pull the block and the
+            # extents from under the write-down and publish an object without its bytes
+            res.committing = True
         if nowait and not self.journal.lock.acquire(blocking=False):
             with self._cv:
-                meta.moving = False
+                meta.moving = res.committing = False
             raise WouldBlock()  # a durable op is syncing the journal; do not wait on the event loop
         try:
             if meta.durable or res.tier == "nvme":
@@ -152,7 +160,7 @@ class Leasing:
                     meta.moving = False
                     self._cv.notify_all()
         except BaseException:
-            self.abort_put(rid, owner=owner)
+            self.abort_put(rid, owner=owner, committing=True)
             raise
         finally:
             if nowait:
@@ -237,10 +245,12 @@ class Leasing:
             self._unpin(meta)
         return meta.spec
 
-    def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
+    def abort_put(self, rid: int, *, owner: Any = LOCAL, committing: bool = False) -> None:
+        """Drop an open reservation (a commit under way is left to finish, unless it is the
+        commit itself that gives up: ``committing=True``)."""
         with self._cv:
             res = self._reservations.get(rid)
-            if res is None or res.owner != owner:
+            if res is None or res.owner != owner or res.committing != committing:
                 return
             del self._reservations[rid]
             meta = res.meta
