@@ -326,3 +326,28 @@ def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durab
     committer.join(10)
     assert torch.equal(s.get(out["h"]), t) and torch.equal(s.get(s.lookup("k")), t)
     assert s.stat()["reservations"] == 0
+
+
+def test_a_get_racing_a_checkout_keeps_one_host_copy(make_store):
+    """A get that found the object on NVMe, while a check-out brings it up before the get
+    promotes it too, reads the copy now there instead of leaking a second host block."""
+    import threading
+
+    s = make_store(host_bytes="16MiB", promote_on_get=True)
+    t = torch.arange(1 << 18, dtype=torch.float32)
+    h = s.put(t, tier="nvme")
+    s._objects[h.id].home = None  # an object the host tier may keep after use
+    real = s._host_has_room
+    leases = []
+
+    def checkout_first(n):  # runs between the get's two looks at the object
+        th = threading.Thread(target=lambda: leases.append(s.checkout(h, "r")))
+        th.start()
+        th.join(10)
+        return real(n)
+    s._host_has_room = checkout_first
+    assert torch.equal(s.get(h), t)
+    s._host_has_room = real
+    assert len(leases) == 1 and torch.equal(leases[0].tensor, t)
+    assert s.host.used_bytes == s.host.rounded(t.numel() * 4)  # one host copy, not two
+    leases[0].release()

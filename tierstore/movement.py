@@ -178,9 +178,14 @@ class Movement:
         self.counters["nvme_reads"] += 1
         if self.config.promote_on_get and meta.home != "nvme" and self._host_has_room(n):
             with self._cv:
-                off = self.host.alloc(n) if not meta.moving else None
+                # a check-out may have brought it up since (pins keep it there once it is)
+                host_off = meta.host_off if meta.host_valid else None
+                off = self.host.alloc(n) if host_off is None and not meta.moving else None
                 if off is not None:
                     meta.moving = True
+            if host_off is not None:
+                dst[:] = self.arena.view(host_off, n)
+                return False
             if off is not None:
                 try:
                     self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
