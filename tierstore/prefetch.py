@@ -26,6 +26,7 @@ _DONE, _AGAIN, _FULL = object(), object(), object()
 
 log = logging.getLogger(__name__)
 
+
 class Prefetcher:
     def __init__(self, store: "Store", config: "Config") -> None:
         self.store = store
