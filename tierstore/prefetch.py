@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Prefetcher"]
 
-_DONE, _AGAIN, _FULL = object(), object(), object()
+_DONE, _QUEUED, _AGAIN, _FULL = object(), object(), object(), object()
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Prefetcher:
                 self._scanned[id(trace)] = (trace, version, trace.ticks + d)
 
     def _offer(self, owner: Any, oid: int) -> object:
-        """Queue ``oid`` if it needs fetching: _DONE (queued, or nothing to do), _AGAIN (being
+        """Queue ``oid`` if it needs fetching: _QUEUED, _DONE (nothing to do), _AGAIN (being
         moved down: look again later) or _FULL (budget or in-flight limit reached)."""
         meta = self.store._objects.get(oid)
         if meta is None or meta.freeing or oid in self.queued or meta.gpu_loc is not None:
@@ -165,7 +165,7 @@ class Prefetcher:
                 self.queued_bytes + self.protected_bytes + meta.nbytes > self.budget_bytes:
             return _FULL
         self._queue(owner, oid, meta.nbytes)
-        return _DONE
+        return _QUEUED
 
     def _queue(self, owner: Any, oid: int, nbytes: int) -> None:
         self.queued[oid] = (owner, nbytes)
@@ -174,19 +174,14 @@ class Prefetcher:
         self._q.put(oid)
 
     def _schedule(self, owner: Any, oids: Iterable[int]) -> int:
+        """Queue what of ``oids`` needs fetching, in order, until the budget or the in-flight
+        limit is reached; returns how many were queued."""
         n = 0
-        objects = self.store._objects
         for oid in oids:
-            meta = objects.get(oid)
-            if (meta is None or meta.host_valid or meta.moving or meta.freeing or oid in self.queued
-                    or meta.gpu_loc is not None):
-                continue
-            if len(self.queued) >= self.max_inflight:
+            got = self._offer(owner, oid)
+            if got is _FULL:
                 break
-            if self.queued_bytes + self.protected_bytes + meta.nbytes > self.budget_bytes:
-                break
-            self._queue(owner, oid, meta.nbytes)
-            n += 1
+            n += got is _QUEUED
         return n
 
     def done(self, oid: int, owner: Any, nbytes: int, fetched: bool) -> None:
