@@ -203,6 +203,37 @@ def test_durable_objects_survive_reopen_and_frees_stick(make_store, nvme_dir):
     assert s2.stat()["tiers"]["nvme"]["used_bytes"] == sum(((t.nbytes + 4095) // 4096) * 4096 for t in keep.values())
 
 
+@pytest.mark.parametrize("mode", ["r", "rw"])
+def test_an_object_replaced_while_checked_out_goes_at_its_last_check_in(make_store, mode):
+    s = make_store(lease_wait_s=30.0)
+    base = s.stat()["tiers"]["host"]["used_bytes"]
+    h1 = s.put(torch.ones(1 << 18), key="k")
+    lease = s.checkout(h1, mode)
+    h2 = s.put(torch.zeros(1 << 18), key="k", replace=True)  # returns at once, the old one is still out
+    assert s.lookup("k") == h2 and s.stat()["tiers"]["host"]["objects"] == 2
+    if mode == "rw":
+        lease.tensor.fill_(5.0)  # discarded with the object
+    lease.release()
+    st = s.stat()
+    assert st["tiers"]["host"]["objects"] == 1 and st["tiers"]["host"]["used_bytes"] == base + (1 << 20)
+    with pytest.raises(StaleHandle):
+        s.get(h1)
+    assert torch.equal(s.get(s.lookup("k")), torch.zeros(1 << 18))
+
+
+def test_a_durable_object_replaced_under_a_writer_is_not_resurrected(make_store):
+    s = make_store()
+    h1 = s.put(torch.ones(1000), key="k", durable=True)
+    lease = s.checkout(h1, "rw")
+    s.put(torch.zeros(1000), key="k", durable=True, replace=True)
+    lease.tensor.fill_(9.0)
+    lease.release()  # the replaced object's bytes are not written back over the new one's record
+    s.close()
+    s2 = make_store()
+    assert s2.keys() == ["k"] and torch.equal(s2.get(s2.lookup("k")), torch.zeros(1000))
+    assert s2.stat()["tiers"]["nvme"]["objects"] == 1
+
+
 def test_second_store_on_same_dir_is_refused(make_store):
     make_store()
     with pytest.raises(InvalidArgument, match="in use by pid"):

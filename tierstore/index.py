@@ -80,6 +80,8 @@ class ObjectMeta:
     moving: bool = False
     """A tier move (promotion/demotion/write-back) is in flight."""
     freeing: bool = False
+    dropped: bool = False
+    """``_drop`` has run (or is running): it runs once."""
     home: str | None = None
     """``"nvme"``: the object lives on NVMe and goes back down after each use (put with tier="nvme")."""
     prefetching: bool = False

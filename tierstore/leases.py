@@ -333,49 +333,60 @@ class Leasing:
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
             meta = self._objects.get(info.oid)
-            if nowait and info.mode == "rw" and meta is not None and meta.durable:
-                raise WouldBlock()
+            if nowait and info.mode != "r" and meta is not None and meta.durable:
+                raise WouldBlock()  # the write-back below syncs: not on the event loop
             del self._leases[lid]
             if meta is None:
                 return
+            written = False  # a check-in of new bytes: they become the object's (below)
             if info.mode == "r":
                 meta.readers -= 1
                 self._spill_if_home_nvme(meta)
                 self._cv.notify_all()
-                return
-            meta.version += 1
-            meta.nvme_valid = False
-            stale = meta.nvme
-            meta.nvme, meta.crcs = None, None
-            if meta.durable:
-                meta.moving = True  # write-back below; holds off other movers, keeps the writer flag
-            else:
+                drop = self._drop_if_released(meta)
+            elif meta.freeing:
+                # replaced while checked out: what was written is discarded with the object
                 meta.writer = False
                 self._cv.notify_all()
-        if not meta.durable:
+                drop = self._drop_if_released(meta)
+            else:
+                meta.version += 1
+                meta.nvme_valid = False
+                stale = meta.nvme
+                meta.nvme, meta.crcs = None, None
+                if meta.durable:
+                    meta.moving = True  # write-back below; holds off other movers, keeps the writer flag
+                else:
+                    meta.writer = False
+                    self._cv.notify_all()
+                drop, written = False, True
+        if written:
+            if meta.durable:
+                try:
+                    # durable: the new bytes reach NVMe and the journal before the check-in returns
+                    self._write_down(meta, sync=True)
+                    with self.journal.lock:
+                        self._journal_put(meta)
+                finally:
+                    with self._cv:
+                        meta.moving = False
+                        meta.writer = False
+                        self._cv.notify_all()
             if stale:
-                self.nvme.free(stale)
+                self.nvme.free(stale)  # (durable) only after the journal names the new copy
             with self._cv:
                 self._spill_if_home_nvme(meta)
-            return
-        try:
-            # durable: the new bytes reach NVMe and the journal before the check-in returns
-            self._write_down(meta, sync=True)
-            with self.journal.lock:
-                self._journal_put(meta)
-        finally:
-            with self._cv:
-                meta.moving = False
-                meta.writer = False
-                self._cv.notify_all()
-        if stale:
-            self.nvme.free(stale)  # only after the journal names the new copy
-        with self._cv:
-            self._spill_if_home_nvme(meta)
+        if drop:
+            # a replaced object's last check-out ended: it goes now (a durable one journals
+            # its free, which syncs: off the event loop)
+            if nowait and meta.durable:
+                self._pool.submit(self._drop, meta)
+            else:
+                self._drop(meta)
 
     def _spill_if_home_nvme(self, meta: ObjectMeta) -> None:
         """(under _cv) An object that lives on NVMe goes back down once nobody uses it."""
-        if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid:
+        if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid and not meta.freeing:
             self._spill.append(meta.id)
             self._demoter_wake.set()
 

@@ -506,12 +506,16 @@ class Store(Leasing, Movement, Recovery):
 
     def _drop_replaced(self, old: ObjectMeta) -> None:
         with self._cv:
-            while old.pins or old.moving or old.readers or old.writer:
-                # a replaced object may still be leased; it goes when its leases end
-                if not self._cv.wait(timeout=self.config.lease_wait_s):
-                    log.warning("replaced object %s still leased; freed when released", old.handle)
-                    return
+            while old.pins or old.moving:  # a copy or a move in flight: short
+                self._cv.wait()
+            if old.readers or old.writer:
+                return  # still checked out: its last check-in drops it (``_drop_if_released``)
         self._drop(old)
+
+    def _drop_if_released(self, meta: ObjectMeta) -> bool:
+        """(under _cv) Whether a replaced (``freeing``) object nobody holds any more is to be dropped now."""
+        return (meta.freeing and not meta.dropped and not (meta.readers or meta.writer or meta.pins or meta.moving)
+                and self._objects.get(meta.id) is meta)
 
     def _wait_free_to_go(self, meta: ObjectMeta) -> None:
         if meta.readers or meta.writer:
@@ -523,6 +527,10 @@ class Store(Leasing, Movement, Recovery):
 
     def _drop(self, meta: ObjectMeta) -> None:
         """Remove a ``freeing`` object: journal first (a returned free is never undone)."""
+        with self._cv:
+            if meta.dropped:
+                return
+            meta.dropped = True
         if meta.durable:
             with self.journal.lock:
                 self.journal.append({"op": "free", "id": meta.id})
@@ -567,6 +575,9 @@ class Store(Leasing, Movement, Recovery):
         with self._cv:
             meta.pins -= 1
             self._cv.notify_all()
+            drop = self._drop_if_released(meta)
+        if drop:
+            self._drop(meta)
 
     def _lease_ok(self, meta: ObjectMeta, mode: str) -> bool:
         if mode == "r":
