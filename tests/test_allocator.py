@@ -72,3 +72,31 @@ def test_random_workload_matches_model():
         for (o1, n1), (o2, _) in zip(spans, spans[1:]):
             assert o1 + n1 <= o2
         assert a.used_bytes == sum(a.rounded(n) for n in live.values())
+
+
+def test_small_blocks_from_the_top_keep_big_holes_whole():
+    cap = 64 * 4096
+    for small_bytes, expect_whole in ((0, False), (8 * 4096, True)):
+        a = ExtentAllocator(cap, small_bytes=small_bytes)
+        big, small = [], []
+        for _ in range(6):  # interleaved: 8-page objects and 1-page scalars
+            big.append(a.alloc(8 * 4096))
+            small.append(a.alloc(100))
+        for o in big:
+            a.free(o, 8 * 4096)
+        # the big objects went: with small blocks kept at the top, their space is one hole
+        assert (a.largest_free >= 48 * 4096) is expect_whole
+        assert a.free_bytes == cap - 6 * 4096
+        assert all(o >= cap - 6 * 4096 for o in small) is expect_whole
+        for o in small:
+            a.free(o, 100)
+        assert a.free_extents() == [(0, cap)]
+
+
+def test_small_blocks_fall_back_to_any_hole_that_fits():
+    a = ExtentAllocator(16 * 4096, small_bytes=8 * 4096)
+    big = a.alloc(12 * 4096)
+    tops = [a.alloc(4096) for _ in range(4)]
+    assert tops == [15 * 4096, 14 * 4096, 13 * 4096, 12 * 4096] and a.alloc(1) is None
+    a.free(big, 12 * 4096)
+    assert a.alloc(3 * 4096) == 9 * 4096  # topmost hole that fits, carved from its end

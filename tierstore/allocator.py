@@ -22,10 +22,13 @@ class ExtentAllocator:
     as soon as neighbours are freed.
     """
 
-    def __init__(self, capacity: int, *, align: int = PAGE) -> None:
-        if capacity < 0 or align <= 0:
-            raise ValueError("capacity must be >= 0 and align > 0")
+    def __init__(self, capacity: int, *, align: int = PAGE, small_bytes: int = 0) -> None:
+        if capacity < 0 or align <= 0 or small_bytes < 0:
+            raise ValueError("capacity must be >= 0, align > 0 and small_bytes >= 0")
         self.align = align
+        self.small_bytes = small_bytes
+        """Allocations below this size are taken from the top of the range, larger ones
+        best-fit from the bottom: small objects do not split the holes big ones leave."""
         self.capacity = capacity // align * align
         self._starts: list[int] = []
         self._size_at: dict[int, int] = {}
@@ -54,6 +57,16 @@ class ExtentAllocator:
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new extent of ``rounded(nbytes)`` bytes, or None if none fits."""
         size = self.rounded(nbytes)
+        if size < self.small_bytes:
+            for start in reversed(self._starts):  # the topmost free extent that fits
+                fsize = self._size_at[start]
+                if fsize >= size:
+                    self._remove_free(start)
+                    if fsize > size:
+                        self._add_free(start, fsize - size)
+                    self.used_bytes += size
+                    return start + fsize - size
+            return None
         i = bisect.bisect_left(self._by_size, (size, -1))
         if i == len(self._by_size):
             return None

@@ -53,6 +53,9 @@ __all__ = ["Store", "Lease", "Reservation", "LeaseInfo", "WouldBlock"]
 
 log = logging.getLogger(__name__)
 
+SMALL_BLOCK_BYTES = 1 << 20
+"""Host blocks below this size are placed apart from larger ones (less fragmentation)."""
+
 _TIERS = (None, "host", "nvme", "gpu")
 _LOCAL = LOCAL
 
@@ -147,7 +150,8 @@ class Store(Leasing, Movement, Recovery):
             adopt = "arena" in inherited and "index" in inherited
             self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None)
             self.hostlog = HostIndexLog(inherited["index"] if adopt else None)
-            self.host = ExtentAllocator(self.arena.size)
+            # small blocks (staging areas, scalars, biases) from the top, big ones from the bottom
+            self.host = ExtentAllocator(self.arena.size, small_bytes=SMALL_BLOCK_BYTES)
             self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
                                  chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes)
             self.gpu_reason = "gpu_bytes is 0: no GPU tier"
