@@ -53,9 +53,10 @@ class ClientLease:
 
     def release(self) -> None:
         """Check the object back in. Read leases and leases on volatile objects are
-        released without waiting for the reply (the daemon serves a connection's requests
-        in order, so the next request already sees the object checked in); a durable
-        object's ``rw`` check-in waits until its bytes are on NVMe."""
+        released without waiting for the reply: the daemon handles such a check-in on
+        its event loop as it arrives, so the connection's next request already sees the
+        object checked in. A durable object's write check-in waits until its bytes are
+        on NVMe."""
         if self._lid is not None:
             lid, self._lid = self._lid, None
             self.tensor = None

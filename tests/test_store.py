@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from tierstore.leases import WouldBlock
 from tierstore import (Busy, CapacityExceeded, ChecksumMismatch, Handle, InvalidArgument, KeyExists, NotFound,
                        StaleHandle)
 
@@ -232,6 +233,22 @@ def test_a_durable_object_replaced_under_a_writer_is_not_resurrected(make_store)
     s2 = make_store()
     assert s2.keys() == ["k"] and torch.equal(s2.get(s2.lookup("k")), torch.zeros(1000))
     assert s2.stat()["tiers"]["nvme"]["objects"] == 1
+
+
+def test_unanswered_check_ins_never_leave_the_event_loop(make_store):
+    """The client sends these check-ins without waiting: the daemon must handle them on
+    arrival (nowait), or a later request of the same connection could overtake them."""
+    s = make_store()
+    for tier, durable, mode in [(None, False, "r"), (None, False, "rw"), ("nvme", False, "w"), (None, True, "r")]:
+        h = s.put(torch.ones(1 << 16), tier=tier, durable=durable)
+        info = s.acquire(h, mode, owner="conn")
+        s.release(info.lid, owner="conn", nowait=True)  # WouldBlock would fail here
+        assert s.stat()["leases"] == 0
+    h = s.put(torch.ones(10), durable=True)
+    info = s.acquire(h, "w", owner="conn")
+    with pytest.raises(WouldBlock):  # a durable write-back syncs: the client waits for it
+        s.release(info.lid, owner="conn", nowait=True)
+    s.release(info.lid, owner="conn")
 
 
 def test_second_store_on_same_dir_is_refused(make_store):
