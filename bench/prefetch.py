@@ -11,6 +11,10 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
   lru            LRU eviction, no prefetch
   lru+prefetch   LRU eviction, trace-driven prefetch
   trace+prefetch Belady eviction on the learned trace, trace-driven prefetch
+  floor+raw I/O  the floor again while a thread moves the bytes trace+prefetch moved per
+                 step with plain O_DIRECT reads and writes (no tierstore), spread evenly
+                 over the step: what that much disk traffic alone costs the compute on
+                 this machine, the best any store could do at that host fraction
 
 Reported per variant: steady-state hit rate, stall fraction, NVMe bytes read and
 written per step and the disk time they take over the step's compute time (the
@@ -20,7 +24,7 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -34,6 +38,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -88,6 +93,50 @@ def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
         os.close(fd)
         os.unlink(path)
         m.close()
+
+
+class RawIO(threading.Thread):
+    """O_DIRECT reads and writes of 4 MiB at ``read_bps`` / ``write_bps`` bytes per second,
+    evenly paced, over a 128 MiB file in ``directory``, until ``stop()``."""
+
+    CHUNK = 4 << 20
+    FILE = 128 << 20
+
+    def __init__(self, directory: str, read_bps: float, write_bps: float) -> None:
+        super().__init__(daemon=True)
+        self.read_bps, self.write_bps = read_bps, write_bps
+        self.path = os.path.join(directory, "rawio.bin")
+        self.buf = mmap.mmap(-1, self.CHUNK)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        for off in range(0, self.FILE, self.CHUNK):  # written, so reads reach the disk
+            os.pwritev(self.fd, [self.buf], off)
+        os.fsync(self.fd)
+        self._halt = threading.Event()
+        self.moved = 0
+
+    def run(self) -> None:
+        t0, done_r, done_w, pos = time.perf_counter(), 0, 0, 0
+        while not self._halt.is_set():
+            el = time.perf_counter() - t0
+            behind_r, behind_w = self.read_bps * el - done_r, self.write_bps * el - done_w
+            if max(behind_r, behind_w) < self.CHUNK:
+                time.sleep(0.001)
+                continue
+            if behind_r >= behind_w:
+                os.preadv(self.fd, [self.buf], pos)
+                done_r += self.CHUNK
+            else:
+                os.pwritev(self.fd, [self.buf], pos)
+                done_w += self.CHUNK
+            pos = (pos + self.CHUNK) % self.FILE
+        self.moved = done_r + done_w
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+        os.close(self.fd)
+        os.unlink(self.path)
+        self.buf.close()
 
 
 class Compute:
@@ -208,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compute", default="matmul", choices=["matmul", "sleep"],
                    help="between accesses: a matmul on one core (default), or a sleep of the same length, "
                         "as when the compute runs on an accelerator and leaves the CPU to the I/O")
+    p.add_argument("--no-raw-io", dest="raw_io", action="store_false",
+                   help="skip the floor+raw I/O rows (the floor under the same disk traffic without tierstore)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -252,6 +303,24 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{format_size(r['read_bytes_per_step'])} / {format_size(r['written_bytes_per_step'])}",
                          f"{disk_s / compute_s:.2f}", f"{r['step_s']:.3f}", f"{local_floor:.3f}",
                          f"{r['step_vs_floor']:.2f}"])
+        if args.raw_io:
+            # the floor under the trace variant's disk traffic, moved without tierstore
+            rd, wr = r["read_bytes_per_step"], r["written_bytes_per_step"]
+            io = RawIO(base, rd / local_floor, wr / local_floor)
+            io.start()
+            try:
+                c = run_variant(layers, total, floor_host, "lru", False, **common)
+            finally:
+                io.stop()
+            floors.append(run_variant(layers, total, floor_host, "lru", False, **common))
+            local_floor = (floors[-2]["step_s"] + floors[-1]["step_s"]) / 2
+            c.update({"variant": "floor+raw I/O", "host_fraction": frac, "floor_s": local_floor,
+                      "step_vs_floor": c["step_s"] / local_floor, "raw_read_bytes_per_step": rd,
+                      "raw_written_bytes_per_step": wr})
+            results["variants"].append(c)
+            rows.append(["floor+raw I/O", f"{frac * 100:.0f}%", "-", "-", "-",
+                         f"{format_size(rd)} / {format_size(wr)} raw", f"{disk_s / compute_s:.2f}",
+                         f"{c['step_s']:.3f}", f"{local_floor:.3f}", f"{c['step_vs_floor']:.2f}"])
     results["floors_s"] = [f["step_s"] for f in floors]
     floor["step_s"] = float(np.median(results["floors_s"]))
     rows.insert(0, ["floor", "100%", "-", f"{floor['hit_rate'] * 100:.1f}%", f"{floor['stall_fraction'] * 100:.1f}%",
@@ -279,10 +348,11 @@ def plot(results: dict, path: str) -> None:
     if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in ("lru", "lru+prefetch", "trace+prefetch"):
+    for name in ("lru", "lru+prefetch", "trace+prefetch", "floor+raw I/O"):
         vs = [v for v in results["variants"] if v["variant"] == name]
         xs = [v["host_fraction"] * 100 for v in vs]
-        a1.plot(xs, [v["hit_rate"] * 100 for v in vs], marker="o", label=name)
+        if name != "floor+raw I/O":
+            a1.plot(xs, [v["hit_rate"] * 100 for v in vs], marker="o", label=name)
         a2.plot(xs, [v["step_vs_floor"] for v in vs], marker="o", label=name)
     a1.set_xlabel("host tier, % of working set")
     a1.set_ylabel("hit rate, %")

@@ -45,7 +45,9 @@ def test_prefetch_smoke(tmp_path, mode):
                str(png), cwd=tmp_path)
     assert out["bench"] == "prefetch" and out["mode"] == mode and out["floor"]["hit_rate"] == 1.0
     assert out["compute"] == compute
-    assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch"}
+    assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch", "floor+raw I/O"}
+    raw = [v for v in out["variants"] if v["variant"] == "floor+raw I/O"]
+    assert len(raw) == 3 and all(v["raw_read_bytes_per_step"] > 0 for v in raw)
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
 
 
