@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from tierstore.errors import NotFound, StaleHandle
+from tierstore.errors import CapacityExceeded, NotFound, StaleHandle
+from tierstore.units import format_size
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters"]
 
@@ -228,12 +229,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     target.grad = None
                 return
             views: dict[str, torch.Tensor] = {}
-            for name in layout:
-                with self._checkout_state(gi, pi, name, read, "r") as s:
-                    lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
-                    leases.append(lease)
-                    lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
-                views[name] = lease.tensor
+            try:
+                for name in layout:
+                    with self._checkout_state(gi, pi, name, read, "r") as s:
+                        lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
+                        leases.append(lease)
+                        lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
+                    views[name] = lease.tensor
+            except CapacityExceeded as e:
+                sizes = [int(self.store.info(self._lookup(gi, pi, n, write))["nbytes"]) for n in layout]
+                raise CapacityExceeded(
+                    f"{e}. Updating parameter {gi}.{pi} holds the new version of each of its {len(layout)} state "
+                    f"tensors and the old version of one at a time: the host tier needs at least about "
+                    f"{format_size(sum(sizes) + max(sizes))} free for it (plus the prefetch budget)") from None
             self._update(group, p, layout, views)
         finally:
             for lease in leases:

@@ -299,3 +299,14 @@ def test_state_keys_re_bound_behind_the_optimizer_are_found_again(make_store):
     _train(off, opt_o, sch_o, 5, start=3)
     for a, b in zip(plain.parameters(), off.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_host_tier_too_small_for_one_update_says_how_much_it_needs(make_store):
+    s = make_store(host_bytes="2MiB", lease_wait_s=0.2)
+    w = nn.Parameter(torch.randn(512, 512))  # 1 MiB per state tensor; an Adam update holds three
+    opt = offload_optimizer(torch.optim.Adam([w]), s, tier="nvme")
+    w.grad = torch.ones_like(w)
+    opt.step()  # the first step creates the state (no double hold yet)
+    with pytest.raises(Exception, match=r"host tier needs at least about 3\.0 MiB") as e:
+        opt.step()
+    assert type(e.value).__name__ == "CapacityExceeded"
