@@ -107,10 +107,19 @@ def from_bytes(u8: np.ndarray, spec: TensorSpec) -> Any:
             return np.empty(spec.shape, dtype=dt)
         return u8[:spec.nbytes].view(dt).reshape(spec.shape)
     torch = _torch()
+    if spec.nbytes and spec.dtype in _NUMPY_NATIVE:
+        # the view built in NumPy, one torch call: torch ops release the GIL, and getting
+        # it back can wait on any other thread of the process (the store's I/O workers)
+        return torch.from_numpy(u8[:spec.nbytes].view(spec.dtype).reshape(spec.shape))
     dt = torch_dtype(spec.dtype)
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dt)
     return torch.from_numpy(u8[:spec.nbytes]).view(dt).reshape(spec.shape)
+
+
+_NUMPY_NATIVE = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+                           "complex64", "complex128"})
+"""torch dtypes that NumPy has under the same name (bfloat16, float8 and the like it has not)."""
 
 
 def torch_dtype(name: str):
