@@ -92,15 +92,22 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         mem = [(0.0, proc_status_bytes(daemon.pid, "RssAnon"))]
         t0 = time.monotonic()
-        procs = [subprocess.Popen([sys.executable, "-c", WORKER, sock, str(i), str(args.seconds)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # each client's output goes to a file: its JSON (every latency) outgrows a pipe's
+        # buffer, and a client blocked writing to a pipe nobody reads never exits
+        files = [(open(os.path.join(base, f"client{i}.out"), "w+"), open(os.path.join(base, f"client{i}.err"), "w+"))
                  for i in range(args.clients)]
+        procs = [subprocess.Popen([sys.executable, "-c", WORKER, sock, str(i), str(args.seconds)],
+                                  stdout=fo, stderr=fe, text=True) for i, (fo, fe) in enumerate(files)]
         while any(pr.poll() is None for pr in procs):
             time.sleep(min(1.0, args.seconds / 10))
             mem.append((time.monotonic() - t0, proc_status_bytes(daemon.pid, "RssAnon")))
         outs = []
-        for pr in procs:
-            out, err = pr.communicate()
+        for pr, (fo, fe) in zip(procs, files):
+            fo.seek(0)
+            fe.seek(0)
+            out, err = fo.read(), fe.read()
+            fo.close()
+            fe.close()
             if pr.returncode != 0:
                 raise SystemExit(f"a load client failed:\n{err[-2000:]}")
             outs.append(json.loads(out.strip().splitlines()[-1]))
