@@ -18,7 +18,9 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
 
 Reported per variant: steady-state hit rate, stall fraction, NVMe bytes read and
 written per step and the disk time they take over the step's compute time (the
-step-time target applies where that is below 1), step time / floor. This
+step-time target applies where that is below 1), step time / floor; and, for the
+floor and trace+prefetch, where a step's time goes (check-outs, check-ins, state
+updates, compute, the rest). This
 machine's speed drifts over minutes, so each variant is compared with floor runs made
 just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
@@ -213,17 +215,27 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
         nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
         handles.append((hs, nbytes))
     times, hit_rates, stalls, read, written = [], [], [], [], []
+    parts = {k: [] for k in PARTS}
+    clock = time.perf_counter
     for step in range(warmup + steps):
         before = s.stat()
-        t0 = time.perf_counter()
+        t_out = t_in = t_upd = t_cmp = 0.0
+        t0 = clock()
         for hs, nbytes in handles:
             for mode, h in hs:
-                with s.checkout(h, mode) as v:
-                    if mode == "rw":
-                        v.mul_(0.9)  # the optimizer's update touches every state
+                a = clock()
+                lease = s.checkout(h, mode)
+                b = clock()
+                if mode == "rw":
+                    lease.tensor.mul_(0.9)  # the optimizer's update touches every state
+                c = clock()
+                lease.release()
+                t_out, t_upd, t_in = t_out + b - a, t_upd + c - b, t_in + clock() - c
+            a = clock()
             compute.run(nbytes * per_byte_s)
+            t_cmp += clock() - a
         s.step()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         after = s.stat()
         pa, pb, na, nb = after["prefetch"], before["prefetch"], after["tiers"]["nvme"], before["tiers"]["nvme"]
         n = sum(pa[k] - pb[k] for k in ("hits", "late", "misses"))
@@ -233,12 +245,20 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
             stalls.append((pa["stall_s"] - pb["stall_s"]) / dt)
             read.append(na["bytes_read"] - nb["bytes_read"])
             written.append(na["bytes_written"] - nb["bytes_written"])
+            for k, v in zip(PARTS, (t_out, t_in, t_upd, t_cmp, dt - t_out - t_in - t_upd - t_cmp)):
+                parts[k].append(v)
     st = s.stat()
     return {"step_s": float(np.median(times)), "hit_rate": float(np.mean(hit_rates)),
             "stall_fraction": float(np.mean(stalls)), "prefetched_bytes": st["prefetch"]["prefetched_bytes"],
             "wasted_bytes": st["prefetch"]["wasted_bytes"], "nvme_read_bytes": st["tiers"]["nvme"]["bytes_read"],
             "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"],
-            "read_bytes_per_step": float(np.mean(read)), "written_bytes_per_step": float(np.mean(written))}
+            "read_bytes_per_step": float(np.mean(read)), "written_bytes_per_step": float(np.mean(written)),
+            "breakdown_ms": {k: float(np.mean(v)) * 1e3 for k, v in parts.items()}}
+
+
+PARTS = ("check-out", "check-in", "update", "compute", "other")
+"""Where a replay step's time goes: check-out calls (with any wait for a fetch), check-ins,
+the state updates (``mul_`` over the rw leases), the compute, the rest (loop, step mark)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -333,6 +353,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"after it; {machine()}")
     print_table(["variant", "host", "host bytes", "hit rate", "stall", "read/written per step", "disk/compute",
                  "step s", "floor s", "vs floor"], rows)
+    print("# where a step goes, ms (steady state; update = mul_ over the rw leases)")
+    brows = [["floor", "100%", *(f"{floors[0]['breakdown_ms'][k]:.1f}" for k in PARTS)]]
+    brows += [[v["variant"], f"{v['host_fraction'] * 100:.0f}%", *(f"{v['breakdown_ms'][k]:.1f}" for k in PARTS)]
+              for v in results["variants"] if v["variant"] in ("trace+prefetch", "floor+raw I/O")]
+    print_table(["variant", "host", *PARTS], brows)
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")

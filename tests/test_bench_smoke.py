@@ -48,6 +48,9 @@ def test_prefetch_smoke(tmp_path, mode):
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch", "floor+raw I/O"}
     raw = [v for v in out["variants"] if v["variant"] == "floor+raw I/O"]
     assert len(raw) == 3 and all(v["raw_read_bytes_per_step"] > 0 for v in raw)
+    for v in out["variants"]:  # where the step went; "other" is what the named parts leave
+        b = v["breakdown_ms"]
+        assert b["check-out"] > 0 and b["compute"] > 0 and b["other"] >= 0
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
 
 
