@@ -26,7 +26,7 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--probe] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -194,16 +194,16 @@ def open_pool(mode: str, d: str, host_bytes: int, nvme_bytes: int, policy: str, 
 
 def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch: bool, steps: int,
                 warmup: int, compute: Compute, per_byte_s: float, directory: str, budget: int,
-                mode: str = "embedded") -> dict:
+                mode: str = "embedded", probe: bool = False) -> dict:
     d = tempfile.mkdtemp(dir=directory)
     try:
         with open_pool(mode, d, host_bytes, 4 * total_bytes + (256 << 20), policy, prefetch, budget) as s:
-            return _replay(s, layers, steps, warmup, compute, per_byte_s)
+            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float) -> dict:
+def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float, probe: bool = False) -> dict:
     handles = []
     for layer in layers:
         hs = []
@@ -217,6 +217,7 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
     times, hit_rates, stalls, read, written = [], [], [], [], []
     parts = {k: [] for k in PARTS}
     clock = time.perf_counter
+    tiny, probes = torch.ones(4), []  # a torch op with no work: its time is getting the GIL back
     for step in range(warmup + steps):
         before = s.stat()
         t_out = t_in = t_upd = t_cmp = 0.0
@@ -231,6 +232,11 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
                 c = clock()
                 lease.release()
                 t_out, t_upd, t_in = t_out + b - a, t_upd + c - b, t_in + clock() - c
+                if probe:
+                    a = clock()
+                    tiny.mul_(1.0)
+                    if step >= warmup:
+                        probes.append(clock() - a)
             a = clock()
             compute.run(nbytes * per_byte_s)
             t_cmp += clock() - a
@@ -253,7 +259,8 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
             "wasted_bytes": st["prefetch"]["wasted_bytes"], "nvme_read_bytes": st["tiers"]["nvme"]["bytes_read"],
             "nvme_written_bytes": st["tiers"]["nvme"]["bytes_written"],
             "read_bytes_per_step": float(np.mean(read)), "written_bytes_per_step": float(np.mean(written)),
-            "breakdown_ms": {k: float(np.mean(v)) * 1e3 for k, v in parts.items()}}
+            "breakdown_ms": {k: float(np.mean(v)) * 1e3 for k, v in parts.items()},
+            "probe_us": float(np.mean(probes)) * 1e6 if probes else None}
 
 
 PARTS = ("check-out", "check-in", "update", "compute", "other")
@@ -279,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "as when the compute runs on an accelerator and leaves the CPU to the I/O")
     p.add_argument("--no-raw-io", dest="raw_io", action="store_false",
                    help="skip the floor+raw I/O rows (the floor under the same disk traffic without tierstore)")
+    p.add_argument("--probe", action="store_true",
+                   help="after each access, time a torch op on a 4-element tensor: the wait to get the GIL back "
+                        "in the replay's process (adds that wait to every step)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
@@ -297,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     # (and so reads again each step): enough to cover the next objects' disk time, no more
     budget = max(largest + (1 << 20), int(total * (args.budget if args.budget is not None else 1 / 8)))
     common = dict(steps=args.steps, warmup=args.warmup, compute=compute, per_byte_s=per_byte_s, directory=base,
-                  budget=budget, mode=args.mode)
+                  budget=budget, mode=args.mode, probe=args.probe)
     # This machine's speed drifts between runs (the same matmul loop 1.3-2x slower a minute
     # later): each variant is compared with floor runs made just before and just after it.
     floor_host = 2 * total + (64 << 20)
@@ -354,10 +364,12 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["variant", "host", "host bytes", "hit rate", "stall", "read/written per step", "disk/compute",
                  "step s", "floor s", "vs floor"], rows)
     print("# where a step goes, ms (steady state; update = mul_ over the rw leases)")
-    brows = [["floor", "100%", *(f"{floors[0]['breakdown_ms'][k]:.1f}" for k in PARTS)]]
-    brows += [[v["variant"], f"{v['host_fraction'] * 100:.0f}%", *(f"{v['breakdown_ms'][k]:.1f}" for k in PARTS)]
-              for v in results["variants"] if v["variant"] in ("trace+prefetch", "floor+raw I/O")]
-    print_table(["variant", "host", *PARTS], brows)
+    def probe_col(r):
+        return [f"{r['probe_us']:.1f}"] if args.probe else []
+    brows = [["floor", "100%", *(f"{floors[0]['breakdown_ms'][k]:.1f}" for k in PARTS), *probe_col(floors[0])]]
+    brows += [[v["variant"], f"{v['host_fraction'] * 100:.0f}%", *(f"{v['breakdown_ms'][k]:.1f}" for k in PARTS),
+               *probe_col(v)] for v in results["variants"] if v["variant"] in ("trace+prefetch", "floor+raw I/O")]
+    print_table(["variant", "host", *PARTS, *(["probe us"] if args.probe else [])], brows)
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
