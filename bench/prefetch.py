@@ -315,13 +315,18 @@ def main(argv: list[str] | None = None) -> dict:
     floor = floors[0]
     results = {"floor": floor, "floors_s": [], "variants": []}
     rows = []
+
+    def next_floor() -> float:
+        """A floor run after the variant just measured; the mean of it and the one before."""
+        floors.append(run_variant(layers, total, floor_host, "lru", False, **common))
+        return (floors[-2]["step_s"] + floors[-1]["step_s"]) / 2
+
     for frac in [float(f) for f in args.fractions.split(",")]:
         host = max(int(total * frac), 3 * largest + (1 << 20))
         for name, policy, pf in (("lru", "lru", False), ("lru+prefetch", "lru", True),
                                  ("trace+prefetch", "trace", True)):
             r = run_variant(layers, total, host, policy, pf, **common)
-            floors.append(run_variant(layers, total, floor_host, "lru", False, **common))
-            local_floor = (floors[-2]["step_s"] + floors[-1]["step_s"]) / 2
+            local_floor = next_floor()
             # the target applies where the disk can move a step's bytes within its compute
             disk_s = r["read_bytes_per_step"] / (bw * 1e9) + r["written_bytes_per_step"] / (wbw * 1e9)
             r.update({"variant": name, "host_fraction": frac, "host_bytes": host, "floor_s": local_floor,
@@ -342,8 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                 c = run_variant(layers, total, floor_host, "lru", False, **common)
             finally:
                 io.stop()
-            floors.append(run_variant(layers, total, floor_host, "lru", False, **common))
-            local_floor = (floors[-2]["step_s"] + floors[-1]["step_s"]) / 2
+            local_floor = next_floor()
             c.update({"variant": "floor+raw I/O", "host_fraction": frac, "floor_s": local_floor,
                       "step_vs_floor": c["step_s"] / local_floor, "raw_read_bytes_per_step": rd,
                       "raw_written_bytes_per_step": wr})
