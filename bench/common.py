@@ -122,15 +122,26 @@ def start_daemon(base: str, *flags: str, env: dict | None = None,
     notify = os.path.join(base, "notify")
     ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ns.bind(notify)
-    ns.settimeout(timeout_s)
+    ns.settimeout(0.5)
     args = [sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--log-level", "WARNING"]
     if "--nvme-dir" not in flags:
         args += ["--nvme-dir", os.path.join(base, "nvme")]
     p = subprocess.Popen([*args, *flags], env={**os.environ, **(env or {}), "NOTIFY_SOCKET": notify})
-    while b"READY=1" not in ns.recv(4096):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if b"READY=1" in ns.recv(4096):
+                return p, sock, ns
+        except socket.timeout:
+            pass
         if p.poll() is not None:
+            ns.close()
             raise SystemExit(f"the daemon exited with status {p.returncode} before it was ready")
-    return p, sock, ns
+        if time.monotonic() > deadline:
+            p.kill()
+            p.wait()
+            ns.close()
+            raise SystemExit(f"the daemon was not ready after {timeout_s:.0f} s")
 
 
 def skipped_without_cuda(bench: str) -> dict | None:

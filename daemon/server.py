@@ -530,11 +530,14 @@ def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> Non
 
 def run(config: Config) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT."""
-    server = Server(config)
     try:
+        server = Server(config)
         server.start()
     except DaemonAlreadyRunning as e:
         log.error("%s", e)
+        return 1
+    except TierstoreError as e:  # a setting this machine cannot honour, a directory in use, ...
+        log.error("cannot start: %s", e)
         return 1
     except OSError as e:
         if e.errno == errno.EACCES:

@@ -8,6 +8,10 @@ def test_sizes_parse():
     assert parse_size("8GiB") == 8 << 30
     assert parse_size("512 MB") == 512 * 1000**2
     assert parse_size(4096) == 4096
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("0.001 KB") == 1
+    assert parse_size("9007199254740993") == 9007199254740993  # exact beyond a float's 53 bits
+    assert parse_size("1" * 400) == int("1" * 400)  # no OverflowError: the range check comes later
     with pytest.raises(ValueError, match="cannot parse"):
         parse_size("eight gigs")
     with pytest.raises(ValueError, match=">= 0"):

@@ -287,6 +287,18 @@ def test_second_daemon_on_a_live_socket_refuses(daemon, tmp_path):
         c.ping()
 
 
+def test_settings_the_machine_cannot_honour_stop_the_daemon_with_a_message(daemon, tmp_path):
+    def start(*flags):
+        return subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", str(tmp_path / "s.sock"),
+                               *flags], capture_output=True, text=True, timeout=60)
+
+    r = start("--nvme-dir", str(tmp_path / "n"), "--host-bytes", "100000TiB")
+    assert r.returncode == 1 and "lower host_bytes" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # the live daemon's NVMe directory is locked
+    r = start("--nvme-dir", daemon.nvme, "--host-bytes", "16MiB")
+    assert r.returncode == 1 and "is in use by pid" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_sd_notify_messages(daemon_factory):
     d = daemon_factory(env={"WATCHDOG_USEC": "400000"})
     ready = d.wait_for("READY=1")

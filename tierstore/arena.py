@@ -12,7 +12,8 @@ import os
 
 import numpy as np
 
-from .units import PAGE, align_up
+from .errors import CapacityExceeded, InvalidArgument
+from .units import PAGE, align_up, format_size
 
 __all__ = ["Arena", "map_arena_fd"]
 
@@ -34,13 +35,21 @@ class Arena:
             self.size = os.fstat(fd).st_size
         else:
             self.size = align_up(size, PAGE)
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if self.size > ram:
+                raise InvalidArgument(f"host_bytes is {format_size(self.size)} but this machine has "
+                                      f"{format_size(ram)} of memory; lower host_bytes")
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
         try:
             if self.adopted:
                 pass
             elif self.size:
                 # fallocate makes the shmem pages exist now, so a later touch cannot SIGBUS
-                os.posix_fallocate(self.fd, 0, self.size)
+                try:
+                    os.posix_fallocate(self.fd, 0, self.size)
+                except OSError as e:
+                    raise CapacityExceeded(f"cannot allocate the {format_size(self.size)} host arena: "
+                                           f"{e.strerror}; lower host_bytes (or free memory)") from None
             else:
                 os.ftruncate(self.fd, 0)
             self.mm = _map(self.fd, self.size)

@@ -30,7 +30,11 @@ def parse_size(value: int | str, *, field: str = "size") -> int:
         m = _SIZE_RE.match(value)
         if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{field}: cannot parse size {value!r}; use e.g. 8GiB, 512MiB or 1048576")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number, unit = m.group(1), _UNITS[m.group(2).lower()]
+        if "." not in number:
+            return int(number) * unit  # exact, however large
+        whole, frac = number.split(".")
+        return int(whole) * unit + int(frac) * unit // 10 ** len(frac)
     raise ValueError(f"{field}: expected int or str size, got {type(value).__name__}")
 
 
