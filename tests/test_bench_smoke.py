@@ -65,6 +65,19 @@ def test_train_offload_smoke(tmp_path):
     assert out["bench"] == "train_offload"
     assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch", "cache+prefetch"]
     assert all(r["identical"] for r in out["results"])  # offloading never changes the numbers
+    assert all(r["diverged_at"] is None for r in out["results"]) and out["plain_reproduced"] is None
+
+
+def test_train_offload_names_where_a_run_diverges():
+    sys.path.insert(0, BENCH)
+    try:
+        from train_offload import divergence
+    finally:
+        sys.path.remove(BENCH)
+    a = {"digest": "x", "sums": [[1, 2, 3], [4, 5, 6]]}
+    assert divergence(a, dict(a)) is None
+    assert divergence(a, {"digest": "y", "sums": [[1, 2, 3], [4, 7, 6]]}) == (1, 1)
+    assert divergence(a, {"digest": "y", "sums": [[1, 2, 3], [4, 5, 6]]}) == (2, -1)  # only the final bytes
 
 
 def test_load_smoke(tmp_path):
