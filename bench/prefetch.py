@@ -12,7 +12,8 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
   lru+prefetch   LRU eviction, trace-driven prefetch
   trace+prefetch Belady eviction on the learned trace, trace-driven prefetch
   floor+raw I/O  the floor again while a thread moves the bytes trace+prefetch moved per
-                 step with plain O_DIRECT reads and writes (no tierstore), spread evenly
+                 step with plain O_DIRECT reads and writes (no tierstore; a CRC32C per
+                 1 MiB block, as the store computes and checks), spread evenly
                  over the step: what that much disk traffic alone costs the compute on
                  this machine, the best any store could do at that host fraction
 
@@ -50,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit_json, machine, print_table, pyplot, start_daemon  # noqa: E402
 
 from tierstore import Config, Store  # noqa: E402
+from tierstore.checksum import block_checksums  # noqa: E402
 from tierstore.units import format_size  # noqa: E402
 
 MODELS = {
@@ -99,7 +101,8 @@ def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
 
 class RawIO(threading.Thread):
     """O_DIRECT reads and writes of 4 MiB at ``read_bps`` / ``write_bps`` bytes per second,
-    evenly paced, over a 128 MiB file in ``directory``, until ``stop()``."""
+    evenly paced, over a 128 MiB file in ``directory``, until ``stop()``; with a CRC32C
+    of every 1 MiB block written and read, as the store keeps and checks them."""
 
     CHUNK = 4 << 20
     FILE = 128 << 20
@@ -126,8 +129,10 @@ class RawIO(threading.Thread):
                 continue
             if behind_r >= behind_w:
                 os.preadv(self.fd, [self.buf], pos)
+                block_checksums(self.buf, self.CHUNK)
                 done_r += self.CHUNK
             else:
+                block_checksums(self.buf, self.CHUNK)
                 os.pwritev(self.fd, [self.buf], pos)
                 done_w += self.CHUNK
             pos = (pos + self.CHUNK) % self.FILE
