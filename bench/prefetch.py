@@ -14,8 +14,10 @@ time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
   floor+raw I/O  the floor again while a thread moves the bytes trace+prefetch moved per
                  step with plain O_DIRECT reads and writes (no tierstore; a CRC32C per
                  1 MiB block, as the store computes and checks), spread evenly
-                 over the step: what that much disk traffic alone costs the compute on
-                 this machine, the best any store could do at that host fraction
+                 over the step (``--raw-io-at access``: each layer's share when the
+                 replay reaches that layer, when a prefetcher would move it): what
+                 that much disk traffic alone costs the compute on this machine, the
+                 best any store could do at that host fraction
 
 Reported per variant: steady-state hit rate, stall fraction, NVMe bytes read and
 written per step and the disk time they take over the step's compute time (the
@@ -27,7 +29,7 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--probe] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--raw-io-at even|access] [--probe] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -107,9 +109,14 @@ class RawIO(threading.Thread):
     CHUNK = 4 << 20
     FILE = 128 << 20
 
-    def __init__(self, directory: str, read_bps: float, write_bps: float) -> None:
+    def __init__(self, directory: str, read_bps: float, write_bps: float, at_access: bool = False) -> None:
         super().__init__(daemon=True)
         self.read_bps, self.write_bps = read_bps, write_bps
+        self.at_access = at_access
+        """Move each layer's share when the replay reaches it (``kick``), as a prefetcher
+        does, instead of evenly over the step."""
+        self._owed = [0.0, 0.0]
+        self._kicked = threading.Condition()
         self.path = os.path.join(directory, "rawio.bin")
         self.buf = mmap.mmap(-1, self.CHUNK)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
@@ -119,13 +126,26 @@ class RawIO(threading.Thread):
         self._halt = threading.Event()
         self.moved = 0
 
+    def kick(self, read_bytes: float, write_bytes: float) -> None:
+        with self._kicked:
+            self._owed[0] += read_bytes
+            self._owed[1] += write_bytes
+            self._kicked.notify()
+
     def run(self) -> None:
         t0, done_r, done_w, pos = time.perf_counter(), 0, 0, 0
         while not self._halt.is_set():
-            el = time.perf_counter() - t0
-            behind_r, behind_w = self.read_bps * el - done_r, self.write_bps * el - done_w
+            if self.at_access:
+                with self._kicked:
+                    if max(self._owed[0] - done_r, self._owed[1] - done_w) < self.CHUNK and not self._halt.is_set():
+                        self._kicked.wait(0.05)
+                    behind_r, behind_w = self._owed[0] - done_r, self._owed[1] - done_w
+            else:
+                el = time.perf_counter() - t0
+                behind_r, behind_w = self.read_bps * el - done_r, self.write_bps * el - done_w
             if max(behind_r, behind_w) < self.CHUNK:
-                time.sleep(0.001)
+                if not self.at_access:
+                    time.sleep(0.001)
                 continue
             if behind_r >= behind_w:
                 os.preadv(self.fd, [self.buf], pos)
@@ -140,6 +160,8 @@ class RawIO(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        with self._kicked:
+            self._kicked.notify()
         self.join()
         os.close(self.fd)
         os.unlink(self.path)
@@ -199,16 +221,17 @@ def open_pool(mode: str, d: str, host_bytes: int, nvme_bytes: int, policy: str, 
 
 def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch: bool, steps: int,
                 warmup: int, compute: Compute, per_byte_s: float, directory: str, budget: int,
-                mode: str = "embedded", probe: bool = False) -> dict:
+                mode: str = "embedded", probe: bool = False, on_layer=None) -> dict:
     d = tempfile.mkdtemp(dir=directory)
     try:
         with open_pool(mode, d, host_bytes, 4 * total_bytes + (256 << 20), policy, prefetch, budget) as s:
-            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe)
+            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe, on_layer)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float, probe: bool = False) -> dict:
+def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float, probe: bool = False,
+            on_layer=None) -> dict:
     handles = []
     for layer in layers:
         hs = []
@@ -228,6 +251,8 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
         t_out = t_in = t_upd = t_cmp = 0.0
         t0 = clock()
         for hs, nbytes in handles:
+            if on_layer is not None:
+                on_layer(nbytes)
             for mode, h in hs:
                 a = clock()
                 lease = s.checkout(h, mode)
@@ -289,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compute", default="matmul", choices=["matmul", "sleep"],
                    help="between accesses: a matmul on one core (default), or a sleep of the same length, "
                         "as when the compute runs on an accelerator and leaves the CPU to the I/O")
+    p.add_argument("--raw-io-at", default="even", choices=["even", "access"],
+                   help="floor+raw I/O moves its bytes evenly over the step, or each layer's share when the "
+                        "replay reaches that layer (when a prefetcher moves them)")
     p.add_argument("--no-raw-io", dest="raw_io", action="store_false",
                    help="skip the floor+raw I/O rows (the floor under the same disk traffic without tierstore)")
     p.add_argument("--probe", action="store_true",
@@ -346,10 +374,11 @@ def main(argv: list[str] | None = None) -> dict:
         if args.raw_io:
             # the floor under the trace variant's disk traffic, moved without tierstore
             rd, wr = r["read_bytes_per_step"], r["written_bytes_per_step"]
-            io = RawIO(base, rd / local_floor, wr / local_floor)
+            io = RawIO(base, rd / local_floor, wr / local_floor, at_access=args.raw_io_at == "access")
             io.start()
             try:
-                c = run_variant(layers, total, floor_host, "lru", False, **common)
+                c = run_variant(layers, total, floor_host, "lru", False, **common,
+                                on_layer=lambda n: io.kick(rd * n / total, wr * n / total))
             finally:
                 io.stop()
             local_floor = next_floor()
@@ -382,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
-    out = {"bench": "prefetch", "mode": args.mode, "compute": args.compute, "model": args.model, "scale": args.scale, "working_set_bytes": total,
+    out = {"bench": "prefetch", "mode": args.mode, "compute": args.compute, "raw_io_at": args.raw_io_at, "model": args.model, "scale": args.scale, "working_set_bytes": total,
            "disk_read_gbps": bw, "disk_write_gbps": wbw, "compute_s_per_step": compute_s, "machine": machine(),
            **results}
     emit_json(out)

@@ -41,10 +41,11 @@ def test_latency_smoke(tmp_path):
 def test_prefetch_smoke(tmp_path, mode):
     png = tmp_path / "prefetch.png"
     compute = "matmul" if mode == "embedded" else "sleep"
+    raw_at = "even" if mode == "embedded" else "access"
     out = _run("prefetch.py", "--quick", "--mode", mode, "--compute", compute, "--dir", str(tmp_path), "--png",
-               str(png), cwd=tmp_path)
+               str(png), "--raw-io-at", raw_at, cwd=tmp_path)
     assert out["bench"] == "prefetch" and out["mode"] == mode and out["floor"]["hit_rate"] == 1.0
-    assert out["compute"] == compute
+    assert out["compute"] == compute and out["raw_io_at"] == raw_at
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch", "floor+raw I/O"}
     raw = [v for v in out["variants"] if v["variant"] == "floor+raw I/O"]
     assert len(raw) == 3 and all(v["raw_read_bytes_per_step"] > 0 for v in raw)
