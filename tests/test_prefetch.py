@@ -378,24 +378,3 @@ def test_demand_io_overtakes_queued_prefetch_io(make_store):
     assert s.wait_prefetch(10)
     assert ran[:4] == [4 << 20] * 4 and sorted(ran[4:]) == [1 << 20] * 6, ran
 
-
-def test_small_objects_stay_while_larger_ones_can_go(make_store):
-    """A bias or a scalar frees a page of the tier but costs a write and a read back like a
-    weight: eviction takes the large objects first, even where the policy ranks a small one
-    first, and the small ones only when nothing larger can go."""
-    s = make_store(host_bytes="4MiB", policy="lru", prefetch=False, high_watermark=1.0, low_watermark=1.0)
-    bias = s.put(torch.ones(16), key="bias", tier="host")  # least recently used: LRU's first choice
-    weights = [s.put(torch.full((256 << 10,), float(i)), key=f"w{i}", tier="host") for i in range(3)]  # 1 MiB
-    s.put(torch.zeros(384 << 10), key="w3", tier="host")  # 1.5 MiB: room for it means evicting
-    assert "host" in s.info(bias)["residency"]
-    # w0 and w1 (1.5 MiB contiguous needs both: the bias sits at the top of the arena)
-    assert [("host" in s.info(h)["residency"]) for h in weights] == [False, False, True]
-    assert s.counters["demotions"] == 2 and [s.get(h)[0].item() for h in weights] == [0.0, 1.0, 2.0]
-
-
-def test_a_tier_of_small_objects_still_makes_room(make_store):
-    t = make_store(host_bytes="1MiB", policy="lru", prefetch=False, high_watermark=1.0, low_watermark=1.0)
-    small = [t.put(torch.full((16,), float(i)), key=f"b{i}", tier="host") for i in range(200)]  # 200 pages
-    big = t.put(torch.ones(128 << 10), key="w", tier="host")  # 512 KiB: ~120 of them go down
-    assert "host" in t.info(big)["residency"] and t.counters["demotions"] >= 100
-    assert all(t.get(h)[0].item() == float(i) for i, h in enumerate(small))

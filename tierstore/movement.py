@@ -21,8 +21,6 @@ __all__ = ["Movement"]
 log = logging.getLogger(__name__)
 
 _PREFETCH_WAIT_S = 1.0
-SMALL_VICTIM_BYTES = 64 << 10
-"""Objects below this are evicted only when nothing larger can be (``_pick_victim``)."""
 
 
 class Movement:
@@ -69,14 +67,7 @@ class Movement:
 
         ``admit_distance`` (a prefetch of an object needed in that many accesses)
         admits only victims needed later than that, and never another prefetch.
-
-        Objects under ``SMALL_VICTIM_BYTES`` go only when no larger one can (and before
-        a prefetched one): moving one frees a page or so of the tier but costs a write,
-        a read back and their bookkeeping like any other, so a tier full of large
-        tensors and their biases and scalars rotates the large ones.
         """
-        small = None
-        protected = self.prefetcher.protected
         for oid in self.policy.candidates():
             m = self._objects.get(oid)
             if m is None or not m.host_valid or m.host_off is None:
@@ -84,23 +75,15 @@ class Movement:
             if m.moving or m.pins or m.readers or m.writer or m.freeing:
                 continue
             if admit_distance is not None:
-                if oid in protected:
+                if oid in self.prefetcher.protected:
                     continue
                 d = self.policy.distance(oid)
                 if d is not None and d <= admit_distance:
                     continue
-            if small is not None and oid in protected:
-                break  # the policy's order has reached prefetched objects: the small one goes first
-            if m.nbytes < SMALL_VICTIM_BYTES:
-                small = small or m
-                continue
-            return self._claim_victim(m)
-        return None if small is None else self._claim_victim(small)
-
-    def _claim_victim(self, m: ObjectMeta) -> ObjectMeta:
-        m.moving = True
-        self.prefetcher.forget(m.id)  # evicted before its predicted use: wasted
-        return m
+            m.moving = True
+            self.prefetcher.forget(oid)  # evicted before its predicted use: wasted
+            return m
+        return None
 
     def _demote(self, meta: ObjectMeta) -> None:
         """Move a host-resident object (flagged moving) down to NVMe and free its host block."""
