@@ -377,4 +377,3 @@ def test_demand_io_overtakes_queued_prefetch_io(make_store):
     assert torch.equal(got["t"], big)
     assert s.wait_prefetch(10)
     assert ran[:4] == [4 << 20] * 4 and sorted(ran[4:]) == [1 << 20] * 6, ran
-
