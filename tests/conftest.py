@@ -41,6 +41,7 @@ def make_store(nvme_dir):
         kw.setdefault("nvme_bytes", "512MiB")
         kw.setdefault("nvme_dirs", [nvme_dir])
         kw.setdefault("io_chunk_bytes", "1MiB")
+        kw.setdefault("nvme_grow_bytes", "16MiB")  # a small preallocation step: tests stay light on disk
         s = Store(Config(**kw))
         opened.append(s)
         return s
@@ -109,7 +110,8 @@ class DaemonProc:
 
     def start(self, expect_ready=True):
         env = dict(os.environ)
-        env.update({"NOTIFY_SOCKET": self.notify_path, "PYTHONUNBUFFERED": "1"})
+        env.update({"NOTIFY_SOCKET": self.notify_path, "PYTHONUNBUFFERED": "1",
+                    "TIERSTORE_NVME_GROW_BYTES": "16MiB"})
         env.update(self.env)
         args = [sys.executable, "-m", "tierstore.daemon", "--socket", self.socket, "--nvme-dir", self.nvme,
                 "--host-bytes", "64MiB", "--nvme-bytes", "1GiB", "--log-level", "DEBUG", *self.extra_args]
