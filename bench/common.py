@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -154,3 +156,66 @@ def skipped_without_cuda(bench: str) -> dict | None:
     print("# no CUDA device: nothing to measure")
     emit_json(out)
     return out
+
+
+def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """(read, write) GB/s of O_DIRECT 4 MiB requests in ``directory``."""
+    path = os.path.join(directory, "calib.bin")
+    m = mmap.mmap(-1, nbytes)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    chunk = 4 << 20
+    try:
+        os.pwritev(fd, [m], 0)
+        os.fsync(fd)
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            os.pwritev(fd, [memoryview(m)[off:off + chunk]], off)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            os.preadv(fd, [memoryview(m)[off:off + chunk]], off)
+        return nbytes / (time.perf_counter() - t0) / 1e9, write
+    except OSError:
+        return 1.0, 1.0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        m.close()
+
+
+def disk_mixed_gbps(directory: str, nbytes: int = 256 << 20) -> float:
+    """GB/s (read + written bytes) of O_DIRECT 4 MiB requests when ``directory``'s disk
+    reads ``nbytes`` and writes ``nbytes`` at the same time (two threads): the rate at
+    which it can move a training step's state in and out."""
+    chunk = 4 << 20
+    paths = [os.path.join(directory, f"calib-mixed-{k}.bin") for k in range(2)]
+    bufs = [mmap.mmap(-1, chunk) for _ in range(2)]
+    fds = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600) for p in paths]
+    try:
+        for off in range(0, nbytes, chunk):  # the file to read back
+            os.pwritev(fds[0], [bufs[0]], off)
+        os.fsync(fds[0])
+
+        def move(k: int) -> None:
+            io = os.preadv if k == 0 else os.pwritev
+            for off in range(0, nbytes, chunk):
+                io(fds[k], [bufs[k]], off)
+            if k == 1:
+                os.fsync(fds[k])
+
+        threads = [threading.Thread(target=move, args=(k,)) for k in range(2)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return 2 * nbytes / (time.perf_counter() - t0) / 1e9
+    except OSError:
+        return 1.0
+    finally:
+        for fd, p in zip(fds, paths):
+            os.close(fd)
+            os.unlink(p)
+        for b in bufs:
+            b.close()

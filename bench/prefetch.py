@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table, pyplot, start_daemon  # noqa: E402
+from common import disk_gbps, emit_json, machine, print_table, pyplot, start_daemon  # noqa: E402
 
 from tierstore import Config, Store  # noqa: E402
 from tierstore.checksum import block_checksums  # noqa: E402
@@ -73,32 +73,6 @@ def layer_shapes(model: str, scale: float) -> list[list[tuple[str, tuple[int, ..
                        (f"h{i}.ln2", (d,)), (f"h{i}.fc", (d, ff)), (f"h{i}.fc_out", (ff, d))])
     layers.append([("ln_f", (d,))])
     return layers
-
-
-def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
-    """(read, write) GB/s of O_DIRECT 4 MiB requests in ``directory``."""
-    path = os.path.join(directory, "calib.bin")
-    m = mmap.mmap(-1, nbytes)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    chunk = 4 << 20
-    try:
-        os.pwritev(fd, [m], 0)
-        os.fsync(fd)
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            os.pwritev(fd, [memoryview(m)[off:off + chunk]], off)
-        os.fsync(fd)
-        write = nbytes / (time.perf_counter() - t0) / 1e9
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            os.preadv(fd, [memoryview(m)[off:off + chunk]], off)
-        return nbytes / (time.perf_counter() - t0) / 1e9, write
-    except OSError:
-        return 1.0, 1.0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        m.close()
 
 
 class RawIO(threading.Thread):

@@ -67,6 +67,11 @@ def test_train_offload_smoke(tmp_path):
     assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch", "cache+prefetch"]
     assert all(r["identical"] for r in out["results"])  # offloading never changes the numbers
     assert all(r["diverged_at"] is None for r in out["results"]) and out["plain_reproduced"] is None
+    by = {r["variant"]: r for r in out["results"]}
+    # states on the NVMe tier are read and written every step; the disk time of those bytes is reported
+    assert by["nvme"]["read_per_step"] > 0 and by["nvme"]["written_per_step"] > 0
+    assert by["nvme"]["disk_s_per_step"] > 0 and by["plain"]["disk_s_per_step"] == 0
+    assert out["disk_mixed_gbps"] > 0 and 0 < out["plain_fwd_bwd_s"] < by["plain"]["step_s"]
 
 
 def test_train_offload_names_where_a_run_diverges():
