@@ -68,8 +68,9 @@ class Config:
     """Capacity of the GPU tier per device; 0 disables it."""
     gpu_slab_bytes: int = 1 << 30
     """The GPU tier is allocated in slabs of at most this size (one CUDA IPC handle each)."""
-    policy: str = "lru"
-    """Eviction policy: ``lru`` or ``trace``."""
+    policy: str = "trace"
+    """Eviction policy: ``trace`` (Belady on each client's learned access order; LRU until
+    one is learned) or ``lru``."""
     socket: str = ""
     """Daemon socket path; empty: ``$XDG_RUNTIME_DIR/tierstore/tierstore.sock`` or ``/run/...``."""
     engine: str = "auto"
