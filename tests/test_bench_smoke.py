@@ -63,6 +63,11 @@ def test_eviction_smoke(tmp_path):
 
 def test_train_offload_smoke(tmp_path):
     out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
+    if out["plain_reproduced"] is False:
+        # plain AdamW gave different numbers in two fresh processes (it happens on this CPU,
+        # docs/benchmarks.md), so this run cannot tell anything: once more. A variant that
+        # differs while plain reproduces itself fails below.
+        out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
     assert out["bench"] == "train_offload"
     assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch", "cache+prefetch"]
     # offloading never changes the numbers (diverged_at: the first step and parameter that differ)
