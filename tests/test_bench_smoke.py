@@ -62,7 +62,9 @@ def test_eviction_smoke(tmp_path):
 
 
 def test_train_offload_smoke(tmp_path):
-    out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
+    png = tmp_path / "to.png"
+    out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
+    assert png.stat().st_size > 0
     if out["plain_reproduced"] is False:
         # plain AdamW gave different numbers in two fresh processes (it happens on this CPU,
         # docs/benchmarks.md), so this run cannot tell anything: once more. A variant that
