@@ -187,12 +187,15 @@ def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
 def disk_mixed_gbps(directory: str, nbytes: int = 256 << 20) -> float:
     """GB/s (read + written bytes) of O_DIRECT 4 MiB requests when ``directory``'s disk
     reads ``nbytes`` and writes ``nbytes`` at the same time (two threads): the rate at
-    which it can move a training step's state in and out."""
+    which it can move a training step's state in and out. 0.0 where the directory does
+    not take O_DIRECT (not measured)."""
     chunk = 4 << 20
     paths = [os.path.join(directory, f"calib-mixed-{k}.bin") for k in range(2)]
     bufs = [mmap.mmap(-1, chunk) for _ in range(2)]
-    fds = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600) for p in paths]
+    fds: list[int] = []
     try:
+        for p in paths:
+            fds.append(os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
         for off in range(0, nbytes, chunk):  # the file to read back
             os.pwritev(fds[0], [bufs[0]], off)
         os.fsync(fds[0])
@@ -212,7 +215,7 @@ def disk_mixed_gbps(directory: str, nbytes: int = 256 << 20) -> float:
             t.join()
         return 2 * nbytes / (time.perf_counter() - t0) / 1e9
     except OSError:
-        return 1.0
+        return 0.0
     finally:
         for fd, p in zip(fds, paths):
             os.close(fd)

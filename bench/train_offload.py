@@ -186,11 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
         plain_node = plain["peak_uss"]
         saving = (plain_node - node) / state_bytes
         moved = r["read_per_step"] + r["written_per_step"]
-        disk_s = moved / (mixed_gbps * 1e9)
+        disk_s = moved / (mixed_gbps * 1e9) if mixed_gbps else None
         row = {"variant": v, "step_s": med[v], "step_vs_plain": med[v] / med["plain"], "peak_uss": r["peak_uss"],
                "daemon_peak_rss": r["daemon_peak_rss"], "node_bytes": node, "saving_of_state": saving,
                "read_per_step": r["read_per_step"], "written_per_step": r["written_per_step"],
-               "disk_s_per_step": disk_s, "disk_vs_plain": disk_s / med["plain"],
+               "disk_s_per_step": disk_s, "disk_vs_plain": None if disk_s is None else disk_s / med["plain"],
                "identical": diverged[v] is None, "diverged_at": diverged[v],
                "identical_to_plain_again": None if again is None else divergence(again, r) is None,
                "hit_rate": (r["prefetch"]["hits"] / max(1, r["prefetch"]["hits"] + r["prefetch"]["late"]
@@ -198,14 +198,16 @@ def main(argv: list[str] | None = None) -> dict:
         out_rows.append(row)
         rows.append([v, f"{med[v]:.2f}", f"{row['step_vs_plain']:.2f}", f"{r['peak_uss'] / 2**30:.2f}",
                      f"{r['daemon_peak_rss'] / 2**30:.2f}", f"{node / 2**30:.2f}", f"{saving * 100:.0f}%",
-                     f"{moved / 2**30:.2f}", f"{disk_s:.2f}", f"{disk_s / med['plain']:.2f}", _same(row),
+                     f"{moved / 2**30:.2f}", *(["-", "-"] if disk_s is None else [f"{disk_s:.2f}", f"{disk_s / med['plain']:.2f}"]),
+                     _same(row),
                      "-" if row["hit_rate"] is None else f"{row['hit_rate'] * 100:.1f}%"])
     print(f"# train_offload: {args.layers} x Linear({args.width}) = {n_params / 1e6:.0f}M params, AdamW state "
           f"{state_bytes / 2**30:.2f} GiB, batch {args.batch}, {args.steps} steps after {args.warmup} warm-up; "
           f"{machine()}")
-    print(f"# plain: forward+backward {fwd_bwd:.2f} s, optimizer {med['plain'] - fwd_bwd:.2f} s per step; disk "
-          f"{mixed_gbps:.2f} GB/s reading and writing at once (O_DIRECT): 'disk s' is the time it needs for a "
-          "step's NVMe bytes, a floor under that variant's step however well they overlap the compute")
+    disk = (f"disk {mixed_gbps:.2f} GB/s reading and writing at once (O_DIRECT): 'disk s' is the time it needs "
+            "for a step's NVMe bytes, a floor under that variant's step however well they overlap the compute"
+            if mixed_gbps else f"{base} does not take O_DIRECT: disk time not measured")
+    print(f"# plain: forward+backward {fwd_bwd:.2f} s, optimizer {med['plain'] - fwd_bwd:.2f} s per step; {disk}")
     print_table(["variant", "step s", "vs plain", "proc GiB", "daemon GiB", "node GiB", "saved/state",
                  "moved GiB/step", "disk s", "disk/plain", "same", "hit rate"], rows)
     if again is not None:
@@ -237,8 +239,9 @@ def plot(rows: list[dict], path: str) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["variant"] for r in rows]
     a1.bar(names, [r["step_vs_plain"] for r in rows], label="step")
-    a1.scatter(names, [r["disk_vs_plain"] for r in rows], color="black", marker="_", s=400, zorder=3,
-               label="disk time of its NVMe bytes")
+    disk = [(r["variant"], r["disk_vs_plain"]) for r in rows if r.get("disk_vs_plain") is not None]
+    if disk:
+        a1.scatter(*zip(*disk), color="black", marker="_", s=400, zorder=3, label="disk time of its NVMe bytes")
     a1.axhline(1.25, color="gray", linestyle=":", label="1.25x target")
     a1.set_ylabel("time / plain step")
     a1.legend(fontsize="small")
