@@ -69,10 +69,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``step()`` walks the parameters in a fixed order. For each one it checks the
     state out of the pool (the next parameter's state is already being prefetched),
     updates it with the wrapped optimizer's own update rule, and checks it back in.
-    State is double-buffered by step parity (two versions per tensor): a step reads
-    version ``n % 2`` and writes ``(n + 1) % 2``, and a small progress record is
-    written after the last parameter, so a process killed mid-step resumes from the
-    last completed step with nothing half-updated.
+    State is double-buffered (two versions per tensor): a step reads each parameter's
+    current version and writes the other one, and a small progress record, written
+    after the last parameter, names the step and each parameter's current version, so
+    a process killed mid-step resumes from the last completed step with nothing
+    half-updated. A parameter without a gradient in a step keeps its state as it is
+    (its current version does not change), as the wrapped optimizer would.
 
     Parameters that are not fp32 (bf16/fp16 training) get an fp32 master copy in the
     pool; the update runs on the master and is copied (rounded) into the parameter.
@@ -110,6 +112,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # (group, index) -> {name: tag}; tag is "tensor" or the python type of a scalar
         self._layout: dict[tuple[int, int], dict[str, str]] = {}
         self._completed = 0
+        self._cur: dict[tuple[int, int], int] = {}  # (group, index) -> current state version (0 or 1)
         if resume:
             self._resume()
         else:
@@ -149,29 +152,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        read, write = self._completed % 2, (self._completed + 1) % 2
         work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
                 if p.grad is not None]
+        # each parameter reads its current version and writes the other; skipped ones keep theirs
+        ver = {(gi, pi): self._cur.get((gi, pi), 0) for gi, pi, _ in work}
         saved_groups = self.inner.param_groups
         pending: list[_GpuItem] = []  # updated on the GPU, state still being written back
         nxt: _GpuItem | None = None
         try:
             for k, (gi, pi, p) in enumerate(work):
+                read = ver[(gi, pi)]
                 if not (self._on_gpu(p) and (gi, pi) in self._layout):
                     if k + 1 < len(work):
-                        self._prefetch(work[k + 1], read)  # overlap the next parameter's fetch with this update
-                    self._step_one(gi, pi, p, read, write)
+                        self._prefetch(work[k + 1], ver)  # overlap the next parameter's fetch with this update
+                    self._step_one(gi, pi, p, read, 1 - read)
                     continue
-                item = nxt if nxt is not None and nxt.key == (gi, pi) else self._gpu_fetch(gi, pi, p, read, write)
+                item = nxt if nxt is not None and nxt.key == (gi, pi) else \
+                    self._gpu_fetch(gi, pi, p, read, 1 - read)
                 nxt = None
                 if k + 1 < len(work):
                     g2, p2, q = work[k + 1]
                     if self._on_gpu(q) and (g2, p2) in self._layout:
-                        nxt = self._gpu_fetch(g2, p2, q, read, write)  # its H2D copies overlap this update
+                        v2 = ver[(g2, p2)]
+                        nxt = self._gpu_fetch(g2, p2, q, v2, 1 - v2)  # its H2D copies overlap this update
                     else:
-                        self._prefetch(work[k + 1], read)
+                        self._prefetch(work[k + 1], ver)
                 if k + 2 < len(work):
-                    self._prefetch(work[k + 2], read)  # the pool brings it up from NVMe meanwhile
+                    self._prefetch(work[k + 2], ver)  # the pool brings it up from NVMe meanwhile
                 pending.append(item)
                 self._gpu_update(item)
                 while len(pending) > 1:
@@ -180,19 +187,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.inner.param_groups = saved_groups
             for item in pending + ([nxt] if nxt is not None else []):
                 self._gpu_finish(item)
+        for gi, pi, _ in work:
+            if (gi, pi) in self._cur:
+                self._cur[(gi, pi)] = 1 - ver[(gi, pi)]
+            elif (gi, pi) in self._layout:  # met for the first time: both versions were written, equal
+                self._cur[(gi, pi)] = (self._completed + 1) % 2  # the step's parity, as for the others
         self._completed += 1
-        # the progress record flips which version is current: written last, after every parameter
-        self.store.put(torch.tensor([self._completed], dtype=torch.int64), key=self._progress_key(),
-                       replace=True, durable=self.durable)
+        # the progress record flips which versions are current: written last, after every parameter
+        self._put_progress()
         if hasattr(self.store, "step"):
             self.store.step()
         return loss
 
-    def _prefetch(self, item: tuple[int, int, torch.Tensor], version: int) -> None:
+    def _put_progress(self) -> None:
+        """The progress record: [completed steps, then (group, index, current version) per
+        parameter with state]. One put, so it names one consistent set of versions."""
+        rec = [self._completed]
+        for (gi, pi), v in sorted(self._cur.items()):
+            rec += [gi, pi, v]
+        self.store.put(torch.tensor(rec, dtype=torch.int64), key=self._progress_key(), replace=True,
+                       durable=self.durable)
+
+    def _prefetch(self, item: tuple[int, int, torch.Tensor], versions: dict[tuple[int, int], int]) -> None:
         gi, pi, _ = item
         layout = self._layout.get((gi, pi))
         if not layout:
             return
+        version = versions[(gi, pi)]
         hs = [self._lookup(gi, pi, n, version) for n in layout]
         hs = [h for h in hs if h is not None]
         if hs:
@@ -400,16 +421,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             log.info("resume: no progress record under %r; starting fresh", self.prefix)
             self._clear_pool()
             return
-        self._completed = int(self.store.get(h)[0])
+        rec = [int(x) for x in self.store.get(h).reshape(-1).tolist()]
+        self._completed = rec[0]
+        if (len(rec) - 1) % 3:
+            raise ValueError(f"the progress record under {self.prefix!r} is malformed ({len(rec)} numbers); "
+                             "was this prefix written by something else?")
+        named = {(rec[i], rec[i + 1]): rec[i + 2] for i in range(1, len(rec), 3)}
+        legacy = len(rec) == 1  # a record of the step count only: every version is the step's parity
         for k in self.store.keys(prefix=self.prefix + "/"):
             rest = k[len(self.prefix) + 1:]
             if rest.startswith("_") or "@" not in rest:
                 continue
             idx, name = rest.split("/", 1)
             gi, pi = (int(x) for x in idx.split("."))
+            if not legacy and (gi, pi) not in named:
+                continue  # first written by a step that did not complete: not part of the resumed state
             name = name.rsplit("@", 1)[0]
             name, _, tag = name.partition("#")
             self._layout.setdefault((gi, pi), {})[name] = tag or "tensor"
+        self._cur = {key: (self._completed % 2 if legacy else named[key]) for key in self._layout}
         for (gi, pi), layout in self._layout.items():
             if gi >= len(self.param_groups) or pi >= len(self.param_groups[gi]["params"]):
                 raise ValueError(f"pool state under {self.prefix!r} names parameter {gi}.{pi}, which this "
@@ -417,7 +447,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             p = self.param_groups[gi]["params"][pi]
             if "master" in layout:
                 with torch.no_grad():
-                    m = self.store.get(self.store.lookup(self._key(gi, pi, "master", self._completed % 2)))
+                    m = self.store.get(self.store.lookup(self._key(gi, pi, "master", self._cur[(gi, pi)])))
                     p.copy_(m)  # parameters come back from their masters
         log.info("resumed %d parameters' optimizer state at step %d", len(self._layout), self._completed)
 
@@ -427,7 +457,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         packed: dict[int, dict[str, Any]] = {}
         groups = []
         idx = 0
-        cur = self._completed % 2
         for gi, group in enumerate(self.param_groups):
             ids = []
             for pi in range(len(group["params"])):
@@ -438,7 +467,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     for name, tag in layout.items():
                         if name == "master":
                             continue
-                        t = self.store.get(self.store.lookup(self._key(gi, pi, name, cur)))
+                        t = self.store.get(self.store.lookup(self._key(gi, pi, name, self._cur[(gi, pi)])))
                         if tag == "dtensor":
                             st[name] = _wrap_like(t, p)
                         else:
@@ -465,6 +494,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 idx_of[i] = (gi, pi)
         self._clear_pool()
         self._layout = {}
+        self._cur = {}
         self._completed = 0
         for i, st in state_dict["state"].items():
             gi, pi = idx_of[int(i)]
@@ -482,13 +512,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if self._needs_master(p):
                 layout["master"] = "tensor"
                 self._put_both(gi, pi, "master", p.detach().float())
-        self.store.put(torch.tensor([0], dtype=torch.int64), key=self._progress_key(), replace=True,
-                       durable=self.durable)
+            self._cur[(gi, pi)] = 0
+        self._put_progress()
 
     def free(self) -> None:
         """Free every object this optimizer keeps in the pool."""
         self._clear_pool()
         self._layout = {}
+        self._cur = {}
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: str | None = "nvme",

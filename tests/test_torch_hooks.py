@@ -211,6 +211,8 @@ for step in range(opt.completed_steps, total):
     g = torch.Generator().manual_seed(step)
     x = torch.randn(8, 16, generator=g)
     nn.functional.mse_loss(model(x), x.flip(1)).backward()
+    if step % 3 == 1:
+        model[2].bias.grad = None  # no gradient this step: its state stays as it is
     opt.step()
     opt.zero_grad(set_to_none=True)
     print("step", step + 1, flush=True)
@@ -246,6 +248,89 @@ def test_warm_resume_after_sigkill_and_daemon_restart(daemon, tmp_path):
     assert r.stdout.splitlines()[0] == "step 21"
     for a, b in zip(torch.load(ref), torch.load(out)):
         assert torch.equal(a, b)
+
+
+class Gated(nn.Module):
+    """Two experts; a step uses one or both: the unused one gets no gradient (MoE-like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 40)
+        self.experts = nn.ModuleList([nn.Linear(40, 40), nn.Linear(40, 40)])
+        self.out = nn.Linear(40, 12)
+
+    def forward(self, x, use):
+        h = torch.tanh(self.inp(x))
+        return self.out(sum(self.experts[i](h) for i in use))
+
+
+def _gated_steps(model, opt, steps, start=0):
+    for step in range(start, steps):
+        use = [(0,), (1,), (0, 1), (0,), (0,)][step % 5]  # expert 1 sits out runs of steps
+        x = torch.randn(6, 12, generator=torch.Generator().manual_seed(step))
+        nn.functional.mse_loss(model(x, use), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_parameters_without_a_gradient_in_some_steps_keep_their_state(make_store, name):
+    """A parameter with no gradient in a step is skipped and keeps its state, as the plain
+    optimizer does; its next update reads that state (not the other version's older one),
+    also after a resume from the pool."""
+    torch.manual_seed(0)
+    plain = Gated()
+    off = copy.deepcopy(plain)
+    opt_p = OPTIMIZERS[name](plain.parameters())
+    s = make_store(host_bytes="64KiB")  # smaller than the states: they move every step
+    opt_o = offload_optimizer(OPTIMIZERS[name](off.parameters()), s, tier="nvme", prefix="gated")
+    for upto in (4, 9, 13):  # stop after steps where expert 1 had a gradient and where it had none
+        _gated_steps(plain, opt_p, upto, start=opt_o.completed_steps)
+        _gated_steps(off, opt_o, upto, start=opt_o.completed_steps)
+        for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+            assert torch.equal(a, b), (upto, n)
+        # a new process would find the state by key: the same versions must come back
+        opt_o = offload_optimizer(OPTIMIZERS[name](off.parameters()), s, tier="nvme", prefix="gated", resume=True)
+        assert opt_o.completed_steps == upto
+    _gated_steps(plain, opt_p, 20, start=13)
+    _gated_steps(off, opt_o, 20, start=13)
+    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+        assert torch.equal(a, b), n
+    sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
+    assert sd_p.keys() == sd_o.keys()
+    for i in sd_p:
+        for k, v in sd_p[i].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][k])), (i, k)
+
+
+def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_one(make_store):
+    """A progress record holding only the step count (every parameter at the step's
+    parity, as written before per-parameter versions) still resumes; one that is neither
+    is refused with a clear error rather than read as versions."""
+    torch.manual_seed(0)
+    plain = Gated()
+    off = copy.deepcopy(plain)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    s = make_store()
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy")
+    for model, opt in ((plain, opt_p), (off, opt_o)):
+        for step in range(3):  # every parameter updated every step
+            x = torch.randn(6, 12, generator=torch.Generator().manual_seed(step))
+            nn.functional.mse_loss(model(x, (0, 1)), x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    s.put(torch.tensor([3]), key="legacy/_progress", replace=True)
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy",
+                              resume=True)
+    assert opt_o.completed_steps == 3
+    sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
+    for i in sd_p:
+        for k, v in sd_p[i].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][k])), (i, k)
+    s.put(torch.tensor([3, 0]), key="legacy/_progress", replace=True)
+    with pytest.raises(ValueError, match="progress record"):
+        offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy",
+                          resume=True)
 
 
 def test_zero1_and_fsdp2_under_torchrun(daemon):
