@@ -273,6 +273,14 @@ def _gated_steps(model, opt, steps, start=0):
         opt.zero_grad(set_to_none=True)
 
 
+def _assert_same_state(opt_p, opt_o):
+    sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
+    assert sd_p.keys() == sd_o.keys()
+    for i in sd_p:
+        for k, v in sd_p[i].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][k])), (i, k)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_parameters_without_a_gradient_in_some_steps_keep_their_state(make_store, name):
     """A parameter with no gradient in a step is skipped and keeps its state, as the plain
@@ -296,11 +304,7 @@ def test_parameters_without_a_gradient_in_some_steps_keep_their_state(make_store
     _gated_steps(off, opt_o, 20, start=13)
     for (n, a), b in zip(plain.named_parameters(), off.parameters()):
         assert torch.equal(a, b), n
-    sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
-    assert sd_p.keys() == sd_o.keys()
-    for i in sd_p:
-        for k, v in sd_p[i].items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][k])), (i, k)
+    _assert_same_state(opt_p, opt_o)
 
 
 def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_one(make_store):
@@ -323,10 +327,7 @@ def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_
     opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy",
                               resume=True)
     assert opt_o.completed_steps == 3
-    sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
-    for i in sd_p:
-        for k, v in sd_p[i].items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][k])), (i, k)
+    _assert_same_state(opt_p, opt_o)
     s.put(torch.tensor([3, 0]), key="legacy/_progress", replace=True)
     with pytest.raises(ValueError, match="progress record"):
         offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy",
