@@ -9,6 +9,7 @@ they use only put / get / checkout / lookup / keys / prefetch / free / step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from typing import Any, Callable, Iterable
@@ -99,9 +100,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.update = update
         self._streams: Any = None  # per-device copy streams, made on first GPU update
         self._handles: dict[str, Any] = {}  # key -> handle, so a step does not look every key up
+        closure = inspect.signature(inner.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(f"{type(inner).__name__} needs a closure for every step and keeps one state for all "
+                            "parameters; offload_optimizer wraps optimizers whose state is per parameter "
+                            "(Adam, AdamW, SGD, Adagrad, RMSprop, ...)")
+        initial = None
         if any(len(s) for s in inner.state.values()):
-            raise ValueError("wrap the optimizer before its first step (it already holds state); "
-                             "or load a state_dict into the wrapper")
+            # set up by the constructor (Adagrad) or by steps taken before wrapping: it moves into the pool
+            initial = inner.state_dict()
+            inner.state.clear()
         self.inner = inner
         self.store = store
         self.tier = tier
@@ -113,10 +121,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._layout: dict[tuple[int, int], dict[str, str]] = {}
         self._completed = 0
         self._cur: dict[tuple[int, int], int] = {}  # (group, index) -> current state version (0 or 1)
-        if resume:
-            self._resume()
-        else:
-            self._clear_pool()
+        if resume and self._resume():
+            return
+        self._clear_pool()
+        if initial is not None:
+            self.load_state_dict(initial)
 
     # ------------------------------------------------------------------ keys
     def _key(self, gi: int, pi: int, name: str, version: int) -> str:
@@ -415,12 +424,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if h is not None:
                 self.store.free(h)
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Take up the state under the prefix; False when there is none to take up."""
         h = self.store.lookup(self._progress_key())
         if h is None:
             log.info("resume: no progress record under %r; starting fresh", self.prefix)
-            self._clear_pool()
-            return
+            return False
         rec = [int(x) for x in self.store.get(h).reshape(-1).tolist()]
         self._completed = rec[0]
         if (len(rec) - 1) % 3:
@@ -450,6 +459,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     m = self.store.get(self.store.lookup(self._key(gi, pi, "master", self._cur[(gi, pi)])))
                     p.copy_(m)  # parameters come back from their masters
         log.info("resumed %d parameters' optimizer state at step %d", len(self._layout), self._completed)
+        return True
 
     # ------------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),  # state from __init__
 }
 
 
@@ -332,6 +333,27 @@ def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_
     with pytest.raises(ValueError, match="progress record"):
         offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy",
                           resume=True)
+
+
+def test_wrapping_an_optimizer_that_already_stepped_moves_its_state_into_the_pool(make_store):
+    torch.manual_seed(0)
+    plain = Gated()
+    off = copy.deepcopy(plain)
+    opt_p, inner = torch.optim.AdamW(plain.parameters(), lr=1e-3), torch.optim.AdamW(off.parameters(), lr=1e-3)
+    _gated_steps(plain, opt_p, 3)
+    _gated_steps(off, inner, 3)  # plain steps first, then wrapped: the state carries over
+    opt_o = offload_optimizer(inner, make_store(), tier="nvme", prefix="late")
+    assert not any(inner.state.values())
+    _gated_steps(plain, opt_p, 8, start=3)
+    _gated_steps(off, opt_o, 8, start=3)
+    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+        assert torch.equal(a, b), n
+    _assert_same_state(opt_p, opt_o)
+
+
+def test_an_optimizer_without_per_parameter_state_is_refused_clearly(make_store):
+    with pytest.raises(TypeError, match="LBFGS needs a closure .* per parameter"):
+        offload_optimizer(torch.optim.LBFGS(Gated().parameters()), make_store())
 
 
 def test_zero1_and_fsdp2_under_torchrun(daemon):
