@@ -282,6 +282,15 @@ def _assert_same_state(opt_p, opt_o):
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][k])), (i, k)
 
 
+def _gated_both(plain, opt_p, off, opt_o, start, end):
+    """Steps ``start..end`` of both runs; then the same parameters and optimizer state."""
+    _gated_steps(plain, opt_p, end, start=start)
+    _gated_steps(off, opt_o, end, start=start)
+    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+        assert torch.equal(a, b), n
+    _assert_same_state(opt_p, opt_o)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_parameters_without_a_gradient_in_some_steps_keep_their_state(make_store, name):
     """A parameter with no gradient in a step is skipped and keeps its state, as the plain
@@ -301,11 +310,7 @@ def test_parameters_without_a_gradient_in_some_steps_keep_their_state(make_store
         # a new process would find the state by key: the same versions must come back
         opt_o = offload_optimizer(OPTIMIZERS[name](off.parameters()), s, tier="nvme", prefix="gated", resume=True)
         assert opt_o.completed_steps == upto
-    _gated_steps(plain, opt_p, 20, start=13)
-    _gated_steps(off, opt_o, 20, start=13)
-    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
-        assert torch.equal(a, b), n
-    _assert_same_state(opt_p, opt_o)
+    _gated_both(plain, opt_p, off, opt_o, 13, 20)
 
 
 def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_one(make_store):
@@ -344,11 +349,7 @@ def test_wrapping_an_optimizer_that_already_stepped_moves_its_state_into_the_poo
     _gated_steps(off, inner, 3)  # plain steps first, then wrapped: the state carries over
     opt_o = offload_optimizer(inner, make_store(), tier="nvme", prefix="late")
     assert not any(inner.state.values())
-    _gated_steps(plain, opt_p, 8, start=3)
-    _gated_steps(off, opt_o, 8, start=3)
-    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
-        assert torch.equal(a, b), n
-    _assert_same_state(opt_p, opt_o)
+    _gated_both(plain, opt_p, off, opt_o, 3, 8)
 
 
 def test_an_optimizer_without_per_parameter_state_is_refused_clearly(make_store):
