@@ -513,9 +513,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for name, v in st.items():
                 if isinstance(v, torch.Tensor):
                     layout[name], v = _local(v)
-                    # as torch does: floating state follows the parameter's dtype, except "step"
-                    t = v.to(p.dtype if v.is_floating_point() and name != "step" and not self._needs_master(p)
-                             else v.dtype)
+                    # as torch does: floating state follows the dtype of what is updated (the fp32
+                    # master where there is one, else the parameter), except "step"
+                    if v.is_floating_point() and name != "step":
+                        v = v.to(torch.float32 if self._needs_master(p) else p.dtype)
+                    t = v
                 else:
                     layout[name], t = _pytag(v)
                 self._put_both(gi, pi, name, t)

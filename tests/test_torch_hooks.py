@@ -119,15 +119,20 @@ def test_state_dict_round_trip_both_ways(make_store):
         assert torch.equal(x, y)
 
 
-def test_bf16_parameters_with_fp32_masters(make_store):
+@pytest.mark.parametrize("name", ["adamw", "adagrad"])
+def test_bf16_parameters_with_fp32_masters(make_store, name):
+    """Adagrad makes its state in its constructor, in the parameters' dtype (bf16): it
+    is widened to fp32 for the masters (0.25 is exact in bf16; 0.1 would be rounded)."""
     torch.manual_seed(2)
+    make = {"adamw": OPTIMIZERS["adamw"],
+            "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.25)}[name]
     ref = Net()
     model = copy.deepcopy(ref).to(torch.bfloat16)
     plain_model = copy.deepcopy(ref).to(torch.bfloat16)
     masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in plain_model.parameters()]
-    opt_p = torch.optim.AdamW([m for m in masters if m.requires_grad], lr=1e-3)
+    opt_p = make([m for m in masters if m.requires_grad])
     s = make_store()
-    opt_o = offload_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3), s)
+    opt_o = offload_optimizer(make([p for p in model.parameters() if p.requires_grad]), s)
     for step in range(20):
         x = _batches(step, 1)[0]
         for m, net in ((plain_model, "p"), (model, "o")):
