@@ -9,12 +9,14 @@ they use only put / get / checkout / lookup / keys / prefetch / free / step.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tierstore.errors import CapacityExceeded, NotFound, StaleHandle
 from tierstore.units import format_size
@@ -614,6 +616,38 @@ class _ParamOffload:
         for p in self.params.values():
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
+        # a parameter used outside its own module's forward (``h @ self.emb.weight.T`` in a
+        # parent) is loaded on demand: a torch-function mode watches the model's forward
+        self.demanded: set[int] = set()  # loaded on demand, not yet released
+        self.internal = 0  # > 0 while this class itself touches parameters: the mode looks away
+        self._mode = _OnDemand(self)
+        self._forward = model.forward
+        model.forward = self._watched_forward
+
+    def _watched_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._mode:
+            try:
+                return self._forward(*args, **kwargs)
+            finally:
+                if not torch.is_grad_enabled():  # no backward follows: what was demanded goes now
+                    with self._quiet():
+                        self._release_demanded(everything=True)
+
+    def demand(self, p: torch.Tensor) -> None:
+        """Load ``p`` for a use no module hook announced; it stays until its gradient is
+        accumulated (trainable) or the next ``writeback()`` / no-grad forward end (frozen)."""
+        if self.live.get(id(p), 0) == 0 and p.numel() == 0 and self.shapes[id(p)][0].numel():
+            p.data = self._fetch(p)
+            self.live[id(p)] = 1
+            self.demanded.add(id(p))
+
+    def _release_demanded(self, *, everything: bool) -> None:
+        for pid in list(self.demanded):
+            p = self.params[pid]
+            if everything or not p.requires_grad:
+                self.demanded.discard(pid)
+                self.live[pid] = 0
+                p.data = self._empty(p)
 
     def _own(self, m: torch.nn.Module) -> list[torch.nn.Parameter]:
         return [p for p in m.parameters(recurse=False) if id(p) in self.keys]
@@ -715,13 +749,24 @@ class _ParamOffload:
             if n <= 0:
                 p.data = self._empty(p)
 
+    @contextlib.contextmanager
+    def _quiet(self):
+        """This class's own touching of parameters: not a use for the on-demand mode."""
+        self.internal += 1
+        try:
+            yield
+        finally:
+            self.internal -= 1
+
     def _pre(self, m, args):
-        self._load(m, self.next_of)
+        with self._quiet():
+            self._load(m, self.next_of)
 
     def _post(self, m, args, out):
         # autograd saved the Parameter objects themselves (leaves), not their bytes:
         # backward re-loads them in _bwd_pre before the module's backward runs
-        self._unload(m)
+        with self._quiet():
+            self._unload(m)
 
     def _bwd_pre(self, m, grad_output):
         self._load(m, self.prev_of)
@@ -740,6 +785,7 @@ class _ParamOffload:
         # the engine accumulates a leaf's gradient once, after every use of it in this
         # backward pass: no backward computation needs its bytes after this point
         self.live[id(p)] = 0
+        self.demanded.discard(id(p))
         p.data = self._empty(p)
 
     def materialize(self) -> None:
@@ -753,6 +799,7 @@ class _ParamOffload:
     def writeback(self) -> None:
         """Store the (updated) materialised parameters and release their memory."""
         self._drop_staged()  # staged copies hold the old values
+        self._release_demanded(everything=False)  # frozen ones loaded on demand (trainable: by their grads)
         for pid, p in self.params.items():
             if p.numel():
                 self.objects[pid] = self.store.put(p.detach(), key=self.keys[pid], replace=True)
@@ -764,7 +811,33 @@ class _ParamOffload:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self.model.__dict__.get("forward") == self._watched_forward:
+            del self.model.forward  # the class's forward again
         self.materialize()
+
+
+class _OnDemand(TorchFunctionMode):
+    """While the model's forward runs: any torch function given one of its offloaded
+    parameters while that is not loaded loads it first."""
+
+    def __init__(self, po: _ParamOffload) -> None:
+        super().__init__()
+        self.po = po
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.po.internal:
+            return func(*args, **kwargs)
+        params = self.po.params
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.nn.Parameter):
+                if id(a) in params and a.numel() == 0:
+                    self.po.demand(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.nn.Parameter) and id(b) in params and b.numel() == 0:
+                        self.po.demand(b)
+        return func(*args, **kwargs)
 
 
 def offload_parameters(model: torch.nn.Module, client: Any, *, tier: str | None = "host",

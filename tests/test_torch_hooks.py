@@ -179,12 +179,58 @@ def test_parameter_offload_matches_plain_forward_and_grads(make_store):
         assert torch.equal(a, b)
 
 
-def test_parameter_offload_with_optimizer_steps(make_store):
-    torch.manual_seed(4)
-    plain = Net()
+class Functional(nn.Module):
+    """Parameters used outside their own module's forward: a tied output projection
+    written as a matmul in the parent, and a frozen submodule's weight through F.linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 24)
+        self.block = nn.Linear(24, 24)
+        self.mix = nn.Linear(24, 24)
+        self.mix.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.block(self.emb(x)))
+        h = nn.functional.linear(h, self.mix.weight)  # self.mix itself never runs
+        return h @ self.emb.weight.T
+
+
+def _offloaded_twin(make_store, cls, seed):
+    """(plain model, its copy with parameters offloaded, the offload handle)."""
+    torch.manual_seed(seed)
+    plain = cls()
     model = copy.deepcopy(plain)
-    s = make_store()
-    handle = offload_parameters(model, s)
+    return plain, model, offload_parameters(model, make_store())
+
+
+def test_parameters_used_outside_their_module_are_loaded_on_demand(make_store):
+    plain, model, handle = _offloaded_twin(make_store, Functional, 5)
+    xs = _batches(0)
+    # two forwards, then one backward (accumulation over a summed loss)
+    loss_p = sum(plain(x).square().mean() for x in xs)
+    loss_o = sum(model(x).square().mean() for x in xs)
+    assert torch.equal(loss_p, loss_o)
+    loss_p.backward()
+    loss_o.backward()
+    for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+        if a.requires_grad:
+            assert torch.equal(a.grad, b.grad), n
+            assert b.numel() == 0, n  # released once its gradient is in
+    assert model.mix.weight.numel() > 0  # frozen, loaded on demand: until the next writeback
+    handle.writeback()
+    assert all(p.numel() == 0 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(plain(xs[0]), model(xs[0]))
+    assert all(p.numel() == 0 for p in model.parameters())  # no backward follows: released at once
+    handle()
+    assert "forward" not in model.__dict__  # the hooks and the watch are gone
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_parameter_offload_with_optimizer_steps(make_store):
+    plain, model, handle = _offloaded_twin(make_store, Net, 4)
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
     opt_o = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(5):
