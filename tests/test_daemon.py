@@ -24,6 +24,9 @@ def test_round_trips_through_the_daemon(daemon):
                 h = c.put(t)
                 got = c.get(h)
                 assert got.dtype == t.dtype and torch.equal(got, t)
+        for x in (np.asarray(np.float64(0.5)), np.zeros((2, 0), np.uint8)):  # rank kept, staged or not
+            got = c.get(c.put(x))
+            assert got.shape == x.shape and got.dtype == x.dtype and np.array_equal(got, x)
         a = np.arange(12, dtype=np.int16).reshape(3, 4)
         h = c.put(a, key="np")
         assert np.array_equal(c.get(h), a)

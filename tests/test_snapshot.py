@@ -59,6 +59,27 @@ def test_round_trip_every_dtype(make_store, tmp_path, suffix):
     _check(_Ns(s2, "copy"), data)
 
 
+def test_empty_and_0d_objects_alone_round_trip(make_store, tmp_path):
+    """A namespace of nothing but empty objects (no bytes to pack) and 0-d ones."""
+    s = make_store()
+    data = {"e/torch": torch.zeros(0, 3), "e/numpy": np.zeros((2, 0), np.int16)}
+    for k, t in data.items():
+        s.put(t, key=k)
+    s.snapshot(str(tmp_path / "empty.zarr"))
+    s.put(np.asarray(np.float32(1.5)), key="z/numpy")
+    s.put(torch.tensor(7, dtype=torch.int32), key="z/torch")
+    data.update({"z/numpy": np.asarray(np.float32(1.5)), "z/torch": torch.tensor(7, dtype=torch.int32)})
+    s.snapshot(str(tmp_path / "mixed.zarr"))
+    for name, want in (("empty.zarr", ["e/numpy", "e/torch"]), ("mixed.zarr", sorted(data))):
+        s2 = make_store(nvme_dirs=[str(tmp_path / f"restore-{name}")])
+        s2.restore(str(tmp_path / name))
+        assert sorted(s2.keys()) == want
+        for k in want:
+            got, t = s2.get(s2.lookup(k)), data[k]
+            assert type(got) is type(t) and got.shape == t.shape and got.dtype == t.dtype, k
+            assert (np.array_equal(got, t) if isinstance(t, np.ndarray) else torch.equal(got, t)), k
+
+
 class _Ns:
     def __init__(self, s, ns):
         self.s, self.ns = s, ns

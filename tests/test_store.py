@@ -45,6 +45,10 @@ def test_numpy_round_trip_and_out(make_store):
     assert s.get(h, out=out) is out and np.array_equal(out, a)
     be = a.astype(">f4")  # non-native byte order is stored as native
     assert np.array_equal(s.get(s.put(be)), a)
+    for tier in ("host", "nvme"):  # shapes keep their rank: 0-d stays 0-d, empty stays empty
+        for x in (np.asarray(np.float32(2.5)), np.zeros((0, 3), np.int8), a[::2, ::3], a.T):
+            got = s.get(s.put(x, tier=tier))
+            assert got.shape == x.shape and got.dtype == x.dtype and np.array_equal(got, x), (tier, x.shape)
 
 
 def test_non_contiguous_input_is_copied(make_store):

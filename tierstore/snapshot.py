@@ -9,7 +9,8 @@ Layout of a snapshot:
   its metadata as attributes; dtypes Zarr lacks (bfloat16, float8, complex32) are
   stored as unsigned integers of the same width, the true dtype in ``dtype``;
 - smaller objects: packed back to back into ``_packs/N`` uint8 arrays (so 500 small
-  tensors are not 500 files); the index gives each one's pack, offset and length.
+  tensors are not 500 files); the index gives each one's pack, offset and length;
+- an empty object (no bytes): its index entry only.
 
 Snapshots stream one object at a time. A local directory or zip is written under a
 temporary name and renamed into place when complete; other URLs get ``complete``
@@ -266,7 +267,9 @@ def snapshot(source: Any, dest: str, *, namespace: str, prefix: str = "",
             u8, spec = to_bytes(data)
             entry = {"key": e["key"], "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                      "nbytes": spec.nbytes, "crc32c": crc32c(u8), "durable": bool(e.get("durable"))}
-            if spec.nbytes < SMALL_BYTES:
+            if spec.nbytes == 0:
+                pass  # nothing to store: the index entry says it all
+            elif spec.nbytes < SMALL_BYTES:
                 if pack_used + spec.nbytes > _PACK_BYTES:
                     flush_pack()
                 if pack_buf.size < _PACK_BYTES:
@@ -469,7 +472,9 @@ def _read_chunk_file(path: str, dst: np.ndarray) -> int:
 
 
 def _read(root: Any, e: dict[str, Any], packs: dict[int, Any], local_dir: str | None = None) -> np.ndarray:
-    if "pack" in e:
+    if e["nbytes"] == 0:
+        u8 = np.empty(0, np.uint8)  # an empty object has no bytes in the snapshot
+    elif "pack" in e:
         arr = packs.get(e["pack"])
         if arr is None:
             packs.clear()  # one pack (<= 64 MiB) in memory at a time; the index is in pack order

@@ -63,7 +63,8 @@ def to_bytes(obj: Any) -> tuple[np.ndarray, TensorSpec]:
         arr = obj
         if not arr.dtype.isnative:
             arr = arr.astype(arr.dtype.newbyteorder("="))
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
         name = _DTYPE_NAMES.get(arr.dtype)
         if name is None:
             name = _DTYPE_NAMES[arr.dtype] = arr.dtype.name  # dtype.name is computed in Python each time
