@@ -631,7 +631,7 @@ class _ParamOffload:
             finally:
                 if not torch.is_grad_enabled():  # no backward follows: what was demanded goes now
                     with self._quiet():
-                        self._release_demanded(everything=True)
+                        self._release_demanded()
 
     def demand(self, p: torch.Tensor) -> None:
         """Load ``p`` for a use no module hook announced; it stays until its gradient is
@@ -641,13 +641,11 @@ class _ParamOffload:
             self.live[id(p)] = 1
             self.demanded.add(id(p))
 
-    def _release_demanded(self, *, everything: bool) -> None:
-        for pid in list(self.demanded):
-            p = self.params[pid]
-            if everything or not p.requires_grad:
-                self.demanded.discard(pid)
-                self.live[pid] = 0
-                p.data = self._empty(p)
+    def _release_demanded(self) -> None:
+        for pid in self.demanded:
+            self.live[pid] = 0
+            self.params[pid].data = self._empty(self.params[pid])
+        self.demanded.clear()
 
     def _own(self, m: torch.nn.Module) -> list[torch.nn.Parameter]:
         return [p for p in m.parameters(recurse=False) if id(p) in self.keys]
@@ -765,6 +763,12 @@ class _ParamOffload:
     def _post(self, m, args, out):
         # autograd saved the Parameter objects themselves (leaves), not their bytes:
         # backward re-loads them in _bwd_pre before the module's backward runs
+        if torch._C._current_graph_task_id() != -1 and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(out)):
+            # a forward re-run inside backward (activation checkpointing) whose backward
+            # follows: that reads these bytes, perhaps before _bwd_pre; they go when the
+            # gradient is in (trainable) or after the module's backward (frozen)
+            return
         with self._quiet():
             self._unload(m)
 
@@ -799,12 +803,12 @@ class _ParamOffload:
     def writeback(self) -> None:
         """Store the (updated) materialised parameters and release their memory."""
         self._drop_staged()  # staged copies hold the old values
-        self._release_demanded(everything=False)  # frozen ones loaded on demand (trainable: by their grads)
+        self.demanded.clear()
         for pid, p in self.params.items():
             if p.numel():
                 self.objects[pid] = self.store.put(p.detach(), key=self.keys[pid], replace=True)
-                if self.live.get(pid, 0) == 0:
-                    p.data = self._empty(p)
+                p.data = self._empty(p)
+            self.live[pid] = 0  # between steps nothing runs: whatever a pass left loaded goes too
 
     def undo(self) -> None:
         """Remove the hooks and give every parameter its bytes back."""

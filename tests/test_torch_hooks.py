@@ -1,6 +1,7 @@
 """Training hooks: offloaded optimizers and parameters give the plain results."""
 
 import copy
+import functools
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tierstore.client.torch import offload_optimizer, offload_parameters
 
@@ -225,6 +227,59 @@ def test_parameters_used_outside_their_module_are_loaded_on_demand(make_store):
     assert all(p.numel() == 0 for p in model.parameters())  # no backward follows: released at once
     handle()
     assert "forward" not in model.__dict__  # the hooks and the watch are gone
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+class _Region(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.LayerNorm(16)
+        self.stem.requires_grad_(False)
+        self.lin = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.norm.requires_grad_(False)
+        self.scale = nn.Parameter(torch.randn(16) * 0.1)
+
+    def forward(self, x):
+        h = self.stem(x)  # frozen, on an input that needs no gradient: never has a backward
+        return self.norm(torch.tanh(self.lin(h))) * (1 + self.scale)
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing: a region re-run in backward before its modules' backward
+    hooks fire (frozen ones among them), and a module checkpointed once per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.region = _Region()
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        ck = functools.partial(checkpoint, use_reentrant=False)
+        h = ck(self.region, x)
+        for _ in range(2):
+            h = ck(self.out, h)
+        return h
+
+
+def test_parameter_offload_under_activation_checkpointing(make_store):
+    plain, model, handle = _offloaded_twin(make_store, Checkpointed, 6)
+    opt_p, opt_o = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, model))
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for m in (plain, model):
+            m(x).square().mean().backward()
+        handle.materialize()
+        for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+            assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), (step, n)
+        opt_p.step()
+        opt_o.step()
+        handle.writeback()
+        opt_p.zero_grad()
+        opt_o.zero_grad()
+        assert all(p.numel() == 0 for p in model.parameters()), step  # nothing left loaded between steps
+    handle()
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)
 
