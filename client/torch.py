@@ -167,6 +167,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if p.grad is not None]
         # each parameter reads its current version and writes the other; skipped ones keep theirs
         ver = {(gi, pi): self._cur.get((gi, pi), 0) for gi, pi, _ in work}
+        fresh = {(gi, pi) for gi, pi, _ in work if (gi, pi) not in self._layout}  # state made this step
         saved_groups = self.inner.param_groups
         pending: list[_GpuItem] = []  # updated on the GPU, state still being written back
         nxt: _GpuItem | None = None
@@ -199,10 +200,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for item in pending + ([nxt] if nxt is not None else []):
                 self._gpu_finish(item)
         for gi, pi, _ in work:
-            if (gi, pi) in self._cur:
+            if (gi, pi) in fresh:  # met for the first time: both versions were written, equal
+                if (gi, pi) in self._layout:
+                    self._cur[(gi, pi)] = (self._completed + 1) % 2  # the step's parity, as for the others
+            else:
                 self._cur[(gi, pi)] = 1 - ver[(gi, pi)]
-            elif (gi, pi) in self._layout:  # met for the first time: both versions were written, equal
-                self._cur[(gi, pi)] = (self._completed + 1) % 2  # the step's parity, as for the others
         self._completed += 1
         # the progress record flips which versions are current: written last, after every parameter
         self._put_progress()
