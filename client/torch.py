@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -619,21 +620,31 @@ class _ParamOffload:
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
         # a parameter used outside its own module's forward (``h @ self.emb.weight.T`` in a
-        # parent) is loaded on demand: a torch-function mode watches the model's forward
+        # parent, or only its shape asked for) is loaded on demand: a torch-function mode is
+        # active while any of the model's modules runs forward, also when backward re-runs a
+        # checkpointed region, so code never sees an unloaded parameter's bytes or shape
         self.demanded: set[int] = set()  # loaded on demand, not yet released
         self.internal = 0  # > 0 while this class itself touches parameters: the mode looks away
         self._mode = _OnDemand(self)
-        self._forward = model.forward
-        model.forward = self._watched_forward
+        self._tls = threading.local()  # per thread: how deep in module forwards (modes are per thread)
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(self._enter, prepend=True))
+            self.handles.append(m.register_forward_hook(self._exit, always_call=True))
 
-    def _watched_forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._mode:
-            try:
-                return self._forward(*args, **kwargs)
-            finally:
-                if not torch.is_grad_enabled():  # no backward follows: what was demanded goes now
-                    with self._quiet():
-                        self._release_demanded()
+    def _enter(self, m, args):
+        depth = getattr(self._tls, "depth", 0)
+        if depth == 0:
+            self._mode.__enter__()
+        self._tls.depth = depth + 1
+
+    def _exit(self, m, args, out=None):
+        self._tls.depth -= 1
+        if self._tls.depth:
+            return
+        self._mode.__exit__(None, None, None)
+        if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            with self._quiet():  # a forward without autograd: no backward follows, what was demanded goes
+                self._release_demanded()
 
     def demand(self, p: torch.Tensor) -> None:
         """Load ``p`` for a use no module hook announced; it stays until its gradient is
@@ -817,8 +828,6 @@ class _ParamOffload:
         for h in self.handles:
             h.remove()
         self.handles = []
-        if self.model.__dict__.get("forward") == self._watched_forward:
-            del self.model.forward  # the class's forward again
         self.materialize()
 
 
