@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -51,6 +52,10 @@ def test_errors_cross_the_wire_typed(daemon):
             c.get(h)
         with pytest.raises(CapacityExceeded, match="every tier"):
             c.put(torch.empty(2 << 30, dtype=torch.uint8))
+        t0 = time.monotonic()  # larger than the 64 MiB host tier the bytes travel through: refused at once
+        with pytest.raises(CapacityExceeded, match="stages the whole object in the host tier"):
+            c.put(torch.empty(65 << 20, dtype=torch.uint8), tier="nvme")
+        assert time.monotonic() - t0 < 5
         lease = c.checkout(c.put(torch.ones(2)), "rw")
         with pytest.raises(Busy):
             c.checkout(lease.handle, "r", timeout_s=0.05)

@@ -1,5 +1,6 @@
 """The in-process store against real files with O_DIRECT."""
 
+import time
 
 import numpy as np
 import pytest
@@ -333,6 +334,17 @@ def test_nvme_homed_objects_go_back_down_after_use(make_store):
     assert torch.equal(s.get(h), torch.full((100_000,), 2.0))
     assert s.info(h)["residency"] == ["nvme"]  # a get does not pull it up either
     assert "host" in s.info(cached)["residency"]  # tier=None objects stay cached
+
+
+def test_an_object_larger_than_the_host_tier_is_read_directly_and_its_checkout_refused_at_once(make_store):
+    s = make_store(host_bytes="1MiB")
+    t = torch.randn(1 << 19)  # 2 MiB, on NVMe
+    h = s.put(t, tier="nvme")
+    assert torch.equal(s.get(h), t)  # straight from NVMe into the result
+    t0 = time.monotonic()
+    with pytest.raises(CapacityExceeded, match="do not fit in the host tier at all"):
+        s.checkout(h, "r")  # no waiting for room that can never come
+    assert time.monotonic() - t0 < 5
 
 
 def test_write_only_checkout_skips_the_read(make_store):

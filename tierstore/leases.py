@@ -12,6 +12,7 @@ from typing import Any
 from .errors import Busy, CapacityExceeded, InvalidArgument, KeyExists, NotFound, PermissionDenied, TierstoreError
 from .index import Handle, ObjectMeta, validate_namespace
 from .tensors import TensorSpec
+from .units import PAGE, align_up
 
 __all__ = ["Leasing", "WouldBlock", "Reservation", "LeaseInfo", "LOCAL"]
 
@@ -68,7 +69,14 @@ class Leasing:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
         object; the caller fills it, then ``commit_put``."""
         tier = self._check_tier(tier)
-        self._check_fits(spec.nbytes, tier if tier != "nvme" else "host")
+        self._check_fits(spec.nbytes, tier)
+        if tier != "gpu":
+            usable = self._host_usable()
+            if align_up(max(spec.nbytes, 1), PAGE) > usable:
+                raise CapacityExceeded(
+                    f"{spec.nbytes} bytes exceed the host tier's usable {usable} bytes: a put through the daemon "
+                    "stages the whole object in the host tier (the shared arena), whatever its tier; raise "
+                    "host_bytes (an in-process Store writes larger objects to NVMe directly)")
         if key is not None:
             with self._cv:
                 if (namespace, key) in self._keys and not replace:

@@ -33,8 +33,19 @@ class Movement:
             return (self.host.largest_free >= need
                     and self.host.used_bytes + need <= self.config.high_watermark * self.host.capacity)
 
+    def _host_usable(self) -> int:
+        """Host bytes one object can ever get: the tier less the connections' staging areas."""
+        with self._cv:
+            return self.host.capacity - sum(n for _, n in self._scratch.values())
+
     def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None) -> int:
         """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise."""
+        usable = self._host_usable()
+        if align_up(max(nbytes, 1), PAGE) > usable:  # no wait can make room: say so at once
+            raise CapacityExceeded(
+                f"{nbytes} bytes do not fit in the host tier at all ({usable} bytes usable of "
+                f"{self.host.capacity}, the rest are connections' staging areas); an object is checked out "
+                "(and, through the daemon, read) in the host tier: raise host_bytes")
         return self._alloc_evicting(
             lambda: self.host.alloc(nbytes), lambda: self._pick_victim(admit_distance) if evict else None,
             self._demote, wait_s,
