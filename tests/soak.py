@@ -1,0 +1,293 @@
+"""Randomized soak of the training hooks and the object API against plain references.
+
+    python tests/soak.py optimizer --seeds 0:200   # offloaded optimizers vs plain ones, bit-exact, every step
+    python tests/soak.py params --seeds 0:500      # offloaded parameters vs the plain model
+    python tests/soak.py api --seeds 0:300         # Store / Client calls vs a dict of the expected bytes
+
+Each seed builds one random case — model and optimizer, dtypes, skipped gradients,
+resumes and state_dict round trips, activation checkpointing, tied and frozen
+parameters, tiers, pool sizes, policy, prefetch, I/O threads, an in-process Store or
+a real daemon — and checks it after every step or call. A failure names its seed,
+which replays it. A short run is part of the test suite (tests/test_soak.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tierstore import Busy, CapacityExceeded, Config, Store
+from tierstore.client import Client
+from tierstore.client.torch import offload_optimizer, offload_parameters
+
+
+@contextmanager
+def pool(rng: random.Random, base: str, host: int, nvme: int, budget: int):
+    """An in-process Store or a client of a real daemon (chosen by ``rng``), with random settings."""
+    policy, prefetch, io = rng.choice(["trace", "lru"]), rng.random() < 0.7, rng.choice([1, 2, 4, 8])
+    chunk = rng.choice([1, 2, 4]) << 20
+    if rng.random() < 0.5:
+        s = Store(Config(host_bytes=host, nvme_dirs=[os.path.join(base, "nvme")], nvme_bytes=nvme, policy=policy,
+                         prefetch=prefetch, prefetch_budget_bytes=budget, io_threads=io, io_chunk_bytes=chunk,
+                         nvme_grow_bytes=16 << 20), namespace="soak")
+        try:
+            yield s
+        finally:
+            s.close()
+        return
+    sock, notify = os.path.join(base, "run", "ts.sock"), os.path.join(base, "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(notify)
+    ns.settimeout(120)
+    with open(os.path.join(base, "daemon.log"), "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tierstore.daemon", "--socket", sock, "--nvme-dir", os.path.join(base, "nvme"),
+             "--host-bytes", str(host), "--nvme-bytes", str(nvme), "--policy", policy, "--prefetch", str(int(prefetch)),
+             "--prefetch-budget-bytes", str(budget), "--io-threads", str(io), "--io-chunk-bytes", str(chunk)],
+            env={**os.environ, "NOTIFY_SOCKET": notify, "TIERSTORE_NVME_GROW_BYTES": "16MiB"}, stdout=log, stderr=log)
+    try:
+        while b"READY=1" not in ns.recv(4096):
+            pass
+        with Client.connect(socket=sock, namespace="soak") as c:
+            yield c
+    finally:
+        proc.terminate()
+        proc.wait()
+        ns.close()
+
+
+# ---------------------------------------------------------------------------- optimizers
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+}
+
+
+def soak_optimizer(seed: int, base: str) -> str:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = rng.choice([torch.float32, torch.float32, torch.bfloat16])
+    shapes = [(rng.choice([1, 7, 64, 300]), rng.choice([1, 3, 128, 257])) for _ in range(rng.randint(2, 10))]
+    plain = [nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    off = [nn.Parameter(p.detach().clone()) for p in plain]
+    name = rng.choice(sorted(OPTIMIZERS))
+    make, tier = OPTIMIZERS[name], rng.choice(["nvme", None, "host"])
+    # plain mixed precision: the optimizer updates fp32 masters, which are rounded into the parameters
+    masters = [nn.Parameter(p.detach().float()) for p in plain] if dtype != torch.float32 else []
+    big = max(p.numel() for p in plain) * 4 * (2 if masters else 1)
+    budget = big * rng.choice([1, 2, 3])
+    host = max(sum(p.numel() for p in plain) * 16 // rng.choice([2, 3, 4, 6]), 4 * big + budget + (1 << 20))
+    with pool(rng, base, host, 64 << 20, budget) as s:
+        opt_p = make(masters or plain)
+        opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt")
+        loaded_at = 0
+        for step in range(rng.randint(5, 20)):
+            for a, b in zip(plain, off):
+                a.grad = torch.randn(a.shape).to(dtype)
+                b.grad = a.grad.clone()
+            if rng.random() < 0.3:  # no gradient this step: an expert not routed to
+                k = rng.randrange(len(plain))
+                plain[k].grad = off[k].grad = None
+            for m, p in zip(masters, plain):
+                m.grad = None if p.grad is None else p.grad.float()
+            opt_p.step()
+            opt_o.step()
+            with torch.no_grad():
+                for m, p in zip(masters, plain):
+                    p.copy_(m)
+            for i, (a, b) in enumerate(zip(plain, off)):
+                assert torch.equal(a, b), f"seed {seed}: {name} {dtype} step {step}: parameter {i} differs"
+            r = rng.random()
+            if r < 0.1:  # a new process takes the state up from the pool
+                opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", resume=True)
+                assert opt_o.completed_steps == step + 1 - loaded_at, f"seed {seed}: resumed at the wrong step"
+            elif r < 0.15 and not masters:  # a checkpoint's state_dict into a fresh wrapper
+                sd = opt_o.state_dict()
+                opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt")
+                opt_o.load_state_dict(sd)
+                loaded_at = step + 1
+        if not masters:
+            want, got = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
+            for i in want:
+                for k, v in want[i].items():
+                    assert torch.equal(torch.as_tensor(v), torch.as_tensor(got[i][k])), f"seed {seed}: state {i}/{k}"
+    return f"{name} {dtype} tier={tier}"
+
+
+# ---------------------------------------------------------------------------- parameters
+class RandomNet(nn.Module):
+    """Nested modules run in a random plan (some twice), some frozen, some checkpointed,
+    some of their weights also used functionally by the parent."""
+
+    def __init__(self, rng: random.Random, depth: int = 0) -> None:
+        super().__init__()
+        leaves = [lambda: nn.Linear(16, 16), lambda: nn.LayerNorm(16), lambda: nn.Sequential(nn.Linear(16, 16),
+                                                                                            nn.Tanh())]
+        self.kids = nn.ModuleList(RandomNet(rng, depth + 1) if depth < 2 and rng.random() < 0.4 else rng.choice(leaves)()
+                                  for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.3:
+            self.own = nn.Parameter(torch.randn(16) * 0.1)
+        if rng.random() < 0.2:
+            self.kids[0].requires_grad_(False)
+        self.plan = [rng.randrange(len(self.kids)) for _ in range(rng.randint(1, 4))]
+        self.ckpt = rng.random() < 0.2
+        self.functional = rng.random() < 0.3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.plan:
+            x = checkpoint(self.kids[i], x, use_reentrant=False) if self.ckpt else self.kids[i](x)
+        if hasattr(self, "own"):
+            x = x * (1 + self.own)
+        if self.functional:
+            for k in self.kids:
+                w = getattr(k, "weight", None)
+                if isinstance(w, nn.Parameter) and w.dim() == 2:
+                    return x + 0.1 * nn.functional.linear(x, w)
+        return x
+
+
+def soak_params(seed: int, base: str) -> str:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    plain = RandomNet(rng)
+    linears = [m for m in plain.modules() if isinstance(m, nn.Linear)]
+    if len(linears) >= 2 and rng.random() < 0.4:
+        linears[-1].weight = linears[0].weight  # tied
+    model = copy.deepcopy(plain)
+    tier = rng.choice(["host", "nvme", None])
+    with pool(rng, base, rng.choice([256 << 10, 1 << 20]), 64 << 20, 64 << 10) as s:
+        handle = offload_parameters(model, s, tier=tier)
+        opt_p, opt_o = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5) for m in (plain, model))
+        for step in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            for m in (plain, model):
+                out = m(x)
+                if out.requires_grad:
+                    out.square().mean().backward()
+            handle.materialize()
+            for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+                assert (a.grad is None) == (b.grad is None), f"seed {seed} step {step}: {n} gradient presence"
+                assert a.grad is None or torch.equal(a.grad, b.grad), f"seed {seed} step {step}: {n} gradient"
+            opt_p.step()
+            opt_o.step()
+            handle.writeback()
+            opt_p.zero_grad()
+            opt_o.zero_grad()
+            with torch.no_grad():
+                assert torch.equal(plain(x), model(x)), f"seed {seed} step {step}: forward without autograd"
+            assert all(p.numel() == 0 for p in model.parameters()), f"seed {seed} step {step}: left loaded"
+        handle()
+        for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), f"seed {seed}: {n} after undo"
+    return f"{sum(1 for _ in plain.modules())} modules tier={tier}"
+
+
+# ---------------------------------------------------------------------------- object API
+def soak_api(seed: int, base: str) -> str:
+    rng = random.Random(seed)
+    host = rng.choice([1, 2, 4]) << 20
+    want: dict[str, np.ndarray] = {}
+    handles: dict[str, object] = {}
+
+    def same(got, key: str) -> bool:
+        got = got.numpy() if isinstance(got, torch.Tensor) else got
+        return np.array_equal(np.asarray(got).reshape(-1), want[key].reshape(-1))
+
+    with pool(rng, base, host, 256 << 20, host // 3) as s:
+        for i in range(rng.randint(50, 300)):
+            op = rng.choice(["put", "put", "replace", "get", "get_out", "r", "rw", "w", "free", "prefetch", "step",
+                             "keys", "info"])
+            keys = sorted(want)
+            if op not in ("put", "step") and not keys:
+                continue
+            try:
+                if op in ("put", "replace"):
+                    key = rng.choice(keys) if op == "replace" else f"k{i % 37}/{rng.randint(0, 3)}"
+                    n = rng.choice([0, 1, 7, 4096, 100_000, 300_000, 1 << 20])
+                    a = np.frombuffer(rng.randbytes(n), np.uint8).copy()
+                    tier = rng.choice([None, "host", "nvme"])
+                    handles[key] = s.put(torch.from_numpy(a) if rng.random() < 0.5 else a, key=key, tier=tier,
+                                         durable=rng.random() < 0.2, replace=key in want)
+                    want[key] = a
+                elif op in ("get", "get_out"):
+                    key = rng.choice(keys)
+                    out = np.empty_like(want[key]) if op == "get_out" else None
+                    assert same(s.get(handles[key], out=out), key), f"seed {seed} op {i}: get {key}"
+                elif op in ("r", "rw", "w"):
+                    key = rng.choice(keys)
+                    if not want[key].size:
+                        continue
+                    with s.checkout(handles[key], op) as t:
+                        arr = t.numpy() if isinstance(t, torch.Tensor) else t
+                        if op != "w":
+                            assert same(arr, key), f"seed {seed} op {i}: check-out {op} of {key}"
+                        if op != "r":
+                            arr[...] = np.frombuffer(rng.randbytes(arr.size), np.uint8).reshape(arr.shape)
+                            want[key] = arr.copy()
+                elif op == "free":
+                    key = rng.choice(keys)
+                    s.free(handles.pop(key))
+                    del want[key]
+                    assert s.lookup(key) is None, f"seed {seed} op {i}: {key} still bound after free"
+                elif op == "prefetch":
+                    s.prefetch([handles[k] for k in rng.sample(keys, min(3, len(keys)))])
+                elif op == "step":
+                    s.step()
+                elif op == "keys":
+                    assert sorted(s.keys()) == keys, f"seed {seed} op {i}: keys"
+                else:
+                    key = rng.choice(keys)
+                    assert int(s.info(handles[key])["nbytes"]) == want[key].nbytes, f"seed {seed} op {i}: info"
+            except (CapacityExceeded, Busy):
+                continue  # a full tier or a busy object: refused whole, nothing changed
+        for key in sorted(want):
+            assert same(s.get(s.lookup(key)), key), f"seed {seed}: {key} at the end"
+        assert s.stat()["leases"] == 0, f"seed {seed}: leases left"
+    return f"{len(want)} objects"
+
+
+SOAKS = {"optimizer": soak_optimizer, "params": soak_params, "api": soak_api}
+
+
+def run(kind: str, seeds: range, base: str | None = None, verbose: bool = True) -> int:
+    """Run ``kind`` for every seed (each in a fresh directory under ``base``); the count run."""
+    for seed in seeds:
+        d = tempfile.mkdtemp(prefix=f"soak-{kind}-{seed}-", dir=base)
+        try:
+            what = SOAKS[kind](seed, d)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        if verbose:
+            print(f"{kind} seed {seed}: ok ({what})", flush=True)
+    return len(seeds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kind", choices=sorted(SOAKS))
+    p.add_argument("--seeds", default="0:50", help="FIRST:END (END excluded)")
+    p.add_argument("--dir", default=None, help="where the pools live (default: the temporary directory)")
+    args = p.parse_args(argv)
+    first, end = (int(x) for x in args.seeds.split(":"))
+    n = run(args.kind, range(first, end), args.dir)
+    print(f"{args.kind}: {n} seeds, no failure")
+
+
+if __name__ == "__main__":
+    main()
