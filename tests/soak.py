@@ -2,7 +2,7 @@
 
     python tests/soak.py optimizer --seeds 0:200   # offloaded optimizers vs plain ones, bit-exact, every step
     python tests/soak.py params --seeds 0:500      # offloaded parameters vs the plain model
-    python tests/soak.py api --seeds 0:300         # Store / Client calls vs a dict of the expected bytes
+    python tests/soak.py api --seeds 0:300         # Store / Client calls (and a snapshot round trip) vs the expected bytes
 
 Each seed builds one random case — model and optimizer, dtypes, skipped gradients,
 resumes and state_dict round trips, activation checkpointing, tied and frozen
@@ -256,6 +256,11 @@ def soak_api(seed: int, base: str) -> str:
                     assert int(s.info(handles[key])["nbytes"]) == want[key].nbytes, f"seed {seed} op {i}: info"
             except (CapacityExceeded, Busy):
                 continue  # a full tier or a busy object: refused whole, nothing changed
+        if rng.random() < 0.5:  # through a snapshot and back, over the same keys
+            dest = os.path.join(base, rng.choice(["snap.zarr", "snap.zip"]))
+            assert s.snapshot(dest, progress=False)["objects"] == len(want), f"seed {seed}: snapshot count"
+            s.restore(dest, overwrite=True, progress=False)
+        assert sorted(s.keys()) == sorted(want), f"seed {seed}: keys at the end"
         for key in sorted(want):
             assert same(s.get(s.lookup(key)), key), f"seed {seed}: {key} at the end"
         assert s.stat()["leases"] == 0, f"seed {seed}: leases left"
