@@ -385,6 +385,16 @@ def _gated_steps(model, opt, steps, start=0):
         opt.zero_grad(set_to_none=True)
 
 
+def _adamw_twin(make_store, cls, prefix):
+    """(plain model, its copy, plain AdamW, offloaded AdamW on the host tier, the store)."""
+    torch.manual_seed(0)
+    plain = cls()
+    off = copy.deepcopy(plain)
+    s = make_store()
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix=prefix)
+    return plain, off, torch.optim.AdamW(plain.parameters(), lr=1e-3), opt_o, s
+
+
 def _assert_same_state(opt_p, opt_o):
     sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
     assert sd_p.keys() == sd_o.keys()
@@ -428,12 +438,7 @@ def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_
     """A progress record holding only the step count (every parameter at the step's
     parity, as written before per-parameter versions) still resumes; one that is neither
     is refused with a clear error rather than read as versions."""
-    torch.manual_seed(0)
-    plain = Gated()
-    off = copy.deepcopy(plain)
-    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    s = make_store()
-    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy")
+    plain, off, opt_p, opt_o, s = _adamw_twin(make_store, Gated, "legacy")
     for model, opt in ((plain, opt_p), (off, opt_o)):
         for step in range(3):  # every parameter updated every step
             x = torch.randn(6, 12, generator=torch.Generator().manual_seed(step))
@@ -501,12 +506,7 @@ def test_state_keys_re_bound_behind_the_optimizer_are_found_again(make_store):
     """The optimizer looks each state key up once; when a key is re-bound to a new object
     (its cached handle goes stale), the next step looks it up again and the numbers stay
     those of the plain optimizer."""
-    torch.manual_seed(0)
-    plain = Net()
-    off = copy.deepcopy(plain)
-    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    s = make_store()
-    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="rebind")
+    plain, off, opt_p, opt_o, s = _adamw_twin(make_store, Net, "rebind")
     sch_p, sch_o = (torch.optim.lr_scheduler.StepLR(o, step_size=100) for o in (opt_p, opt_o))
     _train(plain, opt_p, sch_p, 3)
     _train(off, opt_o, sch_o, 3)
