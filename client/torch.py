@@ -623,7 +623,7 @@ class _ParamOffload:
         # parent, or only its shape asked for) is loaded on demand: a torch-function mode is
         # active while any of the model's modules runs forward, also when backward re-runs a
         # checkpointed region, so code never sees an unloaded parameter's bytes or shape
-        self.demanded: set[int] = set()  # loaded on demand, not yet released
+        self.demanded: dict[int, bool] = {}  # loaded on demand, not yet released -> under autograd?
         self.internal = 0  # > 0 while this class itself touches parameters: the mode looks away
         self._mode = _OnDemand(self)
         self._tls = threading.local()  # per thread: how deep in module forwards (modes are per thread)
@@ -643,7 +643,7 @@ class _ParamOffload:
             return
         self._mode.__exit__(None, None, None)
         if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            with self._quiet():  # a forward without autograd: no backward follows, what was demanded goes
+            with self._quiet():  # a forward without autograd: nothing it loaded is needed after it
                 self._release_demanded()
 
     def demand(self, p: torch.Tensor) -> None:
@@ -652,13 +652,15 @@ class _ParamOffload:
         if self.live.get(id(p), 0) == 0 and p.numel() == 0 and self.shapes[id(p)][0].numel():
             p.data = self._fetch(p)
             self.live[id(p)] = 1
-            self.demanded.add(id(p))
+            self.demanded[id(p)] = torch.is_grad_enabled()
 
     def _release_demanded(self) -> None:
-        for pid in self.demanded:
+        """Release what was loaded on demand without autograd (what a forward with autograd
+        loaded may still be read by its backward: that goes with its gradient or at writeback)."""
+        for pid in [pid for pid, grad in self.demanded.items() if not grad]:
+            del self.demanded[pid]
             self.live[pid] = 0
             self.params[pid].data = self._empty(self.params[pid])
-        self.demanded.clear()
 
     def _own(self, m: torch.nn.Module) -> list[torch.nn.Parameter]:
         return [p for p in m.parameters(recurse=False) if id(p) in self.keys]
@@ -802,7 +804,7 @@ class _ParamOffload:
         # the engine accumulates a leaf's gradient once, after every use of it in this
         # backward pass: no backward computation needs its bytes after this point
         self.live[id(p)] = 0
-        self.demanded.discard(id(p))
+        self.demanded.pop(id(p), None)
         p.data = self._empty(p)
 
     def materialize(self) -> None:
