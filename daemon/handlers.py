@@ -169,7 +169,7 @@ class Handlers:
     def free(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         if nowait:
             raise WouldBlock()  # may append to the journal or wait for a copy in flight
-        self.store.free(_handle(msg), namespace=sess.namespace)
+        self.store.free(_handle(msg), namespace=sess.namespace, owner=sess)
         return {}
 
     def lookup(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

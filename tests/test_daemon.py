@@ -588,6 +588,49 @@ def test_check_in_is_ordered_and_a_durable_rw_check_in_is_synchronous(daemon):
         assert c.lookup("v") is None
 
 
+def test_free_waits_for_another_connections_lease_and_refuses_the_callers_own(daemon):
+    """A check-in sent without waiting can reach the daemon after another connection's
+    free: a free waits for other connections' leases to end (as a check-out does), while
+    freeing an object one's own connection holds is Busy at once."""
+    import threading
+    import time
+
+    with daemon.client("fw") as a, daemon.client("fw") as b:
+        h = a.put(np.arange(1000, dtype=np.float32), key="x")
+        lease = a.checkout(h, "r")
+        done = {}
+
+        def free_it():
+            t0 = time.monotonic()
+            b.free(h)
+            done["s"] = time.monotonic() - t0
+        t = threading.Thread(target=free_it)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive() and a.lookup("x") is not None  # waiting for the lease
+        lease.release()
+        t.join(timeout=30)
+        assert done["s"] >= 0.4 and a.lookup("x") is None
+
+        h2 = b.put(np.zeros(10, np.float32), key="y")
+        with b.checkout(h2, "rw"):
+            t0 = time.monotonic()
+            with pytest.raises(Busy, match="checked out"):
+                b.free(h2)
+            assert time.monotonic() - t0 < 5
+        b.free(h2)
+
+
+def test_free_gives_up_on_a_lease_after_lease_wait_s(daemon_factory):
+    d = daemon_factory(env={"TIERSTORE_LEASE_WAIT_S": "0.5"})
+    with d.client("fw") as a, d.client("fw") as b:
+        h = a.put(np.zeros(10, np.float32), key="x")
+        with a.checkout(h, "r"):
+            with pytest.raises(Busy, match="checked out"):
+                b.free(h)
+            assert b.lookup("x") is not None
+
+
 def test_stat_lists_sessions_and_whether_each_pinned_its_arena(daemon):
     # torch is imported in this process: its clients report their pinning
     with daemon.client("s1") as a, daemon.client("s2") as b:

@@ -264,12 +264,16 @@ class Store(Leasing, Movement, Recovery):
         view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
         return Lease(self, info, from_bytes(view, info.spec))
 
-    def free(self, handle: Handle | int | str, *, namespace: str | None = None) -> None:
-        """Delete the object. Once this returns, the object is gone for good (also after a crash)."""
+    def free(self, handle: Handle | int | str, *, namespace: str | None = None, owner: Any = _LOCAL) -> None:
+        """Delete the object. Once this returns, the object is gone for good (also after a crash).
+
+        A lease ``owner`` (the caller: a daemon connection) holds on it is ``Busy`` at once;
+        one another owner holds is waited for, up to ``lease_wait_s``, as a check-out waits.
+        """
         h = Handle.parse(handle)
         with self._cv:
             meta = self._get_meta(h, self._ns(namespace))
-            self._wait_free_to_go(meta)
+            self._wait_free_to_go(meta, owner)
             meta.freeing = True
             if meta.key is not None:
                 self._keys.pop((meta.namespace, meta.key), None)
@@ -521,11 +525,22 @@ class Store(Leasing, Movement, Recovery):
         return (meta.freeing and not meta.dropped and not (meta.readers or meta.writer or meta.pins or meta.moving)
                 and self._objects.get(meta.id) is meta)
 
-    def _wait_free_to_go(self, meta: ObjectMeta) -> None:
-        if meta.readers or meta.writer:
-            raise Busy(f"object {meta.handle} is checked out; check it in before freeing it")
-        while meta.pins or meta.moving:
-            self._cv.wait()
+    def _wait_free_to_go(self, meta: ObjectMeta, owner: Any) -> None:
+        """(under _cv) Wait until nothing holds ``meta``: copies and moves in flight, and
+        other owners' leases (up to ``lease_wait_s``; a check-in another connection sent
+        without waiting may still be on its way). The caller's own lease: Busy at once."""
+        deadline = time.monotonic() + self.config.lease_wait_s
+        while True:
+            if meta.readers or meta.writer:
+                mine = owner is _LOCAL or any(i.oid == meta.id and i.owner == owner for i in self._leases.values())
+                remaining = deadline - time.monotonic()
+                if mine or remaining <= 0:
+                    raise Busy(f"object {meta.handle} is checked out; check it in before freeing it")
+                self._cv.wait(min(remaining, 1.0))
+            elif meta.pins or meta.moving:
+                self._cv.wait()
+            else:
+                return
             if meta.freeing:
                 raise StaleHandle(f"handle {meta.handle} names a freed object")
 
