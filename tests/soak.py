@@ -3,6 +3,7 @@
     python tests/soak.py optimizer --seeds 0:200   # offloaded optimizers vs plain ones, bit-exact, every step
     python tests/soak.py params --seeds 0:500      # offloaded parameters vs the plain model
     python tests/soak.py api --seeds 0:300         # Store / Client calls (and a snapshot round trip) vs the expected bytes
+    python tests/soak.py api-concurrent --seeds 0:100  # the same from 2-6 threads or connections at once
 
 Each seed builds one random case — model and optimizer, dtypes, skipped gradients,
 resumes and state_dict round trips, activation checkpointing, tied and frozen
@@ -22,7 +23,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -44,7 +46,7 @@ def pool(rng: random.Random, base: str, host: int, nvme: int, budget: int):
                          prefetch=prefetch, prefetch_budget_bytes=budget, io_threads=io, io_chunk_bytes=chunk,
                          nvme_grow_bytes=16 << 20), namespace="soak")
         try:
-            yield s
+            yield s, lambda: nullcontext(s)
         finally:
             s.close()
         return
@@ -62,7 +64,7 @@ def pool(rng: random.Random, base: str, host: int, nvme: int, budget: int):
         while b"READY=1" not in ns.recv(4096):
             pass
         with Client.connect(socket=sock, namespace="soak") as c:
-            yield c
+            yield c, lambda: Client.connect(socket=sock, namespace="soak")
     finally:
         proc.terminate()
         proc.wait()
@@ -93,7 +95,7 @@ def soak_optimizer(seed: int, base: str) -> str:
     big = max(p.numel() for p in plain) * 4 * (2 if masters else 1)
     budget = big * rng.choice([1, 2, 3])
     host = max(sum(p.numel() for p in plain) * 16 // rng.choice([2, 3, 4, 6]), 4 * big + budget + (1 << 20))
-    with pool(rng, base, host, 64 << 20, budget) as s:
+    with pool(rng, base, host, 64 << 20, budget) as (s, _):
         opt_p = make(masters or plain)
         opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt")
         loaded_at = 0
@@ -171,7 +173,7 @@ def soak_params(seed: int, base: str) -> str:
         linears[-1].weight = linears[0].weight  # tied
     model = copy.deepcopy(plain)
     tier = rng.choice(["host", "nvme", None])
-    with pool(rng, base, rng.choice([256 << 10, 1 << 20]), 64 << 20, 64 << 10) as s:
+    with pool(rng, base, rng.choice([256 << 10, 1 << 20]), 64 << 20, 64 << 10) as (s, _):
         handle = offload_parameters(model, s, tier=tier)
         opt_p, opt_o = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5) for m in (plain, model))
         for step in range(3):
@@ -199,75 +201,145 @@ def soak_params(seed: int, base: str) -> str:
 
 
 # ---------------------------------------------------------------------------- object API
-def soak_api(seed: int, base: str) -> str:
-    rng = random.Random(seed)
-    host = rng.choice([1, 2, 4]) << 20
-    want: dict[str, np.ndarray] = {}
-    handles: dict[str, object] = {}
+def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
+             shared: tuple[dict, dict, dict] | None = None) -> tuple[dict, dict]:
+    """``n_ops`` random calls on ``s`` over keys under ``prefix``, each checked against the
+    expected bytes; returns (expected bytes, handles) by key. ``where`` names the case.
 
+    ``shared``: (expected bytes, handles, a lock per key) that several workers use at once
+    over the same 24 keys; each call holds its key's lock, so the expected bytes stay
+    exact while the workers' calls on different keys, and the pool's movement, race.
+    """
+    want, handles, locks = shared if shared is not None else ({}, {}, None)
+    for i in range(n_ops):
+        op = rng.choice(["put", "put", "replace", "get", "get_out", "r", "rw", "w", "free", "prefetch", "step",
+                         "keys", "info"])
+        if locks is not None:
+            if op == "keys":
+                continue  # other workers change the key set meanwhile
+            key = f"k{rng.randrange(len(locks))}"
+            with locks[key]:
+                if op == "put" or key in want:
+                    _api_op(s, rng, where, i, "replace" if op == "put" and key in want else op, [key], key,
+                            want, handles, prefix)
+            continue
+        keys = sorted(want)
+        if op not in ("put", "step") and not keys:
+            continue
+        key = rng.choice(keys) if keys else None
+        if op == "put":
+            key = f"{prefix}k{i % 37}/{rng.randint(0, 3)}"
+        _api_op(s, rng, where, i, op, keys, key, want, handles, prefix)
+    return want, handles
+
+
+def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str], key: str | None, want: dict,
+            handles: dict, prefix: str) -> None:
+    """One checked call ``op`` (on ``key``, where it takes one)."""
     def same(got, key: str) -> bool:
         got = got.numpy() if isinstance(got, torch.Tensor) else got
         return np.array_equal(np.asarray(got).reshape(-1), want[key].reshape(-1))
 
-    with pool(rng, base, host, 256 << 20, host // 3) as s:
-        for i in range(rng.randint(50, 300)):
-            op = rng.choice(["put", "put", "replace", "get", "get_out", "r", "rw", "w", "free", "prefetch", "step",
-                             "keys", "info"])
-            keys = sorted(want)
-            if op not in ("put", "step") and not keys:
-                continue
-            try:
-                if op in ("put", "replace"):
-                    key = rng.choice(keys) if op == "replace" else f"k{i % 37}/{rng.randint(0, 3)}"
-                    n = rng.choice([0, 1, 7, 4096, 100_000, 300_000, 1 << 20])
-                    a = np.frombuffer(rng.randbytes(n), np.uint8).copy()
-                    tier = rng.choice([None, "host", "nvme"])
-                    handles[key] = s.put(torch.from_numpy(a) if rng.random() < 0.5 else a, key=key, tier=tier,
-                                         durable=rng.random() < 0.2, replace=key in want)
-                    want[key] = a
-                elif op in ("get", "get_out"):
-                    key = rng.choice(keys)
-                    out = np.empty_like(want[key]) if op == "get_out" else None
-                    assert same(s.get(handles[key], out=out), key), f"seed {seed} op {i}: get {key}"
-                elif op in ("r", "rw", "w"):
-                    key = rng.choice(keys)
-                    if not want[key].size:
-                        continue
-                    with s.checkout(handles[key], op) as t:
-                        arr = t.numpy() if isinstance(t, torch.Tensor) else t
-                        if op != "w":
-                            assert same(arr, key), f"seed {seed} op {i}: check-out {op} of {key}"
-                        if op != "r":
-                            arr[...] = np.frombuffer(rng.randbytes(arr.size), np.uint8).reshape(arr.shape)
-                            want[key] = arr.copy()
-                elif op == "free":
-                    key = rng.choice(keys)
-                    s.free(handles.pop(key))
-                    del want[key]
-                    assert s.lookup(key) is None, f"seed {seed} op {i}: {key} still bound after free"
-                elif op == "prefetch":
-                    s.prefetch([handles[k] for k in rng.sample(keys, min(3, len(keys)))])
-                elif op == "step":
-                    s.step()
-                elif op == "keys":
-                    assert sorted(s.keys()) == keys, f"seed {seed} op {i}: keys"
-                else:
-                    key = rng.choice(keys)
-                    assert int(s.info(handles[key])["nbytes"]) == want[key].nbytes, f"seed {seed} op {i}: info"
-            except (CapacityExceeded, Busy):
-                continue  # a full tier or a busy object: refused whole, nothing changed
+    try:
+        if op in ("put", "replace"):
+            n = rng.choice([0, 1, 7, 4096, 100_000, 300_000, 1 << 20])
+            a = np.frombuffer(rng.randbytes(n), np.uint8).copy()
+            tier = rng.choice([None, "host", "nvme"])
+            handles[key] = s.put(torch.from_numpy(a) if rng.random() < 0.5 else a, key=key, tier=tier,
+                                 durable=rng.random() < 0.2, replace=key in want)
+            want[key] = a
+        elif op in ("get", "get_out"):
+            out = np.empty_like(want[key]) if op == "get_out" else None
+            assert same(s.get(handles[key], out=out), key), f"{where} op {i}: get {key}"
+        elif op in ("r", "rw", "w"):
+            if not want[key].size:
+                return
+            with s.checkout(handles[key], op) as t:
+                arr = t.numpy() if isinstance(t, torch.Tensor) else t
+                if op != "w":
+                    assert same(arr, key), f"{where} op {i}: check-out {op} of {key}"
+                if op != "r":
+                    arr[...] = np.frombuffer(rng.randbytes(arr.size), np.uint8).reshape(arr.shape)
+                    want[key] = arr.copy()
+        elif op == "free":
+            s.free(handles[key])
+            del handles[key], want[key]
+            assert s.lookup(key) is None, f"{where} op {i}: {key} still bound after free"
+        elif op == "prefetch":
+            s.prefetch([handles[k] for k in rng.sample(keys, min(3, len(keys))) if k in handles])
+        elif op == "step":
+            s.step()
+        elif op == "keys":
+            assert sorted(s.keys(prefix=prefix)) == keys, f"{where} op {i}: keys"
+        else:
+            assert int(s.info(handles[key])["nbytes"]) == want[key].nbytes, f"{where} op {i}: info"
+    except (CapacityExceeded, Busy):
+        pass  # a full tier or a busy object: refused whole, nothing changed
+
+
+def _check_all(s, want: dict, where: str) -> None:
+    for key in sorted(want):
+        got = s.get(s.lookup(key))
+        got = got.numpy() if isinstance(got, torch.Tensor) else got
+        assert np.array_equal(np.asarray(got).reshape(-1), want[key].reshape(-1)), f"{where}: {key} at the end"
+
+
+def soak_api(seed: int, base: str) -> str:
+    rng = random.Random(seed)
+    host = rng.choice([1, 2, 4]) << 20
+    with pool(rng, base, host, 256 << 20, host // 3) as (s, _):
+        want, _ = _api_ops(s, rng, f"seed {seed}", "", rng.randint(50, 300))
         if rng.random() < 0.5:  # through a snapshot and back, over the same keys
             dest = os.path.join(base, rng.choice(["snap.zarr", "snap.zip"]))
             assert s.snapshot(dest, progress=False)["objects"] == len(want), f"seed {seed}: snapshot count"
             s.restore(dest, overwrite=True, progress=False)
         assert sorted(s.keys()) == sorted(want), f"seed {seed}: keys at the end"
-        for key in sorted(want):
-            assert same(s.get(s.lookup(key)), key), f"seed {seed}: {key} at the end"
+        _check_all(s, want, f"seed {seed}")
         assert s.stat()["leases"] == 0, f"seed {seed}: leases left"
     return f"{len(want)} objects"
 
 
-SOAKS = {"optimizer": soak_optimizer, "params": soak_params, "api": soak_api}
+def soak_api_concurrent(seed: int, base: str) -> str:
+    """2-6 workers (threads; through a daemon, each with its own connection) run the API
+    soak at once on one small pool, each over its own keys or all over the same ones,
+    so their eviction, write-back, prefetch and check-outs race."""
+    rng = random.Random(seed)
+    host = rng.choice([2, 4, 8]) << 20
+    workers = rng.randint(2, 6)
+    seeds = [rng.randrange(1 << 30) for _ in range(workers)]
+    results: list = [None] * workers
+
+    # half the seeds: all workers over the same keys, a lock per key held for each call
+    shared = ({}, {}, {f"k{j}": threading.Lock() for j in range(24)}) if rng.random() < 0.5 else None
+
+    with pool(rng, base, host, 512 << 20, host // 3) as (s, connect):
+        def work(w: int) -> None:
+            try:
+                with connect() as c:
+                    wrng = random.Random(seeds[w])
+                    results[w] = _api_ops(c, wrng, f"seed {seed} worker {w}", f"w{w}/", wrng.randint(50, 200),
+                                          shared)[0]
+            except BaseException as e:  # reported by the main thread
+                results[w] = e
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+            assert not t.is_alive(), f"seed {seed}: a worker is stuck"
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        want = {k: v for r in results for k, v in r.items()}
+        assert sorted(s.keys()) == sorted(want), f"seed {seed}: keys at the end"
+        _check_all(s, want, f"seed {seed}")
+        assert s.stat()["leases"] == 0, f"seed {seed}: leases left"
+    return f"{workers} workers, {len(want)} objects{' over shared keys' if shared else ''}"
+
+
+SOAKS = {"optimizer": soak_optimizer, "params": soak_params, "api": soak_api,
+         "api-concurrent": soak_api_concurrent}
 
 
 def run(kind: str, seeds: range, base: str | None = None, verbose: bool = True) -> int:

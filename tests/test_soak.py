@@ -6,6 +6,7 @@ import pytest
 import soak
 
 
-@pytest.mark.parametrize("kind,seeds", [("optimizer", range(0, 8)), ("params", range(0, 40)), ("api", range(0, 6))])
+@pytest.mark.parametrize("kind,seeds", [("optimizer", range(0, 8)), ("params", range(0, 40)), ("api", range(0, 6)),
+                                        ("api-concurrent", range(0, 6))])
 def test_soak_short(kind, seeds, tmp_path):
     assert soak.run(kind, seeds, str(tmp_path), verbose=False) == len(seeds)
