@@ -306,6 +306,16 @@ def test_candidate_walk_follows_the_eviction_order():
     assert list(LRUPolicy().candidates()) == []
 
 
+def _wait_taken(engine) -> None:
+    """Until the engine's workers have taken every request submitted so far."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while engine.queued():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_a_late_hit_is_counted_with_its_wait(make_store):
     """An access that finds its object's prefetch still in flight waits for it (no
     second read) and counts as late, with the time it waited."""
@@ -316,15 +326,19 @@ def test_a_late_hit_is_counted_with_its_wait(make_store):
     t = torch.randn(1 << 18)
     h = s.put(t, tier="nvme")
     block = threading.Event()
-    s.engine.submit(block.wait, priority=1)  # the prefetch read queues behind this
-    s.prefetch([h], wait=False)
-    time.sleep(0.3)
-    assert s.info(h)["residency"] == ["nvme"]  # in flight, not there yet
-    got = {}
-    reader = threading.Thread(target=lambda: got.setdefault("t", s.get(h)))
-    reader.start()
-    time.sleep(0.3)
-    block.set()
+    try:
+        s.engine.submit(block.wait, priority=1)  # holds the only worker
+        _wait_taken(s.engine)
+        s.engine.submit(lambda: None)  # a demand request waiting: the prefetch read queues behind it
+        s.prefetch([h], wait=False)
+        time.sleep(0.3)
+        assert s.info(h)["residency"] == ["nvme"]  # in flight, not there yet
+        got = {}
+        reader = threading.Thread(target=lambda: got.setdefault("t", s.get(h)))
+        reader.start()
+        time.sleep(0.3)
+    finally:
+        block.set()  # never leave the worker blocked (a failure would hang the teardown)
     reader.join(timeout=30)
     assert torch.equal(got["t"], t)
     p = s.stat()
@@ -365,14 +379,20 @@ def test_demand_io_overtakes_queued_prefetch_io(make_store):
         return read_chunk(e, off, n, dst, *rest)
     s.nvme._read_chunk = logged
     block = threading.Event()
-    s.engine.submit(block.wait, priority=1)  # hold the only worker while the backlog forms
-    s.prefetch(others)
-    time.sleep(0.3)  # the prefetch reads are queued now
-    got = {}
-    reader = threading.Thread(target=lambda: got.setdefault("t", s.get(hb)))
-    reader.start()
-    time.sleep(0.3)  # and the demand read's four chunks behind them
-    block.set()
+    try:
+        s.engine.submit(block.wait, priority=1)  # hold the only worker while the backlog forms
+        _wait_taken(s.engine)
+        # with a demand request waiting, even one-chunk prefetch reads queue (an idle engine
+        # would see them issued at once from the prefetch workers)
+        s.engine.submit(lambda: None)
+        s.prefetch(others)
+        time.sleep(0.3)  # the prefetch reads are queued now
+        got = {}
+        reader = threading.Thread(target=lambda: got.setdefault("t", s.get(hb)))
+        reader.start()
+        time.sleep(0.3)  # and the demand read's four chunks behind them
+    finally:
+        block.set()
     reader.join(timeout=30)
     assert torch.equal(got["t"], big)
     assert s.wait_prefetch(10)

@@ -254,11 +254,12 @@ class NvmeTier:
              dst_padded: np.ndarray | None = None, priority: int = 0) -> None:
         """Read the object into ``dst`` (uint8), verifying every block's CRC32C.
 
-        ``priority`` 1 marks a prefetch: queued demand reads (0) go first, and a demand
-        read of one chunk is issued at once from the calling thread.
+        ``priority`` 1 marks a prefetch: queued demand reads (0) go first. A read of one
+        chunk is issued at once from the calling thread — a prefetch only while no
+        request waits for the engine, so it never goes ahead of a queued demand read.
         """
         chunks = list(self._chunks(extents))
-        if priority == 0 and len(chunks) == 1:
+        if len(chunks) == 1 and (priority == 0 or not self.engine.queued()):
             self._inline(self._read_chunk, extents, *chunks[0], dst, dst_padded, checksums)
         else:
             self._gather([self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums,

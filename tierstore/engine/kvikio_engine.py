@@ -107,6 +107,9 @@ class KvikioEngine:
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
         return self._pool.submit(fn, *args, priority=priority)
 
+    def queued(self) -> int:
+        return self._pool.queued()
+
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()

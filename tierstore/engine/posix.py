@@ -81,6 +81,10 @@ class PriorityPool:
         self._q.put((priority, next(self._seq), fut, fn, args))
         return fut
 
+    def queued(self) -> int:
+        """Requests waiting for a worker (not counting those being served)."""
+        return self._q.qsize()
+
     def _run(self) -> None:
         while True:
             _, _, fut, fn, args = self._q.get()
@@ -117,6 +121,9 @@ class PosixEngine:
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
         return self._pool.submit(fn, *args, priority=priority)
+
+    def queued(self) -> int:
+        return self._pool.queued()
 
     def close(self) -> None:
         if not self._closed.is_set():
