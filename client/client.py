@@ -132,11 +132,19 @@ class Client:
 
     # ------------------------------------------------------------------ data
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
-            replace: bool = False, wait_s: float = 0.0) -> Handle:
+            replace: bool = False, wait_s: float = 0.0, ephemeral: bool = False) -> Handle:
+        """Store a copy of ``tensor``; returns its handle. ``ephemeral=True``: the daemon
+        frees the object when this connection ends, however it ends (not with ``durable``)."""
         if tier == "gpu" and not self.server.get("gpu_tier"):
             raise InvalidArgument(f"the daemon has no GPU tier: {self.server.get('gpu_reason', 'not configured')}")
+        if ephemeral and durable:
+            raise InvalidArgument("an ephemeral object is freed when its connection ends: it cannot be durable")
+        if ephemeral and "ephemeral" not in self.server.get("features", ()):
+            raise InvalidArgument(f"the daemon (tierstore {self.server.get('server_version', '?')}) predates "
+                                  "ephemeral objects: restart it with this version")
+        eph = {"ephemeral": True} if ephemeral else {}  # daemons without the field still take plain puts
         if _is_cuda(tensor) or tier == "gpu":
-            return self._put_cuda(tensor, key, tier, durable, replace, wait_s)
+            return self._put_cuda(tensor, key, tier, durable, replace, wait_s, eph)
         u8, spec = to_bytes(tensor)
         key = validate_key(key)
         if spec.nbytes <= _STAGED_MAX and self._staging_lock.acquire(blocking=False):
@@ -147,13 +155,13 @@ class Client:
                     self._arena[off:off + spec.nbytes] = u8
                 r = self._conn.request("put_staged", src=0, kind=spec.kind, dtype=spec.dtype,
                                        shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
-                                       durable=durable, replace=replace, wait_s=float(wait_s))
+                                       durable=durable, replace=replace, wait_s=float(wait_s), **eph)
                 return Handle.parse(r["handle"])
             finally:
                 self._staging_lock.release()
         r = self._conn.request("put_reserve", kind=spec.kind, dtype=spec.dtype, shape=list(spec.shape),
                                nbytes=spec.nbytes, key=key, tier=tier, durable=durable, replace=replace,
-                               wait_s=float(wait_s))
+                               wait_s=float(wait_s), **eph)
         try:
             if spec.nbytes:
                 # the reservation makes this block ours until commit
@@ -318,7 +326,7 @@ class Client:
             return self._slabmap, self._side
 
     def _put_cuda(self, t: Any, key: str | None, tier: str | None, durable: bool, replace: bool,
-                  wait_s: float) -> Handle:
+                  wait_s: float, eph: dict[str, bool]) -> Handle:
         """A CUDA tensor goes device-to-device into the GPU tier (``tier="gpu"``) or
         device-to-host straight into its reserved arena block (pinned where registered),
         on a side stream after the caller's stream; never through a pageable staging copy."""
@@ -335,7 +343,7 @@ class Client:
         slabs, side = self._gpu()
         r = self._conn.request("put_reserve", kind="torch", dtype=dtype, shape=list(t.shape), nbytes=nbytes,
                                key=validate_key(key), tier=tier, durable=durable, replace=replace,
-                               wait_s=float(wait_s), device=device)
+                               wait_s=float(wait_s), device=device, **eph)
         try:
             if nbytes:
                 src = t.reshape(-1).view(torch.uint8)

@@ -89,7 +89,7 @@ class Handlers:
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason}
+                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -106,6 +106,7 @@ class Handlers:
     def _put_args(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> dict[str, Any]:
         args = {"key": validate_key(field(msg, "key", str, None)), "tier": field(msg, "tier", str, None),
                 "durable": field(msg, "durable", bool, False), "replace": field(msg, "replace", bool, False),
+                "ephemeral": field(msg, "ephemeral", bool, False),
                 "wait_s": float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600)),
                 "namespace": sess.namespace, "owner": sess, "owner_uid": sess.cred.uid, "nowait": nowait}
         if self.store.namespace_owner(sess.namespace) is None:

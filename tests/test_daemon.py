@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore import Busy, CapacityExceeded, DaemonUnavailable, KeyExists, NotFound, StaleHandle
+from tierstore import Busy, CapacityExceeded, DaemonUnavailable, InvalidArgument, KeyExists, NotFound, StaleHandle
 from tierstore.client import Client
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]
@@ -112,6 +112,77 @@ def test_leases_released_when_client_is_sigkilled(daemon):
         st = c.stat()
         assert st["leases"] == 0 and st["reservations"] == 0
         assert c.lookup("held-put-done") is not None  # its objects stay; only its leases went
+
+
+EPHEMERAL = r"""
+import sys
+import numpy as np
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="eph")
+c.put(np.full(1 << 20, 7, np.uint8), key="e1", ephemeral=True)
+c.put(np.full(3 << 20, 8, np.uint8), key="e2", tier="nvme", ephemeral=True)
+c.put(np.full(1000, 9, np.uint8), key="small", ephemeral=True)  # through the staging area
+c.put(np.full(1 << 20, 1, np.uint8), key="kept")
+c.put(np.full(10, 2, np.uint8), key="replaced", ephemeral=True)
+print("put", flush=True)
+sys.stdin.read()
+"""
+
+
+def _wait_gone(c, key: str) -> None:
+    for _ in range(300):
+        if c.lookup(key) is None:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{key} still there")
+
+
+def test_ephemeral_objects_go_with_their_connection_and_nothing_else_does(daemon):
+    """put(ephemeral=True): freed when the connection that put it ends (here SIGKILL),
+    in every tier; a lease another connection holds on one keeps its bytes until its
+    check-in; the connection's other objects stay, and so does a key another
+    connection has since replaced."""
+    with daemon.client("eph") as c:
+        c.free(c.put(np.zeros(1, np.uint8)))  # this connection's staging area is counted in the base
+        base = c.stat()["tiers"]["host"]["used_bytes"]
+        p = subprocess.Popen([sys.executable, "-c", EPHEMERAL, daemon.socket], stdout=subprocess.PIPE,
+                             stdin=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "put"
+            assert c.info(c.lookup("e1"))["ephemeral"] and not c.info(c.lookup("kept"))["ephemeral"]
+            c.put(np.full(10, 3, np.uint8), key="replaced", replace=True)  # now this connection's, not ephemeral
+            lease = c.checkout(c.lookup("e1"), "r")
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        for key in ("e1", "e2", "small"):
+            _wait_gone(c, key)
+        assert int(lease.tensor.min()) == 7 == int(lease.tensor.max())  # still leased: intact
+        lease.release()
+        assert sorted(c.keys()) == ["kept", "replaced"]
+        assert np.array_equal(c.get(c.lookup("replaced")), np.full(10, 3, np.uint8))
+        st = c.stat()
+        assert st["leases"] == 0 and st["namespaces"]["eph"]["objects"] == 2
+        # the ephemeral bytes are back in the pool: what is left is "kept" and "replaced"
+        for _ in range(100):
+            used = c.stat()["tiers"]["host"]["used_bytes"]
+            if used <= base + (1 << 20) + 2 * 4096:
+                break
+            time.sleep(0.05)
+        assert used <= base + (1 << 20) + 2 * 4096, (used, base)
+
+
+def test_ephemeral_goes_at_a_clean_close_and_cannot_be_durable(daemon):
+    with daemon.client("eph2") as a:
+        a.put(np.zeros(100, np.float32), key="tmp", ephemeral=True)
+        with pytest.raises(InvalidArgument, match="cannot be durable"):
+            a.put(np.zeros(10, np.float32), key="bad", ephemeral=True, durable=True)
+        with pytest.raises(InvalidArgument, match="cannot be durable"):  # the daemon checks it too
+            a._conn.request("put_reserve", kind="numpy", dtype="uint8", shape=[10], nbytes=10, key="bad",
+                            durable=True, ephemeral=True)
+        assert a.lookup("bad") is None
+    with daemon.client("eph2") as b:
+        _wait_gone(b, "tmp")
 
 
 def test_unfinished_put_is_aborted_when_client_dies(daemon):
@@ -481,10 +552,16 @@ def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
         d = c.put(torch.arange(7.0), key="durable", durable=True)
         keep["durable"] = torch.arange(7.0)
         c.put(torch.ones(100), key="spilled", tier="nvme")  # volatile and only on NVMe: not kept
+    eph = daemon.client("survive")  # open across the restart: its ephemeral object is not handed on
+    eph.put(torch.ones(5000), key="ephemeral", ephemeral=True)
     if how == "sigkill":
         daemon.kill()
     else:
         daemon.stop()
+    try:
+        eph.close()
+    except DaemonUnavailable:
+        pass
     args = ["--socket", daemon.socket, "--nvme-dir", daemon.nvme, "--host-bytes", "64MiB", "--nvme-bytes", "1GiB"]
     logf = open(daemon.log, "ab")
     p = subprocess.Popen([sys.executable, "-c", LAUNCH, str(stored["arena"]), str(stored["index"]), *args],

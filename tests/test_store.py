@@ -72,6 +72,18 @@ def test_odd_sizes_are_never_truncated(make_store, nbytes, tier):
     assert torch.equal(out, t)
 
 
+def test_ephemeral_in_process_is_marked_and_cannot_be_durable(make_store):
+    """In-process there is no connection to end: an ephemeral object lives as long as the store."""
+    s = make_store()
+    for tier in (None, "host", "nvme"):
+        h = s.put(torch.arange(10.0), key=f"e{tier}", tier=tier, ephemeral=True)
+        assert s.info(h)["ephemeral"] and torch.equal(s.get(h), torch.arange(10.0))
+    assert not s.info(s.put(torch.ones(3), key="plain"))["ephemeral"]
+    with pytest.raises(InvalidArgument, match="cannot be durable"):
+        s.put(torch.ones(3), key="bad", ephemeral=True, durable=True)
+    assert s.lookup("bad") is None
+
+
 def test_spill_when_host_full_then_exact_read_back(make_store):
     s = make_store(host_bytes="8MiB")
     data = [torch.randn(256 * 1024, generator=torch.Generator().manual_seed(i)) for i in range(12)]  # 12 MiB

@@ -89,6 +89,8 @@ class ObjectMeta:
     version: int = 0
     """Bumped by every rw check-in, so a concurrent demotion of old bytes is discarded."""
     owner_uid: int | None = None
+    ephemeral: Any = None
+    """The connection that put it with ``ephemeral=True``: the object goes when it does."""
     gpu_loc: int | None = None
     """Location of the GPU-tier block holding the bytes (then the only copy; see gpu.py)."""
     record: dict[str, Any] | None = None

@@ -65,10 +65,12 @@ class Leasing:
     # ------------------------------------------------------------ two-phase put / leases
     def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
                     namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None,
-                    nowait: bool = False, device: int = 0) -> Reservation:
+                    nowait: bool = False, device: int = 0, ephemeral: bool = False) -> Reservation:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
-        object; the caller fills it, then ``commit_put``."""
+        object; the caller fills it, then ``commit_put``. ``ephemeral``: the object is
+        freed when ``owner`` goes (``release_owner``)."""
         tier = self._check_tier(tier)
+        self._check_ephemeral(ephemeral, durable)
         self._check_fits(spec.nbytes, tier)
         if tier != "gpu":
             usable = self._host_usable()
@@ -83,8 +85,10 @@ class Leasing:
                     raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
                                     "pass replace=True to overwrite it or free it first")
         if tier == "gpu":
-            return self._reserve_gpu(spec, key=key, durable=durable, replace=replace, namespace=namespace,
-                                     owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait, device=device)
+            res = self._reserve_gpu(spec, key=key, durable=durable, replace=replace, namespace=namespace,
+                                    owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait, device=device)
+            res.meta.ephemeral = owner if ephemeral else None
+            return res
         if nowait and spec.nbytes:
             with self._cv:
                 off = self.host.alloc(spec.nbytes)
@@ -95,7 +99,8 @@ class Leasing:
         with self._cv:
             oid = self._new_id()
             meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
-                              durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None)
+                              durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None,
+                              ephemeral=owner if ephemeral else None)
             meta.host_off = None if off < 0 else off
             res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace)
             self._reservations[oid] = res
@@ -202,7 +207,7 @@ class Leasing:
 
     def put_from_scratch(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
                          durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
-                         owner_uid: int | None = None, nowait: bool = False) -> Handle:
+                         owner_uid: int | None = None, nowait: bool = False, ephemeral: bool = False) -> Handle:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
         with self._cv:
             area = self._scratch.get(owner)
@@ -211,7 +216,7 @@ class Leasing:
         if nowait and (durable or tier == "nvme"):
             raise WouldBlock()
         res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
-                               owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait)
+                               owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait, ephemeral=ephemeral)
         if spec.nbytes:
             self.arena.view(res.host_off, spec.nbytes)[:] = self.arena.view(area[0] + src, spec.nbytes)
         try:
@@ -419,7 +424,29 @@ class Leasing:
                 self._cv.notify_all()
             if self.gpu is not None:
                 self.gpu.detach(owner)  # its mappings of the slabs died with it
+        if owner is not LOCAL:
+            self._free_ephemeral(owner)
         return len(lids), len(rids)
+
+    @staticmethod
+    def _check_ephemeral(ephemeral: bool, durable: bool) -> None:
+        if ephemeral and durable:
+            raise InvalidArgument("an ephemeral object is freed when its connection ends: it cannot be durable")
+
+    def _free_ephemeral(self, owner: Any) -> None:
+        """``owner`` went away: its ephemeral objects go too — now, or at the end of the
+        last lease another connection holds on one (its key is unbound at once)."""
+        with self._cv:
+            mine = [m for m in self._objects.values() if m.ephemeral is owner and not m.freeing]
+            for m in mine:
+                m.freeing = True
+                if m.key is not None and self._keys.get((m.namespace, m.key)) == m.id:
+                    del self._keys[(m.namespace, m.key)]
+        for m in mine:
+            self._drop_replaced(m)  # waits out copies and moves; a leased one goes at its check-in
+        if mine:
+            self.counters["frees"] += len(mine)
+            log.debug("freed %d ephemeral objects of a closed connection", len(mine))
 
     def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
         """``owner`` is about to open the GPU slabs: they stay allocated until it goes

@@ -13,6 +13,7 @@ import numpy as np
 from .errors import CapacityExceeded, KeyExists, TierstoreError
 from .gpu import loc_device
 from .index import Handle, ObjectMeta
+from .leases import LOCAL
 from .tensors import TensorSpec
 from .units import PAGE, align_up
 
@@ -139,7 +140,7 @@ class Movement:
             self.nvme.free(old)
 
     def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
-                  ns: str) -> Handle:
+                  ns: str, ephemeral: bool = False) -> Handle:
         if key is not None:
             with self._cv:
                 if (ns, key) in self._keys and not replace:
@@ -150,7 +151,8 @@ class Movement:
             crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
             with self._cv:
                 meta = ObjectMeta(id=self._new_id(), gen=self._epoch, namespace=ns, key=key, spec=spec,
-                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home="nvme")
+                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home="nvme",
+                                  ephemeral=LOCAL if ephemeral else None)
             with self.journal.lock:
                 with self._cv:
                     self._check_key(meta, replace)

@@ -34,12 +34,13 @@ class Recovery:
                 self._hostlog_on = True
 
     def _host_live(self) -> list[list[Any]]:
+        # an ephemeral object's connection does not outlive the daemon: not handed on
         return [self._host_rec(m) for m in self._objects.values()
-                if m.host_valid and m.host_off is not None and not m.freeing]
+                if m.host_valid and m.host_off is not None and not m.freeing and m.ephemeral is None]
 
     def _log_host(self, meta: ObjectMeta) -> None:
         """(under _cv) meta's bytes are valid in its host block: recorded before it is published."""
-        if self._hostlog_on and meta.host_off is not None:
+        if self._hostlog_on and meta.host_off is not None and meta.ephemeral is None:
             self.hostlog.append_host(self._host_rec(meta), self._host_live)
 
     def _log_drop(self, meta: ObjectMeta) -> None:

@@ -187,25 +187,28 @@ class Store(Leasing, Movement, Recovery):
 
     # ------------------------------------------------------------------ public API
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
-            replace: bool = False, namespace: str | None = None, wait_s: float = 0.0) -> Handle:
+            replace: bool = False, namespace: str | None = None, wait_s: float = 0.0,
+            ephemeral: bool = False) -> Handle:
         """Store a copy of ``tensor``; returns its handle.
 
         ``tier``: ``None`` (host if it has room, else NVMe), ``"host"`` (demote others
         to make room, waiting up to ``wait_s``), ``"nvme"``, ``"gpu"`` (the GPU tier, on the
         tensor's device; volatile). ``durable=True`` returns only once the bytes and the
-        index record are on NVMe.
+        index record are on NVMe. ``ephemeral=True``: freed when the connection that put
+        it ends (through a daemon); in-process, it lives as long as the store.
         """
         ns = self._ns(namespace)
         key = validate_key(key)
         tier = self._check_tier(tier)
+        self._check_ephemeral(ephemeral, durable)
         if tier == "gpu":
-            return self._put_gpu(tensor, key, durable, replace, ns, wait_s)
+            return self._put_gpu(tensor, key, durable, replace, ns, wait_s, ephemeral)
         u8, spec = to_bytes(tensor)
         self._check_fits(spec.nbytes, tier)
         use_host = tier == "host" or (tier is None and self._host_has_room(spec.nbytes))
         if use_host:
             res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace,
-                                   namespace=ns, owner=_LOCAL, wait_s=wait_s)
+                                   namespace=ns, owner=_LOCAL, wait_s=wait_s, ephemeral=ephemeral)
             try:
                 if spec.nbytes:
                     # the reservation keeps this block ours until commit; no lock needed to fill it
@@ -214,9 +217,10 @@ class Store(Leasing, Movement, Recovery):
                 self.abort_put(res.rid)
                 raise
             return self.commit_put(res.rid)
-        return self._put_nvme(u8, spec, key, durable, replace, ns)
+        return self._put_nvme(u8, spec, key, durable, replace, ns, ephemeral)
 
-    def _put_gpu(self, tensor: Any, key: str | None, durable: bool, replace: bool, ns: str, wait_s: float) -> Handle:
+    def _put_gpu(self, tensor: Any, key: str | None, durable: bool, replace: bool, ns: str, wait_s: float,
+                 ephemeral: bool = False) -> Handle:
         src = cuda_source(tensor)
         if src is not None:
             t, spec = src
@@ -226,7 +230,7 @@ class Store(Leasing, Movement, Recovery):
             device, addr = 0, t.ctypes.data
         self._check_fits(spec.nbytes, "gpu")
         res = self.reserve_put(spec, key=key, tier="gpu", durable=durable, replace=replace, namespace=ns,
-                               owner=_LOCAL, wait_s=wait_s, device=device)
+                               owner=_LOCAL, wait_s=wait_s, device=device, ephemeral=ephemeral)
         try:
             if spec.nbytes:
                 self.gpu.write(res.gpu_loc, addr, spec.nbytes)
@@ -301,7 +305,8 @@ class Store(Leasing, Movement, Recovery):
             return {"handle": str(m.handle), "key": m.key, "namespace": m.namespace, "kind": m.spec.kind,
                     "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes,
                     "residency": m.residency(), "dirty": (m.host_valid or m.gpu_loc is not None) and not m.nvme_valid,
-                    "readers": m.readers, "writer": m.writer, "durable": m.durable}
+                    "readers": m.readers, "writer": m.writer, "durable": m.durable,
+                    "ephemeral": m.ephemeral is not None}
 
     def ls(self, prefix: str = "", *, namespace: str | None = None) -> list[dict[str, Any]]:
         """``info`` of every keyed object in the namespace whose key starts with ``prefix``."""
