@@ -50,9 +50,10 @@ for i in range(n_ops):
     if r < 0.35 or not live:
         key, n = f"k{seed}-{i}", int(rng.integers(0, 300_000))
         durable, tier = bool(rng.random() < 0.4), (None if rng.random() < 0.7 else "nvme")
-        log(op="put-begin", key=key, ver=0, n=n, durable=durable)
+        ephemeral = not durable and bool(rng.random() < 0.25)  # goes when this worker's connection does
+        log(op="put-begin", key=key, ver=0, n=n, durable=durable, ephemeral=ephemeral)
         try:
-            c.put(data(key, 0, n), key=key, durable=durable, tier=tier)
+            c.put(data(key, 0, n), key=key, durable=durable, tier=tier, ephemeral=ephemeral)
         except CapacityExceeded:
             log(op="put-failed", key=key)
             continue
@@ -94,6 +95,7 @@ class Stats:
     graceful_stops: int = 0
     objects_checked: int = 0
     durable_checked: int = 0
+    ephemeral_checked: int = 0
     failures: list[str] = field(default_factory=list)
 
 
@@ -161,7 +163,7 @@ def read_ledger(path: Path) -> dict[str, dict]:
         s = state.setdefault(k, {"ver": None, "n": None, "durable": False, "returned": False, "inflight": None})
         op = r["op"]
         if op == "put-begin":
-            s.update(n=r["n"], durable=r["durable"], inflight="put", ver=0)
+            s.update(n=r["n"], durable=r["durable"], inflight="put", ver=0, ephemeral=r.get("ephemeral", False))
         elif op == "put":
             s.update(returned=True, inflight=None)
         elif op in ("put-failed",):
@@ -195,8 +197,19 @@ def check(daemon: Daemon, namespaces: list[str], ledgers: dict[str, Path], resta
                  "their connections")
     for ns in namespaces:
         with Client.connect(socket=daemon.socket, namespace=ns) as c:
-            present = {r["key"]: r for r in c.ls()}
-            for key, s in read_ledger(ledgers[ns]).items():
+            ledger = read_ledger(ledgers[ns])
+            ephemeral = {k for k, s in ledger.items() if s.get("ephemeral")}
+            for _ in range(200):  # its worker's connection is gone: they go (asynchronously)
+                present = {r["key"]: r for r in c.ls()}
+                if not ephemeral & set(present):
+                    break
+                time.sleep(0.02)
+            for key, s in ledger.items():
+                if s.get("ephemeral"):
+                    if key in present:
+                        fail(f"{ns}/{key}: ephemeral, but still present after its connection ended")
+                    stats.ephemeral_checked += 1
+                    continue
                 if s.get("freed"):
                     if key in present:
                         fail(f"{ns}/{key}: freed, but present after the restart")

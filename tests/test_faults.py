@@ -12,7 +12,7 @@ from tierstore import ChecksumMismatch, StorageError
 def test_fault_rounds_short(tmp_path):
     stats = faults.run(rounds=4, seed=11, workers=3, ops=250, base=tmp_path, verbose=False)
     assert not stats.failures, stats.failures[:10]
-    assert stats.rounds == 4 and stats.objects_checked > 0
+    assert stats.rounds == 4 and stats.objects_checked > 0 and stats.ephemeral_checked > 0
 
 
 def _extent_file(s, h):
