@@ -111,10 +111,11 @@ def _client_command(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
-            print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} TIERS")
+            print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} {'TIERS':12} FLAGS")
             for r in rows:
+                flags = [f for f in ("durable", "ephemeral") if r.get(f)]
                 print(f"{str(r['key']):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
-                      f"{format_size(r['nbytes']):>10} {','.join(r['residency'])}")
+                      f"{format_size(r['nbytes']):>10} {','.join(r['residency']):12} {','.join(flags)}")
         return 0
     if args.cmd == "free":
         rc = 0

@@ -406,7 +406,7 @@ def test_daemon_unavailable_and_autostart(tmp_path, monkeypatch):
 def test_cli_stat_ls_free(daemon):
     with daemon.client("job") as c:
         c.put(torch.ones(3), key="opt/a")
-        c.put(torch.ones(3), key="opt/b")
+        c.put(torch.ones(3), key="opt/b", durable=True)
     env = {**os.environ, "TIERSTORE_SOCKET": daemon.socket}
 
     def cli(*args):
@@ -421,6 +421,9 @@ def test_cli_stat_ls_free(daemon):
     assert st["namespaces"]["job"]["objects"] == 2 and st["tiers"]["nvme"]["engine"] == "posix"
     r = cli("ls", "--namespace", "job", "--json")
     assert [row["key"] for row in json.loads(r.stdout)] == ["opt/a", "opt/b"]
+    r = cli("ls", "--namespace", "job")
+    lines = r.stdout.splitlines()
+    assert "FLAGS" in lines[0] and lines[1].split()[0] == "opt/a" and lines[2].split()[-1] == "durable", r.stdout
     r = cli("free", "--namespace", "job", "opt/a", "nope")
     assert r.returncode == 1 and "freed opt/a" in r.stdout and "no key 'nope'" in r.stderr
     r = cli("stat", "--watch", "0.1", "--json", "--iterations", "2")
