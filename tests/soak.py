@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -202,9 +203,10 @@ def soak_params(seed: int, base: str) -> str:
 
 # ---------------------------------------------------------------------------- object API
 def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
-             shared: tuple[dict, dict, dict] | None = None) -> tuple[dict, dict]:
+             shared: tuple[dict, dict, dict] | None = None, eph: set | None = None) -> tuple[dict, dict]:
     """``n_ops`` random calls on ``s`` over keys under ``prefix``, each checked against the
     expected bytes; returns (expected bytes, handles) by key. ``where`` names the case.
+    ``eph``: some volatile puts are ephemeral, and their keys are kept in this set.
 
     ``shared``: (expected bytes, handles, a lock per key) that several workers use at once
     over the same 24 keys; each call holds its key's lock, so the expected bytes stay
@@ -221,7 +223,7 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
             with locks[key]:
                 if op == "put" or key in want:
                     _api_op(s, rng, where, i, "replace" if op == "put" and key in want else op, [key], key,
-                            want, handles, prefix)
+                            want, handles, prefix, eph)
             continue
         keys = sorted(want)
         if op not in ("put", "step") and not keys:
@@ -229,12 +231,12 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
         key = rng.choice(keys) if keys else None
         if op == "put":
             key = f"{prefix}k{i % 37}/{rng.randint(0, 3)}"
-        _api_op(s, rng, where, i, op, keys, key, want, handles, prefix)
+        _api_op(s, rng, where, i, op, keys, key, want, handles, prefix, eph)
     return want, handles
 
 
 def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str], key: str | None, want: dict,
-            handles: dict, prefix: str) -> None:
+            handles: dict, prefix: str, eph: set | None) -> None:
     """One checked call ``op`` (on ``key``, where it takes one)."""
     def same(got, key: str) -> bool:
         got = got.numpy() if isinstance(got, torch.Tensor) else got
@@ -245,9 +247,13 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
             n = rng.choice([0, 1, 7, 4096, 100_000, 300_000, 1 << 20])
             a = np.frombuffer(rng.randbytes(n), np.uint8).copy()
             tier = rng.choice([None, "host", "nvme"])
+            durable = rng.random() < 0.2
+            ephemeral = eph is not None and not durable and rng.random() < 0.2
             handles[key] = s.put(torch.from_numpy(a) if rng.random() < 0.5 else a, key=key, tier=tier,
-                                 durable=rng.random() < 0.2, replace=key in want)
+                                 durable=durable, replace=key in want, ephemeral=ephemeral)
             want[key] = a
+            if eph is not None:
+                (eph.add if ephemeral else eph.discard)(key)
         elif op in ("get", "get_out"):
             out = np.empty_like(want[key]) if op == "get_out" else None
             assert same(s.get(handles[key], out=out), key), f"{where} op {i}: get {key}"
@@ -264,6 +270,8 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
         elif op == "free":
             s.free(handles[key])
             del handles[key], want[key]
+            if eph is not None:
+                eph.discard(key)
             assert s.lookup(key) is None, f"{where} op {i}: {key} still bound after free"
         elif op == "prefetch":
             s.prefetch([handles[k] for k in rng.sample(keys, min(3, len(keys))) if k in handles])
@@ -288,7 +296,8 @@ def soak_api(seed: int, base: str) -> str:
     rng = random.Random(seed)
     host = rng.choice([1, 2, 4]) << 20
     with pool(rng, base, host, 256 << 20, host // 3) as (s, _):
-        want, _ = _api_ops(s, rng, f"seed {seed}", "", rng.randint(50, 300))
+        # ephemeral objects too: this connection stays open, so they stay
+        want, _ = _api_ops(s, rng, f"seed {seed}", "", rng.randint(50, 300), eph=set())
         if rng.random() < 0.5:  # through a snapshot and back, over the same keys
             dest = os.path.join(base, rng.choice(["snap.zarr", "snap.zip"]))
             assert s.snapshot(dest, progress=False)["objects"] == len(want), f"seed {seed}: snapshot count"
@@ -313,12 +322,18 @@ def soak_api_concurrent(seed: int, base: str) -> str:
     shared = ({}, {}, {f"k{j}": threading.Lock() for j in range(24)}) if rng.random() < 0.5 else None
 
     with pool(rng, base, host, 512 << 20, host // 3) as (s, connect):
+        via_daemon = not isinstance(s, Store)
+
         def work(w: int) -> None:
             try:
+                # each over its own keys: some puts ephemeral, gone when the worker's
+                # connection closes (through a daemon; in-process they stay)
+                eph = None if shared else set()
                 with connect() as c:
                     wrng = random.Random(seeds[w])
-                    results[w] = _api_ops(c, wrng, f"seed {seed} worker {w}", f"w{w}/", wrng.randint(50, 200),
-                                          shared)[0]
+                    want = _api_ops(c, wrng, f"seed {seed} worker {w}", f"w{w}/", wrng.randint(50, 200),
+                                    shared, eph)[0]
+                results[w] = {k: v for k, v in want.items() if not (via_daemon and k in eph)} if eph else want
             except BaseException as e:  # reported by the main thread
                 results[w] = e
 
@@ -332,6 +347,10 @@ def soak_api_concurrent(seed: int, base: str) -> str:
             if isinstance(r, BaseException):
                 raise r
         want = {k: v for r in results for k, v in r.items()}
+        for _ in range(200):  # a closed connection's ephemeral objects go asynchronously
+            if sorted(s.keys()) == sorted(want):
+                break
+            time.sleep(0.02)
         assert sorted(s.keys()) == sorted(want), f"seed {seed}: keys at the end"
         _check_all(s, want, f"seed {seed}")
         assert s.stat()["leases"] == 0, f"seed {seed}: leases left"
