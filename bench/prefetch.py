@@ -267,6 +267,9 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
             "probe_us": float(np.mean(probes)) * 1e6 if probes else None}
 
 
+VARIANTS = {"lru": ("lru", False), "lru+prefetch": ("lru", True), "trace+prefetch": ("trace", True)}
+"""The compared pools: name -> (policy, prefetch)."""
+
 PARTS = ("check-out", "check-in", "update", "compute", "other")
 """Where a replay step's time goes: check-out calls (with any wait for a fetch), check-ins,
 the state updates (``mul_`` over the rw leases), the compute, the rest (loop, step mark)."""
@@ -296,8 +299,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--probe", action="store_true",
                    help="after each access, time a torch op on a 4-element tensor: the wait to get the GIL back "
                         "in the replay's process (adds that wait to every step)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"which of {', '.join(VARIANTS)} to run (comma-separated)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each variant this many times, each between two floor runs, and report the median "
+                        "of its step/floor ratios with their range (this VM's speed drifts from run to run)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
     args = p.parse_args(argv)
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown or not chosen:
+        p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     if args.quick:
         args.model, args.scale, args.steps, args.warmup = "tiny", 1.0, 1, 2
     torch.set_num_threads(1)  # leave the other core to the I/O threads
@@ -330,21 +344,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     for frac in [float(f) for f in args.fractions.split(",")]:
         host = max(int(total * frac), 3 * largest + (1 << 20))
-        for name, policy, pf in (("lru", "lru", False), ("lru+prefetch", "lru", True),
-                                 ("trace+prefetch", "trace", True)):
-            r = run_variant(layers, total, host, policy, pf, **common)
-            local_floor = next_floor()
+        for name in chosen:
+            policy, pf = VARIANTS[name]
+            runs = []
+            for _ in range(args.repeat):
+                one = run_variant(layers, total, host, policy, pf, **common)
+                one["floor_s"] = next_floor()
+                one["step_vs_floor"] = one["step_s"] / one["floor_s"]
+                runs.append(one)
+            # the run with the median ratio stands for the variant; the others give the range
+            ratios = [x["step_vs_floor"] for x in runs]
+            r = sorted(runs, key=lambda x: x["step_vs_floor"])[len(runs) // 2]
+            local_floor = r["floor_s"]
             # the target applies where the disk can move a step's bytes within its compute
             disk_s = r["read_bytes_per_step"] / (bw * 1e9) + r["written_bytes_per_step"] / (wbw * 1e9)
-            r.update({"variant": name, "host_fraction": frac, "host_bytes": host, "floor_s": local_floor,
-                      "step_vs_floor": r["step_s"] / local_floor, "disk_s_per_step": disk_s,
-                      "disk_vs_compute": disk_s / compute_s})
+            r.update({"variant": name, "host_fraction": frac, "host_bytes": host, "disk_s_per_step": disk_s,
+                      "disk_vs_compute": disk_s / compute_s, "step_vs_floor_runs": ratios})
             results["variants"].append(r)
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
             rows.append([name, f"{frac * 100:.0f}%", format_size(host), f"{r['hit_rate'] * 100:.1f}%",
                          f"{r['stall_fraction'] * 100:.1f}%",
                          f"{format_size(r['read_bytes_per_step'])} / {format_size(r['written_bytes_per_step'])}",
                          f"{disk_s / compute_s:.2f}", f"{r['step_s']:.3f}", f"{local_floor:.3f}",
-                         f"{r['step_vs_floor']:.2f}"])
+                         f"{r['step_vs_floor']:.2f}{spread}"])
         if args.raw_io:
             # the floor under the trace variant's disk traffic, moved without tierstore
             rd, wr = r["read_bytes_per_step"], r["written_bytes_per_step"]

@@ -55,6 +55,18 @@ def test_prefetch_smoke(tmp_path, mode):
     assert all(0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0 for v in out["variants"])
 
 
+def test_prefetch_repeat_and_variants(tmp_path):
+    out = _run("prefetch.py", "--quick", "--variants", "trace+prefetch", "--repeat", "3", "--no-raw-io",
+               "--fractions", "0.75", "--dir", str(tmp_path), cwd=tmp_path)
+    [v] = out["variants"]
+    assert v["variant"] == "trace+prefetch" and len(v["step_vs_floor_runs"]) == 3
+    assert v["step_vs_floor"] == sorted(v["step_vs_floor_runs"])[1]  # the median run stands for it
+    assert len(out["floors_s"]) == 4  # one before, then one after each measured run
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "prefetch.py"), "--variants", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown nope" in bad.stderr
+
+
 def test_eviction_smoke(tmp_path):
     out = _run("eviction.py", "--quick", cwd=tmp_path)
     assert out["bench"] == "eviction" and [r["traces"] for r in out["results"]] == [1, 2]
