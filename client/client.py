@@ -137,8 +137,6 @@ class Client:
         frees the object when this connection ends, however it ends (not with ``durable``)."""
         if tier == "gpu" and not self.server.get("gpu_tier"):
             raise InvalidArgument(f"the daemon has no GPU tier: {self.server.get('gpu_reason', 'not configured')}")
-        if ephemeral and durable:
-            raise InvalidArgument("an ephemeral object is freed when its connection ends: it cannot be durable")
         if ephemeral and "ephemeral" not in self.server.get("features", ()):
             raise InvalidArgument(f"the daemon (tierstore {self.server.get('server_version', '?')}) predates "
                                   "ephemeral objects: restart it with this version")
