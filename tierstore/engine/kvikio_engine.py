@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
-from concurrent.futures import Future
-from typing import Any, Callable
 
 import numpy as np
+
+from .posix import PooledEngine
 
 __all__ = ["KvikioEngine", "detect"]
 
@@ -78,15 +77,14 @@ class KvikioFile:
         self._f.close()
 
 
-class KvikioEngine:
+class KvikioEngine(PooledEngine):
     name = "kvikio"
 
     def __init__(self, threads: int, reason: str, task_bytes: int = 4 << 20) -> None:
         import kvikio.defaults
 
-        self.threads = threads
+        super().__init__(threads, reason, "tierstore-kvikio")
         self.task_bytes = task_bytes
-        self.reason = reason
         setter = getattr(kvikio.defaults, "set", None)
         for name, value in (("num_threads", threads), ("task_size", task_bytes)):
             try:
@@ -96,22 +94,6 @@ class KvikioEngine:
                     getattr(kvikio.defaults, f"{name}_reset")(value)
             except Exception as e:
                 log.info("kvikio %s left at its default: %s", name, e)
-        from .posix import PriorityPool
-
-        self._pool = PriorityPool(threads, "tierstore-kvikio")
-        self._closed = threading.Event()
 
     def open(self, path: str, *, direct: bool) -> KvikioFile:
         return KvikioFile(path, direct=direct)
-
-    def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
-        return self._pool.submit(fn, *args, priority=priority)
-
-    def queued(self) -> int:
-        return self._pool.queued()
-
-    def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._pool.shutdown()
-            log.info("kvikio engine stopped")

@@ -105,19 +105,17 @@ class PriorityPool:
             w.join()
 
 
-class PosixEngine:
-    """Thread-pool engine; ``submit`` runs a blocking I/O function on a worker."""
+class PooledEngine:
+    """What both engines share: a ``PriorityPool`` of ``threads`` workers running the
+    blocking I/O functions ``submit`` hands them."""
 
-    name = "posix"
+    name = "?"
 
-    def __init__(self, threads: int, reason: str) -> None:
+    def __init__(self, threads: int, reason: str, thread_name: str) -> None:
         self.threads = threads
         self.reason = reason
-        self._pool = PriorityPool(threads, "tierstore-io")
+        self._pool = PriorityPool(threads, thread_name)
         self._closed = threading.Event()
-
-    def open(self, path: str, *, direct: bool) -> PosixFile:
-        return PosixFile(path, direct=direct)
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:
         return self._pool.submit(fn, *args, priority=priority)
@@ -130,7 +128,19 @@ class PosixEngine:
             self._closed.set()
             # drain in-flight and queued I/O before the files are closed under it
             self._pool.shutdown()
-            log.info("posix engine stopped")
+            log.info("%s engine stopped", self.name)
+
+
+class PosixEngine(PooledEngine):
+    """Thread-pool engine; ``submit`` runs a blocking I/O function on a worker."""
+
+    name = "posix"
+
+    def __init__(self, threads: int, reason: str) -> None:
+        super().__init__(threads, reason, "tierstore-io")
+
+    def open(self, path: str, *, direct: bool) -> PosixFile:
+        return PosixFile(path, direct=direct)
 
 
 def probe_direct_io(directory: str) -> tuple[bool, str]:
