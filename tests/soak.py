@@ -238,10 +238,6 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
 def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str], key: str | None, want: dict,
             handles: dict, prefix: str, eph: set | None) -> None:
     """One checked call ``op`` (on ``key``, where it takes one)."""
-    def same(got, key: str) -> bool:
-        got = got.numpy() if isinstance(got, torch.Tensor) else got
-        return np.array_equal(np.asarray(got).reshape(-1), want[key].reshape(-1))
-
     try:
         if op in ("put", "replace"):
             n = rng.choice([0, 1, 7, 4096, 100_000, 300_000, 1 << 20])
@@ -256,14 +252,14 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
                 (eph.add if ephemeral else eph.discard)(key)
         elif op in ("get", "get_out"):
             out = np.empty_like(want[key]) if op == "get_out" else None
-            assert same(s.get(handles[key], out=out), key), f"{where} op {i}: get {key}"
+            assert _same(s.get(handles[key], out=out), want[key]), f"{where} op {i}: get {key}"
         elif op in ("r", "rw", "w"):
             if not want[key].size:
                 return
             with s.checkout(handles[key], op) as t:
                 arr = t.numpy() if isinstance(t, torch.Tensor) else t
                 if op != "w":
-                    assert same(arr, key), f"{where} op {i}: check-out {op} of {key}"
+                    assert _same(arr, want[key]), f"{where} op {i}: check-out {op} of {key}"
                 if op != "r":
                     arr[...] = np.frombuffer(rng.randbytes(arr.size), np.uint8).reshape(arr.shape)
                     want[key] = arr.copy()
@@ -285,11 +281,15 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
         pass  # a full tier or a busy object: refused whole, nothing changed
 
 
+def _same(got, expected: np.ndarray) -> bool:
+    """Whether ``got`` (a tensor or an array) holds exactly ``expected``'s bytes."""
+    got = got.numpy() if isinstance(got, torch.Tensor) else got
+    return np.array_equal(np.asarray(got).reshape(-1), expected.reshape(-1))
+
+
 def _check_all(s, want: dict, where: str) -> None:
     for key in sorted(want):
-        got = s.get(s.lookup(key))
-        got = got.numpy() if isinstance(got, torch.Tensor) else got
-        assert np.array_equal(np.asarray(got).reshape(-1), want[key].reshape(-1)), f"{where}: {key} at the end"
+        assert _same(s.get(s.lookup(key)), want[key]), f"{where}: {key} at the end"
 
 
 def soak_api(seed: int, base: str) -> str:
