@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from tierstore.arena import map_arena_fd
+from tierstore.batch import LeaseGroup
 from tierstore.config import default_socket_path
 from tierstore.errors import DaemonUnavailable, InvalidArgument, TierstoreError
 from tierstore.index import Handle, validate_key, validate_namespace
@@ -57,13 +58,22 @@ class ClientLease:
         its event loop as it arrives, so the connection's next request already sees the
         object checked in. A durable object's write check-in waits until its bytes are
         on NVMe."""
-        if self._lid is not None:
-            lid, self._lid = self._lid, None
-            self.tensor = None
-            if self.mode == "r" or not self._durable:
-                self._client._conn.submit("release", lid=lid).add_done_callback(_log_release_error)
-            else:
+        token = self._take()
+        if token is not None:
+            lid, sync = token
+            if sync:
                 self._client._conn.request("release", lid=lid)
+            else:
+                self._client._conn.submit("release", lid=lid).add_done_callback(_log_release_error)
+
+    def _take(self) -> tuple[int, bool] | None:
+        """End this object's hold on the lease: (lease id, whether its check-in must wait
+        for the write-back), or None if it was released already."""
+        if self._lid is None:
+            return None
+        lid, self._lid = self._lid, None
+        self.tensor = None
+        return lid, self.mode != "r" and self._durable
 
     def __enter__(self) -> Any:
         return self.tensor
@@ -212,6 +222,33 @@ class Client:
         r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s, stream=stream)
         r["mode"] = mode
         return ClientLease(self, r)
+
+    def checkout_many(self, handles: Iterable[Handle | int | str], mode: str | Iterable[str] = "r", *,
+                      timeout_s: float | None = None, stream: str = "default") -> LeaseGroup:
+        """Check out several objects in one round trip (``mode``: one for all, or one per
+        object): all of them or, on an error, none. Returns a ``LeaseGroup`` whose
+        ``release()`` checks in every lease still held with one message."""
+        hs = [_wire(h) for h in handles]
+        modes = mode if isinstance(mode, str) else list(mode)
+        for m in [modes] if isinstance(modes, str) else modes:
+            if m not in ("r", "rw", "w"):
+                raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {m!r}")
+        if "batch" not in self.server.get("features", ()):
+            raise InvalidArgument("this daemon has no batch check-out (an older version); use checkout() per "
+                                  "object, or upgrade the daemon")
+        r = self._conn.request("checkout_many", handles=hs, modes=modes, timeout_s=timeout_s, stream=stream)
+        leases = []
+        for i, one in enumerate(r["leases"]):
+            one["mode"] = modes if isinstance(modes, str) else modes[i]
+            leases.append(ClientLease(self, one))
+        return LeaseGroup(leases, self._release_many)
+
+    def _release_many(self, tokens: list[tuple[int, bool]]) -> None:
+        lids = [lid for lid, _ in tokens]
+        if any(sync for _, sync in tokens):
+            self._conn.request("release_many", lids=lids)  # a durable write-back: wait until it is on NVMe
+        else:
+            self._conn.submit("release_many", lids=lids).add_done_callback(_log_release_error)
 
     def put_async(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False,
                   **kw: Any) -> Future:

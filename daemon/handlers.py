@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
 from tierstore.index import Handle, validate_key, validate_namespace
+from tierstore.leases import MAX_BATCH
 from tierstore.protocol import PROTOCOL_VERSION, field
 from tierstore.store import Store, WouldBlock
 from tierstore.tensors import TensorSpec
@@ -33,6 +34,10 @@ _MAX_NBYTES = 1 << 50
 _MAX_DIMS = 64
 
 _INLINE_STAT_OBJECTS = 20_000
+
+_PROGRESS = object()
+"""Key, in a request dict, of a batch check-out's leases taken so far: kept from the event
+loop's attempt to the thread pool's (a client's msgpack map cannot hold this key)."""
 """Above this many objects a ``stat`` runs on a worker thread, not the event loop."""
 
 
@@ -71,6 +76,7 @@ class Handlers:
         self.table: dict[str, Callable[["Session", dict[str, Any], bool], Any]] = {
             "hello": self.hello, "put_reserve": self.put_reserve, "put_commit": self.put_commit,
             "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
+            "checkout_many": self.checkout_many, "release_many": self.release_many,
             "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
             "scratch": self.scratch, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
@@ -89,7 +95,7 @@ class Handlers:
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral"]}
+                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -162,8 +168,31 @@ class Handlers:
                                   device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
+    def checkout_many(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        hs = field(msg, "handles", list)
+        if not 1 <= len(hs) <= MAX_BATCH:
+            raise InvalidArgument(f"a batch check-out takes 1 to {MAX_BATCH} objects, got {len(hs)}")
+        modes = field(msg, "modes", (str, list), "r")
+        if isinstance(modes, str):
+            modes = [modes] * len(hs)
+        if not all(isinstance(m, str) for m in modes):
+            raise InvalidArgument("field 'modes' must be a str or a list of str")
+        timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
+        infos = self.store.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess, namespace=sess.namespace,
+                                        timeout_s=timeout_s, nowait=nowait,
+                                        stream=field(msg, "stream", str, "default"),
+                                        progress=msg.setdefault(_PROGRESS, []))
+        return {"leases": [_lease_reply(i) for i in infos]}
+
     def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         self.store.release(field(msg, "lid", int, min_value=0), owner=sess, nowait=nowait)
+        return {}
+
+    def release_many(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        lids = field(msg, "lids", list)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lids):
+            raise InvalidArgument("field 'lids' must be a list of lease ids (non-negative ints)")
+        self.store.release_many(lids, owner=sess, nowait=nowait)
         return {}
 
     # -- index -----------------------------------------------------------------------------

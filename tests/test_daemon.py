@@ -505,6 +505,16 @@ def test_malformed_input_never_hurts_others(daemon_factory):
         ({"id": 19, "op": "scratch", "nbytes": 65536}, None),
         ({"id": 21, "op": "put_staged", "src": 65000, "kind": "numpy", "dtype": "uint8", "shape": [4096],
           "nbytes": 4096}, "InvalidArgument"),  # outside its staging area
+        ({"id": 22, "op": "checkout_many", "handles": int(h)}, "InvalidArgument"),  # not a list
+        ({"id": 23, "op": "checkout_many", "handles": []}, "InvalidArgument"),
+        ({"id": 24, "op": "checkout_many", "handles": [int(h)] * 5000}, "InvalidArgument"),  # too many
+        ({"id": 25, "op": "checkout_many", "handles": [int(h)], "modes": [1]}, "InvalidArgument"),
+        ({"id": 26, "op": "checkout_many", "handles": [int(h)], "modes": ["r", "r"]}, "InvalidArgument"),
+        ({"id": 27, "op": "checkout_many", "handles": [int(h)]}, "NotFound"),  # other namespace
+        ({"id": 28, "op": "checkout_many", "handles": [{"a": 1}]}, "InvalidArgument"),
+        ({"id": 29, "op": "release_many", "lids": [True]}, "InvalidArgument"),
+        ({"id": 31, "op": "release_many", "lids": [12345, -1]}, "InvalidArgument"),
+        ({"id": 32, "op": "release_many", "lids": [12345]}, "NotFound"),
     ]
     for msg, code in after_hello:
         rep = exchange(s, msgpack.packb(msg))
@@ -740,3 +750,43 @@ def test_stat_of_a_large_store_runs_off_the_event_loop(make_store, monkeypatch):
     with pytest.raises(WouldBlock):
         hs.stat(None, {}, True)
     assert hs.stat(None, {}, False)["tiers"]["host"]["objects"] == 12
+
+
+def test_checkout_many_through_the_daemon(daemon):
+    """One round trip leases a batch (resident objects on the event loop, the rest on
+    its thread pool, in order); one message checks it in; a batch that fails part-way
+    leaves nothing leased and nothing changed; a durable write batch's check-in returns
+    once its bytes are on NVMe."""
+    with daemon.client("batch") as c, daemon.client("batch") as other:
+        mib = 1 << 18
+        hs = [c.put(torch.full((mib,), float(i)), key=f"k{i}", tier="nvme" if i % 2 else None) for i in range(6)]
+        g = c.checkout_many(hs, ["r", "rw", "w", "r", "rw", "r"])
+        assert c.stat()["leases"] == 6 and [lease.handle for lease in g] == hs
+        assert [float(t[0]) for t in g.tensors[:2]] == [0.0, 1.0]
+        g[1].tensor.add_(10)
+        g[2].tensor.fill_(20)
+        g[0].release()
+        g.release()
+        assert other.stat()["leases"] == 0  # the batch check-in reached the daemon first
+        assert float(other.get(hs[1])[0]) == 11.0 and float(other.get(hs[2])[0]) == 20.0
+
+        held = other.checkout(hs[4], "rw")
+        with pytest.raises(Busy, match="object #2 of the batch.*no object was checked out"):
+            c.checkout_many([hs[3], hs[0], hs[4]], ["w", "rw", "r"], timeout_s=0.3)
+        assert c.stat()["leases"] == 1  # only the other connection's
+        held.release()
+        assert torch.equal(c.get(hs[3]), torch.full((mib,), 3.0))
+        with pytest.raises(InvalidArgument, match="twice"):
+            c.checkout_many([hs[0], hs[0]], "w")
+        with pytest.raises(InvalidArgument, match="mode"):
+            c.checkout_many(hs, ["r"] * 5 + ["wr"])
+
+        hd = [c.put(np.zeros(1000, np.float32), key=f"d{i}", durable=True) for i in range(3)]
+        with c.checkout_many(hd, "rw") as ts:
+            for i, t in enumerate(ts):
+                t += i + 1
+        daemon.kill()  # at once, with nothing sent after the check-in
+    daemon.start()
+    with daemon.client("batch") as c:
+        for i in range(3):
+            assert np.array_equal(c.get(c.lookup(f"d{i}")), np.full(1000, i + 1, np.float32))

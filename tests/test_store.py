@@ -427,3 +427,59 @@ def test_a_get_racing_a_checkout_keeps_one_host_copy(make_store):
     assert len(leases) == 1 and torch.equal(leases[0].tensor, t)
     assert s.host.used_bytes == s.host.rounded(t.numel() * 4)  # one host copy, not two
     leases[0].release()
+
+
+def test_checkout_many_takes_all_or_nothing(make_store):
+    """A batch check-out leases every object in order, or none: a failure part-way gives
+    back what it took unchanged (no object dirtied, a blank write lease's host block
+    dropped, so the object still reads as before)."""
+    s = make_store(host_bytes="8MiB", lease_wait_s=5)
+    mib = 1 << 18  # float32 elements in 1 MiB
+    hs = [s.put(torch.full((mib,), float(i)), key=f"k{i}", tier="nvme" if i >= 3 else None) for i in range(6)]
+    with s.checkout_many(hs[:4], ["r", "rw", "w", "r"]) as ts:
+        assert [float(t[0]) for t in (ts[0], ts[1], ts[3])] == [0.0, 1.0, 3.0]
+        assert len(s._leases) == 4
+        ts[1].add_(10)
+        ts[2].fill_(20)
+    assert not s._leases
+    assert float(s.get(hs[1])[0]) == 11.0 and float(s.get(hs[2])[0]) == 20.0
+
+    # a freed block of another object's bytes, so a blank lease's host block holds them
+    junk = s.put(torch.full((mib,), -7.0))
+    s.free(junk)
+    held = s.checkout(hs[5], "rw")
+    version = s._objects[hs[0].id].version
+    t0 = time.monotonic()
+    with pytest.raises(Busy, match="object #2 of the batch.*no object was checked out"):
+        s.checkout_many([hs[4], hs[0], hs[5]], ["w", "rw", "r"], timeout_s=0.3)
+    assert time.monotonic() - t0 < 3
+    assert list(s._leases) == [held._info.lid]
+    held.release()
+    assert torch.equal(s.get(hs[4]), torch.full((mib,), 4.0))  # not the blank block's bytes
+    assert torch.equal(s.get(hs[0]), torch.full((mib,), 0.0))
+    assert s._objects[hs[0].id].version == version  # the rw lease given back wrote nothing
+
+    # one lease released on its own, then the group: each checked in once
+    g = s.checkout_many(hs, "r")
+    assert [lease.handle for lease in g] == hs and len(g) == 6
+    g[2].release()
+    g.release()
+    g.release()
+    assert not s._leases
+
+    # refused before anything is leased
+    with pytest.raises(InvalidArgument, match="twice"):
+        s.checkout_many([hs[0], hs[0]], "rw")
+    s.checkout_many([hs[0], hs[0]], "r").release()  # two readers of one object are fine
+    with pytest.raises(InvalidArgument, match="modes"):
+        s.checkout_many(hs[:2], ["r"])
+    with pytest.raises(InvalidArgument, match="mode"):
+        s.checkout_many(hs[:2], "x")
+    with pytest.raises(InvalidArgument, match="1 to"):
+        s.checkout_many([], "r")
+    big = [s.put(torch.zeros(mib), tier="nvme") for _ in range(9)]
+    t0 = time.monotonic()
+    with pytest.raises(CapacityExceeded, match="cannot all be checked out at once"):
+        s.checkout_many(big, "r")  # 9 MiB of objects in an 8 MiB host tier: would wait forever
+    assert time.monotonic() - t0 < 1
+    assert not s._leases

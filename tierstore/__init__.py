@@ -7,11 +7,12 @@ from .config import Config
 from .errors import (Busy, CapacityExceeded, ChecksumMismatch, Closed, DaemonUnavailable, InvalidArgument,
                      KeyExists, NoSpace, NotFound, PermissionDenied, ProtocolError, StaleHandle, StorageError,
                      TierstoreError)
+from .batch import LeaseGroup
 from .index import Handle
 from .store import Lease, Store
 
 __all__ = [
-    "__version__", "Config", "Store", "Lease", "Handle",
+    "__version__", "Config", "Store", "Lease", "LeaseGroup", "Handle",
     "TierstoreError", "InvalidArgument", "NotFound", "StaleHandle", "KeyExists", "CapacityExceeded",
     "NoSpace", "ChecksumMismatch", "StorageError", "Busy", "PermissionDenied", "ProtocolError",
     "DaemonUnavailable", "Closed",

@@ -57,6 +57,13 @@ class LeaseInfo:
     gpu_loc: int | None = None
     """Set for a lease on a GPU-tier object (``acquire(device=True)``): the bytes are there."""
     durable: bool = False
+    blank: bool = False
+    """A ``w`` lease given host memory without a read: until check-in, the host bytes are
+    not the object's (its NVMe copy still is)."""
+
+
+MAX_BATCH = 4096
+"""Most objects one ``acquire_many`` / ``release_many`` takes."""
 
 
 class Leasing:
@@ -279,7 +286,7 @@ class Leasing:
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
                 timeout_s: float | None = None, nowait: bool = False, stream: str = "default",
-                device: bool = False) -> LeaseInfo:
+                device: bool = False, undoable: bool = False) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed).
 
         ``device=True`` (a CUDA caller): an object in the GPU tier is leased where it is
@@ -288,6 +295,9 @@ class Leasing:
         ``mode``: ``"r"`` shared, ``"rw"`` exclusive, ``"w"`` exclusive for a caller that
         overwrites every byte (an NVMe-only object is given host memory without being
         read; its previous bytes are not visible through the lease).
+
+        ``undoable``: the lease may be taken back by ``_undo_lease`` (a failed batch), so a
+        ``w`` lease never discards the only other copy: a GPU-tier object is read up.
         """
         if mode not in ("r", "rw", "w"):
             raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
@@ -295,7 +305,7 @@ class Leasing:
         ns = self._ns(namespace)
         t0 = time.monotonic()
         deadline = t0 + (self.config.lease_wait_s if timeout_s is None else timeout_s)
-        late = promoted = False
+        late = promoted = blank = False
         while True:
             with self._cv:
                 meta = self._get_meta(h, ns)
@@ -317,7 +327,7 @@ class Leasing:
                         self.counters["host_hits"] += 1
                     lid = next(self._ids) + (1 << 40)
                     info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
-                                     time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable)
+                                     time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable, blank)
                     self._leases[lid] = info
                     return info
                 if nowait:
@@ -335,9 +345,100 @@ class Leasing:
                     self._cv.wait(min(remaining, 1.0))
                     continue
             if promote:
-                promoted = mode != "w"
+                read = mode != "w" or (undoable and meta.gpu_loc is not None)
+                promoted, blank = mode != "w", not read
                 self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
-                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=promoted)
+                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
+
+    def acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
+                     namespace: str | None = None, timeout_s: float | None = None, nowait: bool = False,
+                     stream: str = "default", progress: list[LeaseInfo] | None = None) -> list[LeaseInfo]:
+        """Lease several objects at once, in order (accesses recorded in that order): all of
+        them, or, on any error, none (those already leased are given back unchanged and the
+        error names the object that failed). ``timeout_s`` bounds the whole batch.
+
+        ``progress`` (a list the caller keeps): the leases taken so far. With ``nowait``, a
+        ``WouldBlock`` leaves them there and a second call with the same list, without
+        ``nowait``, goes on from where the first stopped (the daemon's event loop takes
+        what is resident, its thread pool the rest).
+        """
+        if not 1 <= len(handles) <= MAX_BATCH:
+            raise InvalidArgument(f"a batch check-out takes 1 to {MAX_BATCH} objects, got {len(handles)}")
+        if len(modes) != len(handles):
+            raise InvalidArgument(f"{len(modes)} modes for {len(handles)} objects")
+        for m in modes:
+            if m not in ("r", "rw", "w"):
+                raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {m!r}")
+        hs = [Handle.parse(h) for h in handles]
+        done = progress if progress is not None else []
+        if not done:
+            self._check_batch(hs, modes, self._ns(namespace))
+        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        i = len(done)
+        try:
+            while i < len(hs):
+                done.append(self.acquire(hs[i], modes[i], owner=owner, namespace=namespace, nowait=nowait,
+                                         timeout_s=max(0.0, deadline - time.monotonic()), stream=stream,
+                                         undoable=True))
+                i += 1
+        except WouldBlock:
+            raise
+        except BaseException as e:
+            for info in reversed(done):
+                self._undo_lease(info)
+            done.clear()
+            if isinstance(e, TierstoreError):
+                raise type(e)(f"object #{i} of the batch ({hs[i]}): {e.message}; no object was checked out") \
+                    from None
+            raise
+        return list(done)
+
+    def _check_batch(self, hs: list[Handle], modes: list[str], ns: str) -> None:
+        """A batch that could only wait on itself is refused before anything is leased: an
+        object twice with a write mode, or more bytes than the host tier can ever hold."""
+        seen: dict[int, str] = {}
+        total = 0
+        with self._cv:
+            for h, m in zip(hs, modes):
+                prev = seen.get(h.id)
+                if prev is not None and (m != "r" or prev != "r"):
+                    raise InvalidArgument(f"object {h} is in the batch twice, once to write: a write lease "
+                                          "excludes every other lease, so the batch would wait on itself")
+                seen[h.id] = m
+                if prev is None:
+                    total += align_up(max(self._get_meta(h, ns).nbytes, 1), PAGE)
+        usable = self._host_usable()
+        if total > usable:
+            raise CapacityExceeded(f"the batch's {total} bytes cannot all be checked out at once: the host tier "
+                                   f"holds {usable} usable bytes; check out fewer objects at a time")
+
+    def _undo_lease(self, info: LeaseInfo) -> None:
+        """Give back a lease of a failed batch as if it had never been taken: nothing is
+        marked dirty, and a blank ``w`` lease's host block is dropped (the object's bytes
+        are still its NVMe copy)."""
+        with self._cv:
+            if self._leases.pop(info.lid, None) is None:
+                return
+            meta = self._objects.get(info.oid)
+            if meta is None:
+                return
+            if info.mode == "r":
+                meta.readers -= 1
+            else:
+                meta.writer = False
+            if info.blank and meta.host_valid and meta.nvme_valid and meta.host_off is not None \
+                    and not meta.moving and not meta.readers:
+                self.policy.remove(meta.id)
+                self._log_drop(meta)
+                self.host.free(meta.host_off, meta.nbytes)
+                meta.host_off, meta.host_valid = None, False
+                self.prefetcher.demoted(meta.id)
+            else:
+                self._spill_if_home_nvme(meta)
+            self._cv.notify_all()
+            drop = self._drop_if_released(meta)
+        if drop:
+            self._pool.submit(self._drop, meta)  # a durable drop journals (syncs): off the caller's path
 
     def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
@@ -402,6 +503,29 @@ class Leasing:
         if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid and not meta.freeing:
             self._spill.append(meta.id)
             self._demoter_wake.set()
+
+    def release_many(self, lids: list[int], *, owner: Any = LOCAL, nowait: bool = False) -> None:
+        """End several leases (``release`` each). Every lease named is ended even if some
+        are unknown, which are then reported (``NotFound``) after the others are in."""
+        if not 1 <= len(lids) <= MAX_BATCH:
+            raise InvalidArgument(f"a batch check-in takes 1 to {MAX_BATCH} leases, got {len(lids)}")
+        if nowait:
+            with self._cv:
+                for lid in lids:
+                    info = self._leases.get(lid)
+                    meta = self._objects.get(info.oid) if info is not None else None
+                    if info is not None and info.owner == owner and info.mode != "r" and meta is not None \
+                            and meta.durable:
+                        raise WouldBlock()  # a durable write-back syncs: the whole batch off the event loop
+        unknown = []
+        for lid in lids:
+            try:
+                self.release(lid, owner=owner, nowait=nowait)
+            except NotFound:
+                unknown.append(lid)
+        if unknown:
+            raise NotFound(f"no lease {', '.join(map(str, unknown[:8]))}{' ...' if len(unknown) > 8 else ''} "
+                           "held by this connection; the others were checked in")
 
     def release_owner(self, owner: Any) -> tuple[int, int]:
         """End every lease and reservation of ``owner`` (a connection that went away)."""

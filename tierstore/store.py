@@ -25,12 +25,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from ._version import __version__
 from .allocator import ExtentAllocator
+from .batch import LeaseGroup
 from .arena import Arena
 from .config import Config
 from .engine import select_engine
@@ -76,10 +77,17 @@ class Lease:
         self.mode = info.mode
 
     def release(self) -> None:
-        if self._info is not None:
-            info, self._info = self._info, None
-            self.tensor = None
-            self._store.release(info.lid)
+        lid = self._take()
+        if lid is not None:
+            self._store.release(lid)
+
+    def _take(self) -> int | None:
+        """End this object's hold on the lease; the lease id to check in (None if done)."""
+        if self._info is None:
+            return None
+        info, self._info = self._info, None
+        self.tensor = None
+        return info.lid
 
     def __enter__(self) -> Any:
         return self.tensor
@@ -267,6 +275,20 @@ class Store(Leasing, Movement, Recovery):
         info = self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s, stream=stream)
         view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
         return Lease(self, info, from_bytes(view, info.spec))
+
+    def checkout_many(self, handles: Sequence[Handle | int | str], mode: str | Sequence[str] = "r", *,
+                      namespace: str | None = None, timeout_s: float | None = None,
+                      stream: str = "default") -> LeaseGroup:
+        """Lease several objects in one call (``mode``: one for all, or one per object):
+        all of them or, on an error, none. Returns a ``LeaseGroup`` (one ``Lease`` per
+        handle, in order; ``release()`` checks in all that are still held)."""
+        hs = list(handles)
+        modes = [mode] * len(hs) if isinstance(mode, str) else list(mode)
+        infos = self.acquire_many(hs, modes, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s, stream=stream)
+        leases = [Lease(self, info, from_bytes(self.arena.view(info.host_off, info.spec.nbytes)
+                                                if info.spec.nbytes else np.empty(0, np.uint8), info.spec))
+                  for info in infos]
+        return LeaseGroup(leases, self.release_many)
 
     def free(self, handle: Handle | int | str, *, namespace: str | None = None, owner: Any = _LOCAL) -> None:
         """Delete the object. Once this returns, the object is gone for good (also after a crash).
