@@ -195,6 +195,12 @@ class Prefetcher:
                 self.protected_bytes += nbytes
         else:
             self.counters["dropped"] += 1
+        if self.enabled:
+            # a slot and budget came free: go on down the owner's traces now, not at its next
+            # access (a loop that checks a layer out in one batch accesses in bursts)
+            for (o, _), trace in list(self.book.traces.items()):
+                if o is owner and trace.state == "learned":
+                    self._advance(owner, trace)
 
     def stat(self) -> dict[str, Any]:
         c = self.counters
