@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tierstore import Busy, CapacityExceeded, Config, Store
+from tierstore import Busy, CapacityExceeded, Config, Handle, NotFound, Store
 from tierstore.client import Client
 from tierstore.client.torch import offload_optimizer, offload_parameters
 
@@ -215,10 +215,21 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
     want, handles, locks = shared if shared is not None else ({}, {}, None)
     for i in range(n_ops):
         op = rng.choice(["put", "put", "replace", "get", "get_out", "r", "rw", "w", "free", "prefetch", "step",
-                         "keys", "info"])
+                         "keys", "info", "batch"])
         if locks is not None:
             if op == "keys":
                 continue  # other workers change the key set meanwhile
+            if op == "batch":  # the keys' locks taken in one order: workers never wait on each other in a ring
+                chosen = sorted(rng.sample(sorted(locks), rng.randint(1, 4)))
+                for k in chosen:
+                    locks[k].acquire()
+                try:
+                    _api_op(s, rng, where, i, op, [k for k in chosen if k in want], None, want, handles, prefix,
+                            eph)
+                finally:
+                    for k in chosen:
+                        locks[k].release()
+                continue
             key = f"k{rng.randrange(len(locks))}"
             with locks[key]:
                 if op == "put" or key in want:
@@ -229,6 +240,8 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
         if op not in ("put", "step") and not keys:
             continue
         key = rng.choice(keys) if keys else None
+        if op == "batch":
+            keys = rng.sample(keys, min(len(keys), rng.randint(1, 5)))
         if op == "put":
             key = f"{prefix}k{i % 37}/{rng.randint(0, 3)}"
         _api_op(s, rng, where, i, op, keys, key, want, handles, prefix, eph)
@@ -257,12 +270,11 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
             if not want[key].size:
                 return
             with s.checkout(handles[key], op) as t:
-                arr = t.numpy() if isinstance(t, torch.Tensor) else t
-                if op != "w":
-                    assert _same(arr, want[key]), f"{where} op {i}: check-out {op} of {key}"
-                if op != "r":
-                    arr[...] = np.frombuffer(rng.randbytes(arr.size), np.uint8).reshape(arr.shape)
-                    want[key] = arr.copy()
+                written = _use(t, op, want[key], rng, f"{where} op {i}: check-out {op} of {key}")
+                if written is not None:
+                    want[key] = written
+        elif op == "batch":
+            _batch_op(s, rng, where, i, [k for k in keys if want[k].size], want, handles)
         elif op == "free":
             s.free(handles[key])
             del handles[key], want[key]
@@ -279,6 +291,49 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
             assert int(s.info(handles[key])["nbytes"]) == want[key].nbytes, f"{where} op {i}: info"
     except (CapacityExceeded, Busy):
         pass  # a full tier or a busy object: refused whole, nothing changed
+
+
+def _use(t, mode: str, expected: np.ndarray, rng: random.Random, what: str) -> np.ndarray | None:
+    """Check a leased view against ``expected`` (unless ``w``), and overwrite it with
+    random bytes (unless ``r``); the new bytes, or None."""
+    arr = t.numpy() if isinstance(t, torch.Tensor) else t
+    if mode != "w":
+        assert _same(arr, expected), what
+    if mode == "r":
+        return None
+    arr[...] = np.frombuffer(rng.randbytes(arr.size), np.uint8).reshape(arr.shape)
+    return arr.copy()
+
+
+def _batch_op(s, rng: random.Random, where: str, i: int, keys: list[str], want: dict, handles: dict) -> None:
+    """``checkout_many`` of ``keys`` (each with a random mode), checked and written like
+    single check-outs; sometimes one lease is released on its own first, and sometimes
+    the batch ends with a freed object's handle, so it must fail and change nothing."""
+    if not keys:
+        return
+    modes = [rng.choice(["r", "rw", "w"]) for _ in keys]
+    hs = [handles[k] for k in keys]
+    if rng.random() < 0.15:
+        gone = s.put(np.zeros(8, np.uint8))
+        s.free(gone)
+        try:
+            s.checkout_many([*hs, gone], [*modes, "r"])
+        except NotFound:  # StaleHandle is one
+            return
+        raise AssertionError(f"{where} op {i}: a batch with a freed object's handle was checked out")
+    group = s.checkout_many(hs, modes)
+    try:
+        assert [lease.handle for lease in group] == [Handle.parse(h) for h in hs], f"{where} op {i}: batch order"
+        new = {}
+        for k, m, lease in zip(keys, modes, group):
+            written = _use(lease.tensor, m, want[k], rng, f"{where} op {i}: batch check-out {m} of {k}")
+            if written is not None:
+                new[k] = written
+        if rng.random() < 0.3:
+            group[rng.randrange(len(group))].release()
+    finally:
+        group.release()
+    want.update(new)
 
 
 def _same(got, expected: np.ndarray) -> bool:
