@@ -195,17 +195,17 @@ def open_pool(mode: str, d: str, host_bytes: int, nvme_bytes: int, policy: str, 
 
 def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch: bool, steps: int,
                 warmup: int, compute: Compute, per_byte_s: float, directory: str, budget: int,
-                mode: str = "embedded", probe: bool = False, on_layer=None) -> dict:
+                mode: str = "embedded", probe: bool = False, on_layer=None, access: str = "layer") -> dict:
     d = tempfile.mkdtemp(dir=directory)
     try:
         with open_pool(mode, d, host_bytes, 4 * total_bytes + (256 << 20), policy, prefetch, budget) as s:
-            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe, on_layer)
+            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe, on_layer, access)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
 def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float, probe: bool = False,
-            on_layer=None) -> dict:
+            on_layer=None, access: str = "layer") -> dict:
     handles = []
     for layer in layers:
         hs = []
@@ -227,7 +227,17 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
         for hs, nbytes in handles:
             if on_layer is not None:
                 on_layer(nbytes)
-            for mode, h in hs:
+            if access == "layer":  # the layer's tensors in one batch check-out, checked in together
+                a = clock()
+                group = s.checkout_many([h for _, h in hs], [mode for mode, _ in hs])
+                b = clock()
+                for (mode, _), lease in zip(hs, group):
+                    if mode == "rw":
+                        lease.tensor.mul_(0.9)
+                c = clock()
+                group.release()
+                t_out, t_upd, t_in = t_out + b - a, t_upd + c - b, t_in + clock() - c
+            for mode, h in (hs if access == "object" else ()):
                 a = clock()
                 lease = s.checkout(h, mode)
                 b = clock()
@@ -296,6 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "replay reaches that layer (when a prefetcher moves them)")
     p.add_argument("--no-raw-io", dest="raw_io", action="store_false",
                    help="skip the floor+raw I/O rows (the floor under the same disk traffic without tierstore)")
+    p.add_argument("--access", default="layer", choices=["layer", "object"],
+                   help="check out each layer's tensors in one batch (checkout_many, one round trip through a "
+                        "daemon; default) or each tensor on its own (checkout)")
     p.add_argument("--probe", action="store_true",
                    help="after each access, time a torch op on a 4-element tensor: the wait to get the GIL back "
                         "in the replay's process (adds that wait to every step)")
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     # (and so reads again each step): enough to cover the next objects' disk time, no more
     budget = max(largest + (1 << 20), int(total * (args.budget if args.budget is not None else 1 / 8)))
     common = dict(steps=args.steps, warmup=args.warmup, compute=compute, per_byte_s=per_byte_s, directory=base,
-                  budget=budget, mode=args.mode, probe=args.probe)
+                  budget=budget, mode=args.mode, probe=args.probe, access=args.access)
     # This machine's speed drifts between runs (the same matmul loop 1.3-2x slower a minute
     # later): each variant is compared with floor runs made just before and just after it.
     floor_host = 2 * total + (64 << 20)
@@ -390,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows.insert(0, ["floor", "100%", "-", f"{floor['hit_rate'] * 100:.1f}%", f"{floor['stall_fraction'] * 100:.1f}%",
                     "-", "0", f"{floor['step_s']:.3f}", f"{min(results['floors_s']):.3f}-{max(results['floors_s']):.3f}",
                     "1.00"])
-    print(f"# prefetch replay ({args.mode}): {args.model} x{args.scale} ({len(layers)} layer groups, working set "
+    print(f"# prefetch replay ({args.mode}, access by {args.access}): {args.model} x{args.scale} ({len(layers)} layer groups, working set "
           f"{format_size(total)}: fp32 params + Adam exp_avg/exp_avg_sq), disk read {bw:.2f} GB/s, write {wbw:.2f} GB/s, "
           f"compute ({args.compute}) per layer = its bytes / disk bandwidth, {args.steps} steps after {args.warmup} warm-up, "
           f"prefetch budget {format_size(budget)}; each variant against the mean of floor runs just before and "
@@ -407,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
-    out = {"bench": "prefetch", "mode": args.mode, "compute": args.compute, "raw_io_at": args.raw_io_at, "model": args.model, "scale": args.scale, "working_set_bytes": total,
+    out = {"bench": "prefetch", "mode": args.mode, "access": args.access, "compute": args.compute, "raw_io_at": args.raw_io_at, "model": args.model, "scale": args.scale, "working_set_bytes": total,
            "disk_read_gbps": bw, "disk_write_gbps": wbw, "compute_s_per_step": compute_s, "machine": machine(),
            **results}
     emit_json(out)

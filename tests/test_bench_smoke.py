@@ -45,7 +45,7 @@ def test_prefetch_smoke(tmp_path, mode):
     out = _run("prefetch.py", "--quick", "--mode", mode, "--compute", compute, "--dir", str(tmp_path), "--png",
                str(png), "--raw-io-at", raw_at, cwd=tmp_path)
     assert out["bench"] == "prefetch" and out["mode"] == mode and out["floor"]["hit_rate"] == 1.0
-    assert out["compute"] == compute and out["raw_io_at"] == raw_at
+    assert out["compute"] == compute and out["raw_io_at"] == raw_at and out["access"] == "layer"
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch", "floor+raw I/O"}
     raw = [v for v in out["variants"] if v["variant"] == "floor+raw I/O"]
     assert len(raw) == 3 and all(v["raw_read_bytes_per_step"] > 0 for v in raw)
@@ -57,7 +57,8 @@ def test_prefetch_smoke(tmp_path, mode):
 
 def test_prefetch_repeat_and_variants(tmp_path):
     out = _run("prefetch.py", "--quick", "--variants", "trace+prefetch", "--repeat", "3", "--no-raw-io",
-               "--fractions", "0.75", "--dir", str(tmp_path), cwd=tmp_path)
+               "--fractions", "0.75", "--access", "object", "--dir", str(tmp_path), cwd=tmp_path)
+    assert out["access"] == "object"
     [v] = out["variants"]
     assert v["variant"] == "trace+prefetch" and len(v["step_vs_floor_runs"]) == 3
     assert v["step_vs_floor"] == sorted(v["step_vs_floor_runs"])[1]  # the median run stands for it
