@@ -64,19 +64,25 @@ for i in range(n_ops):
         ver, n, _ = live[key]
         got = c.get(c.lookup(key))
         assert np.array_equal(got, data(key, ver, n)), f"wrong bytes for {key}"
-    elif r < 0.85:
-        key = list(live)[int(rng.integers(len(live)))]
-        ver, n, durable = live[key]
-        log(op="rw-begin", key=key, ver=ver + 1)
+    elif r < 0.85:  # a write check-out of one object, or of up to 3 in one batch
+        keys = [str(k) for k in rng.choice(list(live), size=min(len(live), int(rng.integers(1, 4))), replace=False)]
+        for key in keys:
+            log(op="rw-begin", key=key, ver=live[key][0] + 1)
         try:
-            with c.checkout(c.lookup(key), "rw", timeout_s=5) as v:
-                assert np.array_equal(v, data(key, ver, n)), f"wrong bytes in checkout of {key}"
-                v[:] = data(key, ver + 1, n)
+            with c.checkout_many([c.lookup(k) for k in keys], "rw", timeout_s=5) if len(keys) > 1 else \
+                    c.checkout(c.lookup(keys[0]), "rw", timeout_s=5) as vs:
+                for key, v in zip(keys, vs if len(keys) > 1 else [vs]):
+                    ver, n, _ = live[key]
+                    assert np.array_equal(v, data(key, ver, n)), f"wrong bytes in checkout of {key}"
+                    v[:] = data(key, ver + 1, n)
         except CapacityExceeded:
-            log(op="rw-failed", key=key)
+            for key in keys:
+                log(op="rw-failed", key=key)
             continue
-        log(op="rw", key=key, ver=ver + 1)
-        live[key] = (ver + 1, n, durable)
+        for key in keys:
+            ver, n, durable = live[key]
+            log(op="rw", key=key, ver=ver + 1)
+            live[key] = (ver + 1, n, durable)
     else:
         key = list(live)[int(rng.integers(len(live)))]
         log(op="free-begin", key=key)
