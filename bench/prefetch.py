@@ -3,8 +3,9 @@
 The parameter and optimizer-state tensors of a real model shape list (GPT-2 small,
 or a ~1B-parameter decoder; optionally scaled down in width) are accessed layer by
 layer: each layer's fp32 parameters are checked out read-only and its Adam states
-(exp_avg, exp_avg_sq) read-write, then a matmul runs whose duration matches the
-time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
+(exp_avg, exp_avg_sq) read-write — in batches (``checkout_many``) of at most the
+prefetch budget's bytes, or with ``--access object`` one by one — then a matmul runs
+whose duration matches the time the disk needs to read that layer's bytes. The host tier holds 25%, 50% and
 75% of the working set; the rest lives on NVMe. Compared in one run:
 
   floor          everything in memory (host tier larger than the working set)
@@ -29,7 +30,7 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--raw-io-at even|access] [--probe] [--quick] [--png F]
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--raw-io-at even|access] [--access layer|object] [--variants a,b] [--repeat N] [--probe] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -199,23 +200,34 @@ def run_variant(layers, total_bytes: int, host_bytes: int, policy: str, prefetch
     d = tempfile.mkdtemp(dir=directory)
     try:
         with open_pool(mode, d, host_bytes, 4 * total_bytes + (256 << 20), policy, prefetch, budget) as s:
-            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe, on_layer, access)
+            return _replay(s, layers, steps, warmup, compute, per_byte_s, probe, on_layer, access, budget)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _batches(hs: list[tuple[str, object, int]], limit: int) -> list[list[tuple[str, object, int]]]:
+    """``hs`` (mode, handle, bytes) cut, in order, into batches of at most ``limit`` bytes
+    (a larger object alone): a batch the prefetcher cannot fetch whole before it is asked
+    for would wait, and one near the host tier's size could not be leased at all."""
+    out: list[list[tuple[str, object, int]]] = [[]]
+    for item in hs:
+        if out[-1] and sum(n for *_, n in out[-1]) + item[2] > limit:
+            out.append([])
+        out[-1].append(item)
+    return out
+
+
 def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: float, probe: bool = False,
-            on_layer=None, access: str = "layer") -> dict:
+            on_layer=None, access: str = "layer", batch_bytes: int = 1 << 62) -> dict:
     handles = []
     for layer in layers:
         hs = []
         for name, shape in layer:
-            p = torch.randn(shape)
-            hs.append(("r", s.put(p, key=f"p/{name}")))
-            hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}")))
-            hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}")))
-        nbytes = sum(3 * 4 * math.prod(shape) for _, shape in layer)
-        handles.append((hs, nbytes))
+            n = 4 * math.prod(shape)
+            hs.append(("r", s.put(torch.randn(shape), key=f"p/{name}"), n))
+            hs.append(("rw", s.put(torch.zeros(shape), key=f"m/{name}"), n))
+            hs.append(("rw", s.put(torch.zeros(shape), key=f"v/{name}"), n))
+        handles.append((hs, _batches(hs, batch_bytes), sum(n for *_, n in hs)))
     times, hit_rates, stalls, read, written = [], [], [], [], []
     parts = {k: [] for k in PARTS}
     clock = time.perf_counter
@@ -224,20 +236,20 @@ def _replay(s, layers, steps: int, warmup: int, compute: Compute, per_byte_s: fl
         before = s.stat()
         t_out = t_in = t_upd = t_cmp = 0.0
         t0 = clock()
-        for hs, nbytes in handles:
+        for hs, batches, nbytes in handles:
             if on_layer is not None:
                 on_layer(nbytes)
-            if access == "layer":  # the layer's tensors in one batch check-out, checked in together
+            for batch in (batches if access == "layer" else ()):  # one check-out, one check-in per batch
                 a = clock()
-                group = s.checkout_many([h for _, h in hs], [mode for mode, _ in hs])
+                group = s.checkout_many([h for _, h, _ in batch], [mode for mode, _, _ in batch])
                 b = clock()
-                for (mode, _), lease in zip(hs, group):
+                for (mode, _, _), lease in zip(batch, group):
                     if mode == "rw":
                         lease.tensor.mul_(0.9)
                 c = clock()
                 group.release()
                 t_out, t_upd, t_in = t_out + b - a, t_upd + c - b, t_in + clock() - c
-            for mode, h in (hs if access == "object" else ()):
+            for mode, h, _ in (hs if access == "object" else ()):
                 a = clock()
                 lease = s.checkout(h, mode)
                 b = clock()
@@ -307,8 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-raw-io", dest="raw_io", action="store_false",
                    help="skip the floor+raw I/O rows (the floor under the same disk traffic without tierstore)")
     p.add_argument("--access", default="layer", choices=["layer", "object"],
-                   help="check out each layer's tensors in one batch (checkout_many, one round trip through a "
-                        "daemon; default) or each tensor on its own (checkout)")
+                   help="check out each layer's tensors in batches (checkout_many: one round trip through a "
+                        "daemon) of at most the prefetch budget's bytes (default), or each tensor on its own")
     p.add_argument("--probe", action="store_true",
                    help="after each access, time a torch op on a 4-element tensor: the wait to get the GIL back "
                         "in the replay's process (adds that wait to every step)")
