@@ -62,3 +62,33 @@ def test_unwritable_data_file_fails_writes_cleanly(make_store, nvme_dir):
         subprocess.run(["chattr", "-i", data], check=True)
     h2 = s.put(torch.ones(10), tier="nvme")
     assert torch.equal(s.get(h2), torch.ones(10))
+
+
+def test_failed_durable_check_ins_end_every_lease_of_the_batch_and_leak_no_space(make_store, nvme_dir):
+    """A batch check-in whose durable write-backs fail raises, and still ends every lease
+    (the first failure must not leave the rest of the batch checked out)."""
+    import shutil
+    import subprocess
+
+    s = make_store(nvme_bytes="64MiB", nvme_grow_bytes="64MiB", host_bytes="8MiB")
+    hs = [s.put(torch.full((1000,), float(i)), durable=True) for i in range(3)]
+    group = s.checkout_many(hs, "rw")
+    data = os.path.join(nvme_dir, "data.bin")
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", data]).returncode != 0:
+        group.release()
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        for t in group.tensors:
+            t.add_(1)
+        with pytest.raises(StorageError):
+            group.release()
+        assert not s._leases
+    finally:
+        subprocess.run(["chattr", "-i", data], check=True)
+    with s.checkout_many(hs, "rw") as ts:  # nothing is stuck: the objects can be written again
+        for t in ts:
+            t.add_(1)
+    assert [float(s.get(h)[0]) for h in hs] == [2.0, 3.0, 4.0]
+    for h in hs:
+        s.free(h)
+    assert s.stat()["tiers"]["nvme"]["used_bytes"] == 0  # the failed check-ins' old copies went too

@@ -481,6 +481,13 @@ class Leasing:
                     self._write_down(meta, sync=True)
                     with self.journal.lock:
                         self._journal_put(meta)
+                except BaseException:
+                    with self._cv:
+                        if meta.nvme is None and stale:
+                            # the write failed: the old copy stays the journal's (and is freed with
+                            # the object or at its next write-down), the new bytes dirty in host
+                            meta.nvme, stale = stale, None
+                    raise
                 finally:
                     with self._cv:
                         meta.moving = False
@@ -506,7 +513,8 @@ class Leasing:
 
     def release_many(self, lids: list[int], *, owner: Any = LOCAL, nowait: bool = False) -> None:
         """End several leases (``release`` each). Every lease named is ended even if some
-        are unknown, which are then reported (``NotFound``) after the others are in."""
+        are unknown or one's check-in fails; the first failure, or else the unknown ones
+        (``NotFound``), is raised after the others are in."""
         if not 1 <= len(lids) <= MAX_BATCH:
             raise InvalidArgument(f"a batch check-in takes 1 to {MAX_BATCH} leases, got {len(lids)}")
         if nowait:
@@ -517,12 +525,16 @@ class Leasing:
                     if info is not None and info.owner == owner and info.mode != "r" and meta is not None \
                             and meta.durable:
                         raise WouldBlock()  # a durable write-back syncs: the whole batch off the event loop
-        unknown = []
+        unknown, failed = [], None
         for lid in lids:
             try:
                 self.release(lid, owner=owner, nowait=nowait)
             except NotFound:
                 unknown.append(lid)
+            except TierstoreError as e:  # e.g. a durable write-back that failed: the others still go in
+                failed = failed or e
+        if failed is not None:
+            raise failed
         if unknown:
             raise NotFound(f"no lease {', '.join(map(str, unknown[:8]))}{' ...' if len(unknown) > 8 else ''} "
                            "held by this connection; the others were checked in")
