@@ -272,7 +272,10 @@ class Store(Leasing, Movement, Recovery):
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
                  timeout_s: float | None = None, stream: str = "default") -> Lease:
         """Lease the object and return a ``Lease`` whose tensor views the host arena (zero copy)."""
-        info = self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s, stream=stream)
+        return self._lease(self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s,
+                                        stream=stream))
+
+    def _lease(self, info: LeaseInfo) -> Lease:
         view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
         return Lease(self, info, from_bytes(view, info.spec))
 
@@ -285,10 +288,7 @@ class Store(Leasing, Movement, Recovery):
         hs = list(handles)
         modes = [mode] * len(hs) if isinstance(mode, str) else list(mode)
         infos = self.acquire_many(hs, modes, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s, stream=stream)
-        leases = [Lease(self, info, from_bytes(self.arena.view(info.host_off, info.spec.nbytes)
-                                                if info.spec.nbytes else np.empty(0, np.uint8), info.spec))
-                  for info in infos]
-        return LeaseGroup(leases, self.release_many)
+        return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
     def free(self, handle: Handle | int | str, *, namespace: str | None = None, owner: Any = _LOCAL) -> None:
         """Delete the object. Once this returns, the object is gone for good (also after a crash).
