@@ -317,6 +317,8 @@ class Leasing:
                         meta.readers += 1
                     else:
                         meta.writer = True
+                        if meta.durable:  # its block stops being its durable bytes until the check-in
+                            self._log_drop(meta)
                     self.counters["checkouts"] += 1
                     if on_gpu:
                         self._gpu_lru.pop(meta.id, None)
@@ -434,6 +436,8 @@ class Leasing:
                 meta.host_off, meta.host_valid = None, False
                 self.prefetcher.demoted(meta.id)
             else:
+                if info.mode != "r" and meta.durable and not info.blank:
+                    self._log_host(meta)  # nothing was written: the block is still its bytes
                 self._spill_if_home_nvme(meta)
             self._cv.notify_all()
             drop = self._drop_if_released(meta)
@@ -496,6 +500,8 @@ class Leasing:
             if stale:
                 self.nvme.free(stale)  # (durable) only after the journal names the new copy
             with self._cv:
+                if meta.durable:
+                    self._log_host(meta)  # the block is its bytes again: a restart may adopt it
                 self._spill_if_home_nvme(meta)
         if drop:
             # a replaced object's last check-out ended: it goes now (a durable one journals

@@ -253,7 +253,8 @@ class Movement:
                 meta.host_off = None if off < 0 else off
                 meta.host_valid = True
                 if off >= 0:
-                    self._log_host(meta)
+                    if read or not meta.durable:  # a durable one's blank block is not its bytes
+                        self._log_host(meta)
                     self.policy.insert(meta.id)
                 self.counters["promotions"] += 1
                 self.counters["promoted_bytes"] += n

@@ -36,11 +36,15 @@ class Recovery:
     def _host_live(self) -> list[list[Any]]:
         # an ephemeral object's connection does not outlive the daemon: not handed on
         return [self._host_rec(m) for m in self._objects.values()
-                if m.host_valid and m.host_off is not None and not m.freeing and m.ephemeral is None]
+                if m.host_valid and m.host_off is not None and not m.freeing and m.ephemeral is None
+                and not (m.durable and m.writer)]
 
     def _log_host(self, meta: ObjectMeta) -> None:
-        """(under _cv) meta's bytes are valid in its host block: recorded before it is published."""
-        if self._hostlog_on and meta.host_off is not None and meta.ephemeral is None:
+        """(under _cv) meta's bytes are valid in its host block: recorded before it is published.
+        Not while a writer holds a durable object: until its check-in is journaled, the
+        block is not its bytes (a restart serves the NVMe copy)."""
+        if self._hostlog_on and meta.host_off is not None and meta.ephemeral is None \
+                and not (meta.durable and meta.writer):
             self.hostlog.append_host(self._host_rec(meta), self._host_live)
 
     def _log_drop(self, meta: ObjectMeta) -> None:
