@@ -216,10 +216,21 @@ class Client:
         return out if out is not None else from_bytes(dst, spec)
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None,
-                 stream: str = "default") -> ClientLease:
+                 stream: str = "default", source: Handle | int | str | None = None) -> ClientLease:
+        """Lease an object (see ``Store.checkout``; ``source``: a ``w`` lease that starts with
+        that object's bytes)."""
         if mode not in ("r", "rw", "w"):
             raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
-        r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s, stream=stream)
+        extra = {}
+        if source is not None:
+            if mode != "w":
+                raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
+            if "source" not in self.server.get("features", ()):
+                raise InvalidArgument("this daemon has no check-out from a source (an older version); check the "
+                                      "source out 'r' and copy it into a 'w' lease, or upgrade the daemon")
+            extra["source"] = _wire(source)
+        r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s, stream=stream,
+                               **extra)
         r["mode"] = mode
         return ClientLease(self, r)
 

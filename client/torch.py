@@ -103,6 +103,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.update = update
         self._streams: Any = None  # per-device copy streams, made on first GPU update
         self._handles: dict[str, Any] = {}  # key -> handle, so a step does not look every key up
+        self._has_source: bool | None = None
         closure = inspect.signature(inner.step).parameters.get("closure")
         if closure is not None and closure.default is inspect.Parameter.empty:
             raise TypeError(f"{type(inner).__name__} needs a closure for every step and keeps one state for all "
@@ -266,17 +267,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             views: dict[str, torch.Tensor] = {}
             try:
                 for name in layout:
-                    with self._checkout_state(gi, pi, name, read, "r") as s:
-                        lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
+                    # out of place: version `read` stays intact until the step completes
+                    if self._sourced():  # the pool hands version `read`'s bytes to version `write`
+                        lease = self._checkout_state(gi, pi, name, write, "w", source=read)
                         leases.append(lease)
-                        lease.tensor.copy_(s)  # out of place: version `read` stays intact until the step completes
+                    else:
+                        with self._checkout_state(gi, pi, name, read, "r") as s:
+                            lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
+                            leases.append(lease)
+                            lease.tensor.copy_(s)
                     views[name] = lease.tensor
             except CapacityExceeded as e:
                 sizes = [int(self.store.info(self._lookup(gi, pi, n, write))["nbytes"]) for n in layout]
+                held = ("(each made from the old version in place)" if self._sourced() else
+                        "and the old version of one at a time")
+                need = sum(sizes) + (0 if self._sourced() else max(sizes))
                 raise CapacityExceeded(
                     f"{e}. Updating parameter {gi}.{pi} holds the new version of each of its {len(layout)} state "
-                    f"tensors and the old version of one at a time: the host tier needs at least about "
-                    f"{format_size(sum(sizes) + max(sizes))} free for it (plus the prefetch budget)") from None
+                    f"tensors {held}: the host tier needs at least about {format_size(need)} free for it "
+                    "(plus the prefetch budget)") from None
             self._update(group, p, layout, views)
         finally:
             for lease in leases:
@@ -388,8 +397,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 lease.release()
             item.leases = []
 
-    def _checkout(self, h: Any, mode: str) -> Any:
+    def _checkout(self, h: Any, mode: str, source: Any = None) -> Any:
+        if source is not None:
+            return self.store.checkout(h, mode, stream=_OPT_STREAM, source=source)
         return self.store.checkout(h, mode, stream=_OPT_STREAM)
+
+    def _sourced(self) -> bool:
+        """Whether the pool takes ``checkout(..., source=)`` (an in-process store, or a daemon
+        that offers it): the update then needs no copy of the old version in this process."""
+        if self._has_source is None:
+            server = getattr(self.store, "server", None)
+            self._has_source = "source" in server.get("features", ()) if isinstance(server, dict) else \
+                hasattr(self.store, "acquire_from")
+        return self._has_source
 
     def _put_both(self, gi: int, pi: int, name: str, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
@@ -407,19 +427,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._handles[key] = h
         return h
 
-    def _checkout_state(self, gi: int, pi: int, name: str, version: int, mode: str) -> Any:
-        key = self._key(gi, pi, name, version)
-        h = self._lookup(gi, pi, name, version)
-        if h is not None:
-            try:
-                return self._checkout(h, mode)
-            except (NotFound, StaleHandle):
-                self._handles.pop(key, None)  # the key was re-bound behind our back: look it up again
-                h = self._lookup(gi, pi, name, version)
-        if h is None:
-            raise RuntimeError(f"optimizer state {key} is missing from the pool; "
-                               "was it freed, or is this prefix used by another job?")
-        return self._checkout(h, mode)
+    def _checkout_state(self, gi: int, pi: int, name: str, version: int, mode: str,
+                        source: int | None = None) -> Any:
+        """Check out one state tensor's ``version`` (``source``: starting with the bytes of
+        that other version)."""
+        keys = [self._key(gi, pi, name, v) for v in (version, source) if v is not None]
+
+        def handles() -> list[Any]:
+            hs = [self._lookup(gi, pi, name, v) for v in (version, source) if v is not None]
+            for k, h in zip(keys, hs):
+                if h is None:
+                    raise RuntimeError(f"optimizer state {k} is missing from the pool; "
+                                       "was it freed, or is this prefix used by another job?")
+            return hs
+
+        hs = handles()
+        try:
+            return self._checkout(hs[0], mode, *hs[1:])
+        except (NotFound, StaleHandle):
+            for k in keys:
+                self._handles.pop(k, None)  # a key was re-bound behind our back: look it up again
+            hs = handles()
+            return self._checkout(hs[0], mode, *hs[1:])
 
     # ------------------------------------------------------------------ resume / cleanup
     def _clear_pool(self) -> None:

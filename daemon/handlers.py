@@ -95,7 +95,7 @@ class Handlers:
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch"]}
+                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -163,6 +163,13 @@ class Handlers:
     def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         mode = field(msg, "mode", str, "r")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
+        if msg.get("source") is not None:
+            if mode != "w":
+                raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
+            info = self.store.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess, namespace=sess.namespace,
+                                           timeout_s=timeout_s, nowait=nowait,
+                                           stream=field(msg, "stream", str, "default"))
+            return _lease_reply(info)
         info = self.store.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
                                   nowait=nowait, stream=field(msg, "stream", str, "default"),
                                   device=field(msg, "device", bool, False))

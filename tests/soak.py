@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tierstore import Busy, CapacityExceeded, Config, Handle, NotFound, Store
+from tierstore import Busy, CapacityExceeded, Config, Handle, InvalidArgument, NotFound, Store
 from tierstore.client import Client
 from tierstore.client.torch import offload_optimizer, offload_parameters
 
@@ -215,12 +215,12 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
     want, handles, locks = shared if shared is not None else ({}, {}, None)
     for i in range(n_ops):
         op = rng.choice(["put", "put", "replace", "get", "get_out", "r", "rw", "w", "free", "prefetch", "step",
-                         "keys", "info", "batch"])
+                         "keys", "info", "batch", "source"])
         if locks is not None:
             if op == "keys":
                 continue  # other workers change the key set meanwhile
-            if op == "batch":  # the keys' locks taken in one order: workers never wait on each other in a ring
-                chosen = sorted(rng.sample(sorted(locks), rng.randint(1, 4)))
+            if op in ("batch", "source"):  # locks taken in one order: workers never wait on each other in a ring
+                chosen = sorted(rng.sample(sorted(locks), 2 if op == "source" else rng.randint(1, 4)))
                 for k in chosen:
                     locks[k].acquire()
                 try:
@@ -242,6 +242,8 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
         key = rng.choice(keys) if keys else None
         if op == "batch":
             keys = rng.sample(keys, min(len(keys), rng.randint(1, 5)))
+        if op == "source":
+            keys = rng.sample(keys, min(len(keys), 2))
         if op == "put":
             key = f"{prefix}k{i % 37}/{rng.randint(0, 3)}"
         _api_op(s, rng, where, i, op, keys, key, want, handles, prefix, eph)
@@ -275,6 +277,8 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
                     want[key] = written
         elif op == "batch":
             _batch_op(s, rng, where, i, [k for k in keys if want[k].size], want, handles)
+        elif op == "source":
+            _source_op(s, rng, where, i, keys, want, handles)
         elif op == "free":
             s.free(handles[key])
             del handles[key], want[key]
@@ -334,6 +338,27 @@ def _batch_op(s, rng: random.Random, where: str, i: int, keys: list[str], want: 
     finally:
         group.release()
     want.update(new)
+
+
+def _source_op(s, rng: random.Random, where: str, i: int, keys: list[str], want: dict, handles: dict) -> None:
+    """``checkout(dst, "w", source=src)`` of two keys (src's bytes of another size are
+    refused): the lease starts with src's bytes, what is written becomes dst's, src stays."""
+    if len(keys) != 2 or not want[keys[1]].size:
+        return
+    dst, src = keys
+    what = f"{where} op {i}: check-out of {dst} from {src}"
+    if want[dst].nbytes != want[src].nbytes:
+        try:
+            s.checkout(handles[dst], "w", source=handles[src])
+        except InvalidArgument:
+            return
+        raise AssertionError(f"{what}: sizes differ, yet it was checked out")
+    with s.checkout(handles[dst], "w", source=handles[src]) as t:
+        arr = t.numpy() if isinstance(t, torch.Tensor) else t
+        assert _same(arr, want[src]), what
+        written = _use(t, "rw", want[src], rng, what) if rng.random() < 0.7 else want[src].copy()
+    want[dst] = written
+    assert _same(s.get(handles[src]), want[src]), f"{what}: the source changed"
 
 
 def _same(got, expected: np.ndarray) -> bool:

@@ -1,5 +1,6 @@
 """A real daemon process, real client processes, real sockets."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -548,6 +549,22 @@ os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *sys.argv[3:
 """
 
 
+@contextlib.contextmanager
+def _relaunched(daemon, stored: dict):
+    """The next daemon, handed the arena and index fds ``stored`` as systemd would; yields
+    its READY=1 status."""
+    args = ["--socket", daemon.socket, "--nvme-dir", daemon.nvme, "--host-bytes", "64MiB", "--nvme-bytes", "1GiB"]
+    with open(daemon.log, "ab") as logf:
+        p = subprocess.Popen([sys.executable, "-c", LAUNCH, str(stored["arena"]), str(stored["index"]), *args],
+                             pass_fds=(stored["arena"], stored["index"]), stdout=logf, stderr=logf,
+                             env={**os.environ, "NOTIFY_SOCKET": daemon.notify_path})
+        try:
+            yield daemon.wait_for("READY=1")
+        finally:
+            p.terminate()
+            p.wait()
+
+
 @pytest.mark.parametrize("how", ["sigkill", "sigterm"])
 def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
     """systemd emulated: the fds the daemon stores with FDSTORE=1 are handed to the next one."""
@@ -575,13 +592,7 @@ def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
         eph.close()
     except DaemonUnavailable:
         pass
-    args = ["--socket", daemon.socket, "--nvme-dir", daemon.nvme, "--host-bytes", "64MiB", "--nvme-bytes", "1GiB"]
-    logf = open(daemon.log, "ab")
-    p = subprocess.Popen([sys.executable, "-c", LAUNCH, str(stored["arena"]), str(stored["index"]), *args],
-                         pass_fds=(stored["arena"], stored["index"]), stdout=logf, stderr=logf,
-                         env={**os.environ, "NOTIFY_SOCKET": daemon.notify_path})
-    try:
-        ready = daemon.wait_for("READY=1")
+    with _relaunched(daemon, stored) as ready:
         assert "20 host-resident objects adopted" in ready, ready
         with daemon.client("survive") as c:
             assert sorted(c.keys()) == sorted(keep)
@@ -591,10 +602,6 @@ def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
             assert c.lookup("durable") == d
             h = c.put(torch.ones(3), key="after")  # the adopted arena keeps working
             assert torch.equal(c.get(h), torch.ones(3))
-    finally:
-        p.terminate()
-        p.wait()
-        logf.close()
 
 
 @needs_root
@@ -790,3 +797,96 @@ def test_checkout_many_through_the_daemon(daemon):
     with daemon.client("batch") as c:
         for i in range(3):
             assert np.array_equal(c.get(c.lookup(f"d{i}")), np.full(1000, i + 1, np.float32))
+
+
+SOURCE_HOLDER = r"""
+import sys
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="src")
+lease = c.checkout(c.lookup("b"), "w", source=c.lookup("a"))
+lease.tensor[:10] = -1  # part of an update, then killed
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_checkout_from_a_source_through_the_daemon(daemon):
+    """A ``w`` check-out that starts with another object's bytes: the source stays as it
+    was (also when the holder is SIGKILLed mid-update); bad requests are refused."""
+    mib = 1 << 18
+    ramp = torch.arange(mib, dtype=torch.float32)
+    with daemon.client("src") as c, daemon.client("src") as other:
+        assert "source" in c.server["features"]
+        a = c.put(ramp, key="a", tier="nvme")
+        b = c.put(torch.zeros(mib), key="b", tier="nvme")
+        with c.checkout(b, "w", source=a) as t:
+            assert torch.equal(t, ramp)
+            t.add_(1)
+        assert torch.equal(other.get(b), ramp + 1) and torch.equal(other.get(a), ramp)
+        counters = c.stat()["counters"]
+        assert counters["source_handovers"] + counters["source_copies"] == 1
+
+        held = other.checkout(b, "r")
+        with pytest.raises(Busy):
+            c.checkout(b, "w", source=a, timeout_s=0.2)
+        held.release()
+        assert c.stat()["leases"] == 0  # the read lease on the source was given back too
+
+        with pytest.raises(InvalidArgument, match="'w' check-out"):
+            c.checkout(b, "rw", source=a)
+        with pytest.raises(InvalidArgument, match="same size"):
+            c.checkout(b, "w", source=c.put(torch.zeros(4)))
+        with pytest.raises(InvalidArgument, match="own source"):
+            c.checkout(b, "w", source=b)
+        for bad in ([int(a)], 1.5, "x.y"):
+            with pytest.raises(InvalidArgument):
+                c._conn.request("checkout", handle=int(b), mode="w", source=bad)
+        with pytest.raises(InvalidArgument, match="'w' check-out"):
+            c._conn.request("checkout", handle=int(b), mode="r", source=int(a))
+        assert c.stat()["leases"] == 0
+
+        p = subprocess.Popen([sys.executable, "-c", SOURCE_HOLDER, daemon.socket], stdout=subprocess.PIPE,
+                             stdin=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "held"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        with c.checkout(b, "r", timeout_s=30) as t:  # the dead holder's lease ended as a check-in
+            assert torch.equal(t[:10], torch.full((10,), -1.0)) and torch.equal(t[10:], ramp[10:])
+        assert torch.equal(c.get(a), ramp)
+        assert c.stat()["leases"] == 0
+
+
+TORN_WRITER = r"""
+import sys, torch
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="torn")
+for k in ("hot", "cold"):
+    h = c.lookup(k)
+    lease = c.checkout(h, "w", source=c.lookup("src")) if sys.argv[2] == "source" else c.checkout(h, sys.argv[2])
+    lease.tensor[:100] = -1.0  # never checked in
+print("writing", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("mode", ["rw", "w", "source"])
+def test_a_durable_object_under_a_write_lease_is_not_adopted_half_written(daemon, mode):
+    """The daemon is SIGKILLed while a client writes into durable objects' host blocks;
+    the next daemon, handed the arena through the fd store, serves their last checked-in
+    bytes (from NVMe), not the half-written block."""
+    stored = dict(daemon.fdstore)
+    with daemon.client("torn") as c:
+        c.put(torch.full((1 << 16,), 7.0), key="src", tier="nvme")
+        c.put(torch.full((1 << 16,), 1.0), key="hot", durable=True)  # resident in host and on NVMe
+        c.put(torch.full((1 << 16,), 2.0), key="cold", durable=True, tier="nvme")
+        p = subprocess.Popen([sys.executable, "-c", TORN_WRITER, daemon.socket, mode], stdout=subprocess.PIPE,
+                             stdin=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "writing"
+            daemon.kill()
+        finally:
+            p.kill()
+            p.wait()
+    with _relaunched(daemon, stored), daemon.client("torn") as c:
+        assert torch.equal(c.get(c.lookup("hot")), torch.full((1 << 16,), 1.0))
+        assert torch.equal(c.get(c.lookup("cold")), torch.full((1 << 16,), 2.0))

@@ -483,3 +483,86 @@ def test_checkout_many_takes_all_or_nothing(make_store):
         s.checkout_many(big, "r")  # 9 MiB of objects in an 8 MiB host tier: would wait forever
     assert time.monotonic() - t0 < 1
     assert not s._leases
+
+
+def _resident(s, h) -> list[str]:
+    return s.info(h)["residency"]
+
+
+def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
+    """``checkout(dst, "w", source=src)``: the lease starts with src's bytes and src keeps
+    its own. A clean, unshared host copy of src changes owner (no copy, no second block);
+    anything else is copied; errors leave nothing leased."""
+    s = make_store(host_bytes="8MiB", lease_wait_s=0.3)
+    mib = 1 << 18  # float32 elements in 1 MiB
+    src = s.put(torch.arange(mib, dtype=torch.float32), key="src", tier="nvme")
+    dst = s.put(torch.full((mib,), -1.0), key="dst", tier="nvme")
+    s._drain_spill()  # both on NVMe only
+    assert _resident(s, src) == ["nvme"] and _resident(s, dst) == ["nvme"]
+    misses = s.stat()["prefetch"]["misses"]
+
+    # src read up from NVMe into a block that becomes dst's: one block in use, not two
+    with s.checkout(dst, "w", source=src) as t:
+        assert torch.equal(t, torch.arange(mib, dtype=torch.float32))
+        assert s.host.used_bytes == s.host.rounded(4 * mib)
+        assert _resident(s, src) == ["nvme"]  # its NVMe copy is still its bytes
+        t.mul_(2)
+    c = s.stat()["counters"]
+    assert (c["source_handovers"], c["source_copies"]) == (1, 0)
+    assert s.stat()["prefetch"]["misses"] == misses + 1  # the read of src was recorded as an access
+    assert torch.equal(s.get(src), torch.arange(mib, dtype=torch.float32))
+    assert torch.equal(s.get(dst), 2 * torch.arange(mib, dtype=torch.float32))
+
+    # src prefetched (clean in host), dst resident and dirty: dst's block goes, src's is handed over
+    s._drain_spill()
+    cache = s.put(torch.full((mib,), 5.0), tier=None)  # host only
+    assert s.prefetch([src]).result(timeout=10) == 1
+    assert "host" in _resident(s, src) and _resident(s, cache) == ["host"]
+    used = s.host.used_bytes
+    with s.checkout(cache, "w", source=src) as t:
+        assert torch.equal(t, torch.arange(mib, dtype=torch.float32))
+        assert s.host.used_bytes == used - s.host.rounded(4 * mib)
+    assert s.stat()["counters"]["source_handovers"] == 2
+    assert torch.equal(s.get(cache), torch.arange(mib, dtype=torch.float32))
+    assert torch.equal(s.get(src), torch.arange(mib, dtype=torch.float32))
+    s.free(cache)
+
+    # src read by someone else, or only in host (dirty): copied, src untouched and resident
+    other = s.checkout(src, "r")
+    with s.checkout(dst, "w", source=src) as t:
+        assert torch.equal(t, torch.arange(mib, dtype=torch.float32))
+        t.zero_()
+    other.release()
+    hot = s.put(torch.full((mib,), 3.0), tier="host")
+    with s.checkout(dst, "w", source=hot) as t:
+        assert torch.equal(t, torch.full((mib,), 3.0))
+        t.add_(1)
+    assert s.stat()["counters"]["source_copies"] == 2
+    assert torch.equal(s.get(hot), torch.full((mib,), 3.0)) and "host" in _resident(s, hot)
+    assert torch.equal(s.get(src), torch.arange(mib, dtype=torch.float32))
+    assert torch.equal(s.get(dst), torch.full((mib,), 4.0))
+
+    # dst leased elsewhere: Busy after the wait, and the read lease on src is given back
+    held = s.checkout(dst, "r")
+    with pytest.raises(Busy):
+        s.checkout(dst, "w", source=src, timeout_s=0.2)
+    held.release()
+    assert not s._leases
+
+    # refused up front
+    small = s.put(torch.zeros(16))
+    with pytest.raises(InvalidArgument, match="same size"):
+        s.checkout(dst, "w", source=small)
+    with pytest.raises(InvalidArgument, match="its own source"):
+        s.checkout(dst, "w", source=dst)
+    with pytest.raises(InvalidArgument, match="'w' check-out"):
+        s.checkout(dst, "rw", source=src)
+    with pytest.raises(NotFound):
+        s.checkout(dst, "w", source=Handle(10**6, 1))
+    assert not s._leases
+
+    # nothing leaked: once everything is freed the host tier is empty
+    for h in (src, dst, hot, small):
+        s.free(h)
+    s._drain_spill()
+    assert s.host.used_bytes == 0

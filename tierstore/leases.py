@@ -352,6 +352,97 @@ class Leasing:
                 self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
                 self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
 
+    def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
+                     namespace: str | None = None, timeout_s: float | None = None, nowait: bool = False,
+                     stream: str = "default") -> LeaseInfo:
+        """A ``w`` lease on ``handle`` whose host bytes start as ``source``'s (same size, same
+        namespace): a read-modify-write into another object, as a double-buffered update
+        makes, without the caller copying. ``source`` is read as by an ``r`` check-out (its
+        access recorded for the prefetcher) and stays unchanged. When its host block holds
+        the only host copy, nobody else uses it and its NVMe copy is current, the block is
+        handed over to ``handle`` (no copy; ``source`` is left on NVMe); otherwise the
+        bytes are copied into ``handle``'s own block.
+        """
+        dst_h, src_h = Handle.parse(handle), Handle.parse(source)
+        ns = self._ns(namespace)
+        with self._cv:
+            dst, src = self._get_meta(dst_h, ns), self._get_meta(src_h, ns)
+            if dst.id == src.id:
+                raise InvalidArgument(f"object {dst_h} cannot be its own source")
+            if dst.nbytes != src.nbytes:
+                raise InvalidArgument(f"source {src_h} holds {src.nbytes} bytes, object {dst_h} {dst.nbytes}: "
+                                      "a check-out from a source needs two objects of the same size")
+        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        rd: LeaseInfo | None = self.acquire(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
+                                            nowait=nowait, stream=stream)
+        try:
+            with self._cv:
+                while True:
+                    dst = self._get_meta(dst_h, ns)
+                    src = self._objects[rd.oid]
+                    if not self._can_hand_over(src, dst):
+                        break
+                    if not dst.moving and self._lease_ok(dst, "w"):
+                        info = self._hand_over(rd, src, dst, owner)
+                        rd = None
+                        return info
+                    remaining = deadline - time.monotonic()
+                    if nowait or remaining <= 0:
+                        break  # the copy below waits (or says Busy) as a plain check-out does
+                    self._cv.wait(min(remaining, 1.0))
+            if nowait:
+                raise WouldBlock()  # a copy of the bytes: not on the event loop
+            info = self.acquire(dst_h, "w", owner=owner, namespace=ns,
+                                timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
+            try:
+                n = src.nbytes
+                if n:
+                    self.arena.view(info.host_off, n)[:] = self.arena.view(rd.host_off, n)
+            except BaseException:
+                self.release(info.lid, owner=owner)
+                raise
+            with self._cv:
+                self.counters["source_copies"] += 1
+            return info
+        finally:
+            if rd is not None:
+                self.release(rd.lid, owner=owner)
+
+    @staticmethod
+    def _can_hand_over(src: ObjectMeta, dst: ObjectMeta) -> bool:
+        """(under _cv) Whether ``src``'s host block (read-leased by the caller alone) may become
+        ``dst``'s: ``src`` keeps a current NVMe copy, and neither object is anywhere else."""
+        return (src.readers == 1 and not src.writer and not src.moving and src.pins == 0 and not src.freeing
+                and src.nvme_valid and src.host_off is not None and src.gpu_loc is None
+                and dst.gpu_loc is None and not dst.freeing and src.nbytes > 0)
+
+    def _hand_over(self, rd: LeaseInfo, src: ObjectMeta, dst: ObjectMeta, owner: Any) -> LeaseInfo:
+        """(under _cv) End read lease ``rd`` on ``src`` and give its host block to ``dst`` under
+        a new ``w`` lease. ``src`` is left with its NVMe copy."""
+        del self._leases[rd.lid]
+        src.readers -= 1
+        off = src.host_off
+        self.policy.remove(src.id)
+        self._log_drop(src)
+        src.host_off, src.host_valid = None, False
+        self.prefetcher.demoted(src.id)
+        if dst.host_valid and dst.host_off is not None:  # overwritten whole by the lease: its block goes
+            self.policy.remove(dst.id)
+            self._log_drop(dst)
+            self.host.free(dst.host_off, dst.nbytes)
+            self.prefetcher.demoted(dst.id)
+        dst.host_off, dst.host_valid = off, True
+        dst.writer = True
+        self._log_host(dst)
+        self.policy.insert(dst.id)
+        self.counters["checkouts"] += 1
+        self.counters["source_handovers"] += 1
+        lid = next(self._ids) + (1 << 40)
+        info = LeaseInfo(lid, owner, dst.id, dst.gen, "w", off, dst.spec, time.monotonic(), None, dst.durable)
+        self._leases[lid] = info
+        self._cv.notify_all()
+        return info
+
     def acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
                      namespace: str | None = None, timeout_s: float | None = None, nowait: bool = False,
                      stream: str = "default", progress: list[LeaseInfo] | None = None) -> list[LeaseInfo]:

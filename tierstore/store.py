@@ -148,7 +148,8 @@ class Store(Leasing, Movement, Recovery):
         self.counters: dict[str, float] = dict.fromkeys(
             ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
              "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
-             "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes"), 0)
+             "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
+             "source_handovers", "source_copies"), 0)
         self._gpu_lru: OrderedDict[int, None] = OrderedDict()
         self.gpu: GpuTier | None = None
         self.host_pinned, self.host_pinned_reason = False, "no GPU tier in this process: host memory is not page-locked"
@@ -270,8 +271,18 @@ class Store(Leasing, Movement, Recovery):
         return out if out is not None else from_bytes(dst, spec)
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
-                 timeout_s: float | None = None, stream: str = "default") -> Lease:
-        """Lease the object and return a ``Lease`` whose tensor views the host arena (zero copy)."""
+                 timeout_s: float | None = None, stream: str = "default",
+                 source: Handle | int | str | None = None) -> Lease:
+        """Lease the object and return a ``Lease`` whose tensor views the host arena (zero copy).
+
+        ``source`` (with mode ``"w"``): the lease starts with that object's bytes instead of
+        its own (same size), and ``source`` is unchanged: a double-buffered update that
+        reads one version and writes the other, without copying (``acquire_from``)."""
+        if source is not None:
+            if mode != "w":
+                raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
+            return self._lease(self.acquire_from(handle, source, owner=_LOCAL, namespace=namespace,
+                                                 timeout_s=timeout_s, stream=stream))
         return self._lease(self.acquire(handle, mode, owner=_LOCAL, namespace=namespace, timeout_s=timeout_s,
                                         stream=stream))
 
