@@ -1,6 +1,7 @@
 """Fault-injection harness: rounds of a randomized multi-process workload against a real
 daemon, with SIGKILL of the daemon or of a client at a random moment, then a restart
-and a check of every invariant DESIGN.md promises.
+(half of them handed the previous daemon's arena through an emulated systemd fd store,
+so the host tier is adopted) and a check of every invariant DESIGN.md promises.
 
     python tests/faults.py --rounds 20 --seed 7          # a fixed number of rounds
     python tests/faults.py --soak 30                     # as many rounds as fit in 30 minutes
@@ -49,6 +50,8 @@ for i in range(n_ops):
     r = rng.random()
     if r < 0.35 or not live:
         key, n = f"k{seed}-{i}", int(rng.integers(0, 300_000))
+        if live and rng.random() < 0.3:  # the size of another object: a source for check-outs of it
+            n = live[list(live)[int(rng.integers(len(live)))]][1]
         durable, tier = bool(rng.random() < 0.4), (None if rng.random() < 0.7 else "nvme")
         ephemeral = not durable and bool(rng.random() < 0.25)  # goes when this worker's connection does
         log(op="put-begin", key=key, ver=0, n=n, durable=durable, ephemeral=ephemeral)
@@ -64,6 +67,24 @@ for i in range(n_ops):
         ver, n, _ = live[key]
         got = c.get(c.lookup(key))
         assert np.array_equal(got, data(key, ver, n)), f"wrong bytes for {key}"
+    elif r < 0.75 and any(live[a][1] == live[b][1] and a != b and live[a][1] for a in live for b in live):
+        # a check-out that starts with another object's bytes (source=): the source must stay as it was
+        dst, src = next((a, b) for a in rng.permutation(list(live)) for b in live
+                        if a != b and live[a][1] == live[b][1] and live[a][1])
+        dst = str(dst)
+        log(op="rw-begin", key=dst, ver=live[dst][0] + 1)
+        try:
+            with c.checkout(c.lookup(dst), "w", source=c.lookup(src), timeout_s=5) as v:
+                ver, n, _ = live[dst]
+                assert np.array_equal(v, data(src, live[src][0], n)), f"{dst} did not start as {src}"
+                v[:] = data(dst, ver + 1, n)
+        except CapacityExceeded:
+            log(op="rw-failed", key=dst)
+            continue
+        ver, n, durable = live[dst]
+        log(op="rw", key=dst, ver=ver + 1)
+        live[dst] = (ver + 1, n, durable)
+        assert np.array_equal(c.get(c.lookup(src)), data(src, live[src][0], n)), f"source {src} changed"
     elif r < 0.85:  # a write check-out of one object, or of up to 3 in one batch
         keys = [str(k) for k in rng.choice(list(live), size=min(len(live), int(rng.integers(1, 4))), replace=False)]
         for key in keys:
@@ -99,6 +120,7 @@ class Stats:
     daemon_kills: int = 0
     client_kills: int = 0
     graceful_stops: int = 0
+    handbacks: int = 0
     objects_checked: int = 0
     durable_checked: int = 0
     ephemeral_checked: int = 0
@@ -119,22 +141,43 @@ class Daemon:
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(self.notify_path)
         self.notify.settimeout(120)
+        self.fdstore: dict[str, int] = {}
+        """What the daemon handed to "systemd" (FDSTORE=1): its arena and host index log."""
 
-    def start(self) -> None:
+    def start(self, handback: bool = False) -> bool:
+        """Start a daemon; with ``handback``, give it the previous one's arena and index
+        (systemd's fd store emulated) so it adopts the host tier. Returns whether it did."""
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path}
+        args = ["--socket", self.socket, "--nvme-dir", str(self.base / "nvme"), "--host-bytes", self.host_bytes,
+                "--nvme-bytes", "2GiB", "--log-level", "INFO"]
+        handback = handback and {"arena", "index"} <= set(self.fdstore)
         log = open(self.base / "daemon.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierstore.daemon", "--socket", self.socket, "--nvme-dir",
-             str(self.base / "nvme"), "--host-bytes", self.host_bytes, "--nvme-bytes", "2GiB",
-             "--log-level", "INFO"], env=env, stdout=log, stderr=log)
+        if handback:
+            fds = (self.fdstore["arena"], self.fdstore["index"])
+            self.proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *map(str, fds), *args], pass_fds=fds,
+                                         env=env, stdout=log, stderr=log)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tierstore.daemon", *args], env=env, stdout=log,
+                                         stderr=log)
         log.close()
-        while True:  # readiness: READY=1 means the journal was replayed
+        while True:  # readiness: READY=1 means the journal was replayed (and the arena adopted)
             try:
-                msg = self.notify.recv(4096)
+                raw, fds, _, _ = socket.recv_fds(self.notify, 4096, 8)
             except TimeoutError:
                 raise RuntimeError("daemon did not become ready; see " + str(self.base / "daemon.log")) from None
-            if b"READY=1" in msg:
-                return
+            msg = raw.decode()
+            if fds and "FDSTORE=1" in msg and "FDNAME=" in msg:
+                name = msg.split("FDNAME=")[1].split()[0]
+                if name in self.fdstore:
+                    os.close(self.fdstore[name])
+                self.fdstore[name] = fds[0]
+                for extra in fds[1:]:
+                    os.close(extra)
+            else:
+                for fd in fds:
+                    os.close(fd)
+            if "READY=1" in msg:
+                return handback
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -151,6 +194,20 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
         self.notify.close()
+        for fd in self.fdstore.values():
+            os.close(fd)
+        self.fdstore.clear()
+
+
+LAUNCH = r"""
+import os, sys
+arena, index = int(sys.argv[1]), int(sys.argv[2])
+os.dup2(arena, 3); os.dup2(index, 4)
+os.environ.update(LISTEN_FDS="2", LISTEN_FDNAMES="arena:index", LISTEN_PID=str(os.getpid()))
+os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *sys.argv[3:]])
+"""
+"""Starts the daemon the way systemd restarts one with a file-descriptor store: the fds
+as 3 and 4, named in LISTEN_FDNAMES."""
 
 
 def read_ledger(path: Path) -> dict[str, dict]:
@@ -188,7 +245,9 @@ def read_ledger(path: Path) -> dict[str, dict]:
 
 
 def check(daemon: Daemon, namespaces: list[str], ledgers: dict[str, Path], restarted: bool, daemon_crashed: bool,
-          stats: Stats) -> None:
+          stats: Stats, adopted: bool = False) -> None:
+    """Every invariant after a round. ``adopted``: the restarted daemon was handed the
+    arena, so volatile host-resident objects may have survived it (NVMe-only ones not)."""
     from tierstore.client import Client
 
     fail = stats.failures.append
@@ -225,8 +284,10 @@ def check(daemon: Daemon, namespaces: list[str], ledgers: dict[str, Path], resta
                     if must_exist:
                         fail(f"{ns}/{key}: {'durable ' if s['durable'] else ''}put returned, object missing")
                     continue
-                if s["inflight"] == "rw" and not daemon_crashed:
-                    continue  # killed while writing through its view: the bytes are whatever it wrote
+                if s["inflight"] == "rw" and (not daemon_crashed or (adopted and not s["durable"])):
+                    # killed while writing through its view (or, volatile, adopted as its block held it
+                    # when the daemon died): the bytes are whatever it wrote
+                    continue
                 got = c.get(c.lookup(key)).view(np.uint8)
                 ok_versions = [s["ver"]] + ([s["ver"] + 1] if s["inflight"] == "rw" else [])
                 if not any(np.array_equal(got, data(ns, key, v, s["n"])) for v in ok_versions):
@@ -287,15 +348,16 @@ def run(rounds: int | None, seed: int, workers: int = 3, ops: int = 400, soak_s:
                 if p.returncode not in (0, -signal.SIGKILL) and not daemon_crashed:
                     err = (base / f"worker-{r}-{i}.log").read_text()[-800:]
                     stats.failures.append(f"round {r}: worker {i} failed: {err}")
-            restarted = daemon_crashed
+            restarted, adopted = daemon_crashed, False
             if daemon_crashed:
-                daemon.start()  # journal replay
+                adopted = daemon.start(handback=rng.random() < 0.5)  # journal replay (and the arena, half the time)
             elif rng.random() < 0.3:
-                daemon.stop()  # graceful stop, then a restart: volatile objects end with the daemon
-                stats.graceful_stops += 1
-                daemon.start()
+                daemon.stop()  # graceful stop, then a restart: volatile objects end with the daemon unless
+                stats.graceful_stops += 1  # it is handed the arena
+                adopted = daemon.start(handback=rng.random() < 0.5)
                 restarted = True
-            check(daemon, namespaces, ledgers, restarted, daemon_crashed, stats)
+            stats.handbacks += adopted
+            check(daemon, namespaces, ledgers, restarted, daemon_crashed, stats, adopted)
             if verbose:
                 print(f"round {r}: fault={victim} checked={stats.objects_checked} failures={len(stats.failures)}",
                       flush=True)
