@@ -826,6 +826,16 @@ def test_checkout_from_a_source_through_the_daemon(daemon):
         counters = c.stat()["counters"]
         assert counters["source_handovers"] + counters["source_copies"] == 1
 
+        # a source only in host (dirty): copied on a worker; its read is recorded once, not per attempt
+        hot = c.put(ramp * 3, key="hot", tier="host")
+        accesses = lambda st: sum(st["prefetch"][k] for k in ("hits", "late", "misses"))  # noqa: E731
+        before = c.stat()
+        with c.checkout(b, "w", source=hot) as t:
+            assert torch.equal(t, ramp * 3)
+        after = c.stat()
+        assert after["counters"]["source_copies"] == before["counters"]["source_copies"] + 1
+        assert accesses(after) == accesses(before) + 1
+
         held = other.checkout(b, "r")
         with pytest.raises(Busy):
             c.checkout(b, "w", source=a, timeout_s=0.2)

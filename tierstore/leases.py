@@ -362,9 +362,13 @@ class Leasing:
         the only host copy, nobody else uses it and its NVMe copy is current, the block is
         handed over to ``handle`` (no copy; ``source`` is left on NVMe); otherwise the
         bytes are copied into ``handle``'s own block.
+
+        ``nowait``: only a hand-over of a resident ``source`` is done; anything else is
+        ``WouldBlock`` with nothing taken or recorded (the daemon's worker does it).
         """
         dst_h, src_h = Handle.parse(handle), Handle.parse(source)
         ns = self._ns(namespace)
+        t0 = time.monotonic()
         with self._cv:
             dst, src = self._get_meta(dst_h, ns), self._get_meta(src_h, ns)
             if dst.id == src.id:
@@ -372,26 +376,30 @@ class Leasing:
             if dst.nbytes != src.nbytes:
                 raise InvalidArgument(f"source {src_h} holds {src.nbytes} bytes, object {dst_h} {dst.nbytes}: "
                                       "a check-out from a source needs two objects of the same size")
-        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+            if src.host_valid and self._can_hand_over(src, dst, readers=0) and self._lease_ok(dst, "w"):
+                self._record(owner, stream, src, True, False, t0, locked=True)  # resident: a hit
+                self.counters["host_hits"] += 1
+                return self._hand_over(None, src, dst, owner)
+        if nowait:
+            raise WouldBlock()  # a read, a wait or a copy of the bytes: not on the event loop
+        deadline = t0 + (self.config.lease_wait_s if timeout_s is None else timeout_s)
         rd: LeaseInfo | None = self.acquire(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
-                                            nowait=nowait, stream=stream)
+                                            stream=stream)
         try:
             with self._cv:
                 while True:
                     dst = self._get_meta(dst_h, ns)
                     src = self._objects[rd.oid]
-                    if not self._can_hand_over(src, dst):
+                    if not self._can_hand_over(src, dst, readers=1):
                         break
-                    if not dst.moving and self._lease_ok(dst, "w"):
+                    if self._lease_ok(dst, "w"):
                         info = self._hand_over(rd, src, dst, owner)
                         rd = None
                         return info
                     remaining = deadline - time.monotonic()
-                    if nowait or remaining <= 0:
+                    if remaining <= 0:
                         break  # the copy below waits (or says Busy) as a plain check-out does
                     self._cv.wait(min(remaining, 1.0))
-            if nowait:
-                raise WouldBlock()  # a copy of the bytes: not on the event loop
             info = self.acquire(dst_h, "w", owner=owner, namespace=ns,
                                 timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
             try:
@@ -409,18 +417,20 @@ class Leasing:
                 self.release(rd.lid, owner=owner)
 
     @staticmethod
-    def _can_hand_over(src: ObjectMeta, dst: ObjectMeta) -> bool:
-        """(under _cv) Whether ``src``'s host block (read-leased by the caller alone) may become
-        ``dst``'s: ``src`` keeps a current NVMe copy, and neither object is anywhere else."""
-        return (src.readers == 1 and not src.writer and not src.moving and src.pins == 0 and not src.freeing
-                and src.nvme_valid and src.host_off is not None and src.gpu_loc is None
-                and dst.gpu_loc is None and not dst.freeing and src.nbytes > 0)
+    def _can_hand_over(src: ObjectMeta, dst: ObjectMeta, readers: int) -> bool:
+        """(under _cv) Whether ``src``'s host block (read by ``readers`` leases, the caller's)
+        may become ``dst``'s: ``src`` keeps a current NVMe copy, neither object is anywhere
+        else or on the move."""
+        return (src.readers == readers and not src.writer and not src.moving and src.pins == 0
+                and not src.freeing and src.nvme_valid and src.host_off is not None and src.gpu_loc is None
+                and dst.gpu_loc is None and not dst.freeing and not dst.moving and src.nbytes > 0)
 
-    def _hand_over(self, rd: LeaseInfo, src: ObjectMeta, dst: ObjectMeta, owner: Any) -> LeaseInfo:
-        """(under _cv) End read lease ``rd`` on ``src`` and give its host block to ``dst`` under
-        a new ``w`` lease. ``src`` is left with its NVMe copy."""
-        del self._leases[rd.lid]
-        src.readers -= 1
+    def _hand_over(self, rd: LeaseInfo | None, src: ObjectMeta, dst: ObjectMeta, owner: Any) -> LeaseInfo:
+        """(under _cv) End the caller's read lease ``rd`` on ``src`` (if any) and give ``src``'s
+        host block to ``dst`` under a new ``w`` lease. ``src`` is left with its NVMe copy."""
+        if rd is not None:
+            del self._leases[rd.lid]
+            src.readers -= 1
         off = src.host_off
         self.policy.remove(src.id)
         self._log_drop(src)
@@ -433,7 +443,7 @@ class Leasing:
             self.prefetcher.demoted(dst.id)
         dst.host_off, dst.host_valid = off, True
         dst.writer = True
-        self._log_host(dst)
+        self._log_host(dst)  # (a durable one's is not: the block is not its bytes until the check-in)
         self.policy.insert(dst.id)
         self.counters["checkouts"] += 1
         self.counters["source_handovers"] += 1
