@@ -376,7 +376,8 @@ class Leasing:
             if dst.nbytes != src.nbytes:
                 raise InvalidArgument(f"source {src_h} holds {src.nbytes} bytes, object {dst_h} {dst.nbytes}: "
                                       "a check-out from a source needs two objects of the same size")
-            if src.host_valid and self._can_hand_over(src, dst, readers=0) and self._lease_ok(dst, "w"):
+            if src.host_valid and self._can_hand_over(src, dst, readers=0) and not dst.moving \
+                    and self._lease_ok(dst, "w"):
                 self._record(owner, stream, src, True, False, t0, locked=True)  # resident: a hit
                 self.counters["host_hits"] += 1
                 return self._hand_over(None, src, dst, owner)
@@ -392,7 +393,7 @@ class Leasing:
                     src = self._objects[rd.oid]
                     if not self._can_hand_over(src, dst, readers=1):
                         break
-                    if self._lease_ok(dst, "w"):
+                    if not dst.moving and self._lease_ok(dst, "w"):
                         info = self._hand_over(rd, src, dst, owner)
                         rd = None
                         return info
@@ -419,11 +420,11 @@ class Leasing:
     @staticmethod
     def _can_hand_over(src: ObjectMeta, dst: ObjectMeta, readers: int) -> bool:
         """(under _cv) Whether ``src``'s host block (read by ``readers`` leases, the caller's)
-        may become ``dst``'s: ``src`` keeps a current NVMe copy, neither object is anywhere
-        else or on the move."""
+        may become ``dst``'s: ``src`` keeps a current NVMe copy and neither object is in
+        another tier (``dst`` may still have to be waited for: moving, or leased)."""
         return (src.readers == readers and not src.writer and not src.moving and src.pins == 0
                 and not src.freeing and src.nvme_valid and src.host_off is not None and src.gpu_loc is None
-                and dst.gpu_loc is None and not dst.freeing and not dst.moving and src.nbytes > 0)
+                and dst.gpu_loc is None and not dst.freeing and src.nbytes > 0)
 
     def _hand_over(self, rd: LeaseInfo | None, src: ObjectMeta, dst: ObjectMeta, owner: Any) -> LeaseInfo:
         """(under _cv) End the caller's read lease ``rd`` on ``src`` (if any) and give ``src``'s
