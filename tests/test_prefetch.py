@@ -418,31 +418,3 @@ def test_batched_access_keeps_the_window_full(make_store):
         after = s.stat()["prefetch"]
         rates.append((after["hits"] - before["hits"]) / sum(after[k] - before[k] for k in ("hits", "late", "misses")))
     assert min(rates[3:]) >= 0.95, rates
-
-
-def test_dirty_cached_objects_are_written_down_ahead_of_their_eviction(make_store):
-    """With prefetch on and less room free than the prefetch budget, the demoter writes
-    the first eviction candidates that are dirty down to NVMe and keeps them resident:
-    evicting them later is a drop. With room to spare it writes nothing."""
-    import time
-
-    s = make_store(host_bytes="16MiB", prefetch=True, prefetch_budget_bytes="4MiB", high_watermark=1.0,
-                   low_watermark=0.9)
-    mib = 1 << 18  # float32 elements in 1 MiB
-    hs = [s.put(torch.full((mib,), float(i))) for i in range(4)]  # dirty, host only; 12 MiB free
-    time.sleep(1.5)  # the demoter wakes at least once a second
-    assert s.stat()["counters"]["cleaned"] == 0
-    hs += [s.put(torch.full((mib,), float(i))) for i in range(4, 14)]  # 2 MiB free < the 4 MiB budget
-    deadline = time.monotonic() + 10
-    while s.stat()["counters"]["cleaned"] < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.2)
-    infos = [s.info(h) for h in hs]
-    clean = [i for i, info in enumerate(infos) if not info["dirty"]]
-    assert len(clean) == s.stat()["counters"]["cleaned"] == 4, infos  # the budget's bytes of candidates
-    assert all(set(infos[i]["residency"]) == {"host", "nvme"} for i in clean)
-    with s.checkout(hs[clean[0]], "rw") as t:  # written again: dirty again
-        t.add_(100)
-    assert s.info(hs[clean[0]])["dirty"]
-    for i, h in enumerate(hs):
-        assert torch.equal(s.get(h), torch.full((mib,), float(i) + (100 if i == clean[0] else 0)))

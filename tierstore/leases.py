@@ -604,8 +604,6 @@ class Leasing:
             with self._cv:
                 if meta.durable:
                     self._log_host(meta)  # the block is its bytes again: a restart may adopt it
-                elif meta.home != "nvme" and self.prefetcher.enabled:
-                    self._demoter_wake.set()  # dirty in the host tier: the demoter may clean it ahead
                 self._spill_if_home_nvme(meta)
         if drop:
             # a replaced object's last check-out ended: it goes now (a durable one journals

@@ -372,47 +372,6 @@ class Movement:
             except TierstoreError as e:
                 log.error("returning %s to NVMe failed: %s", m.handle, e)
 
-    def _clean_ahead(self) -> None:
-        """Write down, keeping the host copy, the dirty objects the policy would evict
-        first (within the prefetch budget's bytes of candidates), so that making room for
-        the next fetch is a drop, not a write in the fetching thread, and a source of a
-        check-out is clean enough to be handed over. Durable objects are never dirty
-        here (their check-ins write through)."""
-        if not self.prefetcher.enabled:
-            return
-        budget = self.config.prefetch_budget_bytes
-        while not self._closed:
-            with self._cv:
-                if self.host.free_bytes >= budget:
-                    return  # the next fetches fit without evicting anything
-                victim, seen = None, 0
-                for oid in self.policy.candidates():
-                    m = self._objects.get(oid)
-                    if m is None or not m.host_valid or m.host_off is None:
-                        continue
-                    seen += m.nbytes
-                    if seen > budget:
-                        break
-                    if (m.nvme_valid or m.durable or m.moving or m.pins or m.writer or m.freeing
-                            or m.home == "host" or not m.nbytes):
-                        continue
-                    victim = m
-                    break
-                if victim is None:
-                    return
-                victim.moving = True
-            try:
-                self._write_down(victim, sync=False)
-                with self._cv:
-                    self.counters["cleaned"] += 1
-            except TierstoreError as e:
-                log.error("writing %s down ahead of its eviction failed: %s", victim.handle, e)
-                return
-            finally:
-                with self._cv:
-                    victim.moving = False
-                    self._cv.notify_all()
-
     def _demote_loop(self) -> None:
         log.debug("demoter started")
         while True:
@@ -421,7 +380,6 @@ class Movement:
             if self._closed:
                 break
             self._drain_spill()
-            self._clean_ahead()
             if self.gpu is not None:
                 self._demote_gpu()
             low = self.config.low_watermark * self.host.capacity

@@ -149,7 +149,7 @@ class Store(Leasing, Movement, Recovery):
             ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
              "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
              "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
-             "source_handovers", "source_copies", "cleaned"), 0)
+             "source_handovers", "source_copies"), 0)
         self._gpu_lru: OrderedDict[int, None] = OrderedDict()
         self.gpu: GpuTier | None = None
         self.host_pinned, self.host_pinned_reason = False, "no GPU tier in this process: host memory is not page-locked"
