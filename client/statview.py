@@ -28,8 +28,11 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
         if not t:
             continue
         cap, used = t["capacity_bytes"], t["used_bytes"]
-        lines.append(f"  {name:5} {_bar(used, cap)}  used {format_size(used)} / {format_size(cap)}  "
-                     f"free {format_size(cap - used)}  objects {t['objects']}")
+        line = (f"  {name:5} {_bar(used, cap)}  used {format_size(used)} / {format_size(cap)}  "
+                f"free {format_size(cap - used)}  objects {t['objects']}")
+        if t.get("fenced_bytes"):
+            line += f"  fenced {format_size(t['fenced_bytes'])} (revoked leases' holders still connected)"
+        lines.append(line)
     if "gpu" not in tiers and st.get("gpu_reason"):
         lines.append(f"  gpu   absent ({st['gpu_reason']})")
     h = tiers.get("host", {})

@@ -53,11 +53,15 @@ def _collector(stat: Callable[[], dict[str, Any]]) -> Any:
             cap = g("tierstore_tier_capacity_bytes", "Tier capacity", labels=["tier"])
             used = g("tierstore_tier_used_bytes", "Tier bytes in use", labels=["tier"])
             objs = g("tierstore_tier_objects", "Objects resident in the tier", labels=["tier"])
+            fenced = g("tierstore_tier_fenced_bytes",
+                       "Freed bytes held back while a revoked lease's holder is connected", labels=["tier"])
             for tier, t in st["tiers"].items():
                 cap.add_metric([tier], t["capacity_bytes"])
                 used.add_metric([tier], t["used_bytes"])
                 objs.add_metric([tier], t["objects"])
-            yield from (cap, used, objs)
+                if "fenced_bytes" in t:
+                    fenced.add_metric([tier], t["fenced_bytes"])
+            yield from (cap, used, objs, fenced)
             nv = st["tiers"]["nvme"]
             rd = CounterMetricFamily("tierstore_nvme_read_bytes", "Bytes read from the NVMe tier", labels=["engine"])
             rd.add_metric([nv["engine"]], nv["bytes_read"])
@@ -68,7 +72,8 @@ def _collector(stat: Callable[[], dict[str, Any]]) -> Any:
             c = st["counters"]
             for name, help_ in (("put_bytes", "Bytes put"), ("get_bytes", "Bytes got"),
                                 ("demoted_bytes", "Bytes demoted host to NVMe"),
-                                ("promoted_bytes", "Bytes promoted NVMe to host")):
+                                ("promoted_bytes", "Bytes promoted NVMe to host"),
+                                ("leases_revoked", "Leases revoked after lease_timeout_s")):
                 m = CounterMetricFamily(f"tierstore_{name}", help_)
                 m.add_metric([], c[name])
                 yield m

@@ -100,3 +100,29 @@ def test_small_blocks_fall_back_to_any_hole_that_fits():
     assert tops == [15 * 4096, 14 * 4096, 13 * 4096, 12 * 4096] and a.alloc(1) is None
     a.free(big, 12 * 4096)
     assert a.alloc(3 * 4096) == 9 * 4096  # topmost hole that fits, carved from its end
+
+
+def test_a_fenced_extent_is_not_handed_out_again_until_its_owner_goes():
+    page = 4096
+    a = ExtentAllocator(16 * page)
+    x, y, z = a.alloc(4 * page), a.alloc(4 * page), a.alloc(4 * page)
+    a.fence("stalled", x + page, 100)  # part of x: the whole of x is held back
+    a.fence("other", y, 4 * page)
+    a.free(x, 4 * page)
+    a.free(y, 4 * page)
+    a.free(z, 4 * page)  # not fenced: free at once
+    assert a.held_bytes == 8 * page and a.used_bytes == 8 * page and a.free_bytes == 8 * page
+    with pytest.raises(ValueError, match="double free"):
+        a.free(x, 4 * page)
+    got = [a.alloc(page) for _ in range(9)]
+    assert got.count(None) == 1  # only z's 4 pages and the 4 never used
+    assert not any(o is not None and x <= o < y + 4 * page for o in got)
+    for o in got:
+        if o is not None:
+            a.free(o, page)
+    assert a.unfence("nobody") == 0
+    assert a.unfence("stalled") == 4 * page and a.held_bytes == 4 * page  # y stays held by "other"
+    assert a.alloc(4 * page) == x
+    a.free(x, 4 * page)
+    assert a.unfence("other") == 4 * page
+    assert a.held_bytes == 0 and a.used_bytes == 0 and a.free_extents() == [(0, 16 * page)]

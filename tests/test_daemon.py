@@ -900,3 +900,55 @@ def test_a_durable_object_under_a_write_lease_is_not_adopted_half_written(daemon
     with _relaunched(daemon, stored), daemon.client("torn") as c:
         assert torch.equal(c.get(c.lookup("hot")), torch.full((1 << 16,), 1.0))
         assert torch.equal(c.get(c.lookup("cold")), torch.full((1 << 16,), 2.0))
+
+
+def _wait_stat(c, ok, what: str, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = c.stat()
+        if ok(st):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: never happened; last stat {st}")
+        time.sleep(0.05)
+
+
+def test_a_revoked_lease_cannot_reach_other_objects_memory(daemon_factory):
+    """lease_timeout_s revokes the leases of a client that stopped answering; when it
+    resumes, what it writes through its old views lands in memory no object uses."""
+    d = daemon_factory(env={"TIERSTORE_LEASE_TIMEOUT_S": "1"})
+    n = 4 << 20
+    with d.client("stall") as a, d.client("other") as b:
+        x = a.put(np.full(n, 1, np.uint8), key="x")  # written under rw when its writer stalls
+        y = a.put(np.full(n, 2, np.uint8), key="y", durable=True)  # overwritten under w
+        z = a.put(np.full(n, 3, np.uint8), key="z")  # read, then freed by its owner
+        lx, ly, lz = a.checkout(x, "rw"), a.checkout(y, "w"), a.checkout(z, "r")
+        lx.tensor[: n // 2] = 11
+        ly.tensor[:] = 22
+        st = _wait_stat(b, lambda s: s["counters"]["leases_revoked"] == 3, "revocation")
+        assert st["leases"] == 0
+        # each lease ended as a check-in: the bytes written so far are the objects'
+        assert (a.get(x)[: n // 2] == 11).all() and (a.get(x)[n // 2:] == 1).all()
+        assert (a.get(y) == 22).all() and (a.get(z) == 3).all()
+        # x and y were moved off the blocks their writer maps; those are held back
+        assert st["tiers"]["host"]["fenced_bytes"] == 2 * n
+        a.free(z)  # z's block is the reader's view: held back as well
+        assert b.stat()["tiers"]["host"]["fenced_bytes"] == 3 * n
+        others = [b.put(np.full(n, 100 + i, np.uint8), key=f"o{i}") for i in range(20)]  # fill the tier
+        for lease in (lx, ly, lz):  # the stalled client resumes where it was
+            lease.tensor[:] = 99
+        assert (a.get(x)[: n // 2] == 11).all() and (a.get(y) == 22).all()
+        for i, h in enumerate(others):
+            assert (b.get(h) == 100 + i).all(), f"o{i} was overwritten through a revoked lease"
+        with pytest.raises(NotFound):
+            ly.release()  # a durable check-in waits for its answer: the lease is gone
+        lx.release()
+        lz.release()
+        assert (a.get(x)[: n // 2] == 11).all()
+    with d.client("other") as b:
+        _wait_stat(b, lambda s: s["tiers"]["host"]["fenced_bytes"] == 0, "unfencing at disconnect")
+        for i in range(20):
+            assert (b.get(b.lookup(f"o{i}")) == 100 + i).all()
+    d.restart()
+    with d.client("stall") as a:
+        assert (a.get(a.lookup("y")) == 22).all()  # the revoked durable check-in was journaled

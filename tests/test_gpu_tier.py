@@ -214,3 +214,46 @@ def test_daemon_without_cuda_says_why_there_is_no_gpu_tier(daemon_factory):
             c._conn.request("gpu_attach")
         h = c.put(np.arange(16, dtype=np.float32))  # everything else works as before
         assert (c.get(h) == np.arange(16)).all()
+
+
+def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_store):
+    s, _ = gpu_store
+    x = np.arange(300_000, dtype=np.float32)  # 1.2 MiB
+    h = s.put(x, key="w", tier="gpu")
+    lease = s.acquire(h, "rw", owner="c", device=True)
+    old = s.gpu.ptr(lease.gpu_loc)
+    ctypes.memset(old, 0, 4000)  # the holder writes part of it, then stops answering
+    assert s.revoke(lease.lid, owner="c") and not s.revoke(lease.lid, owner="c")
+    assert s.counters["leases_revoked"] == 1 and s.stat()["leases"] == 0
+    want = x.copy()
+    want[:1000] = 0  # what it had written became the object's
+    np.testing.assert_array_equal(s.get(h), want)
+    fenced = s.stat()["tiers"]["gpu"]["fenced_bytes"]
+    assert fenced == s.gpu.rounded(x.nbytes)
+    other = s.put(np.full(300_000, 7, np.float32), key="o", tier="gpu")  # room: not the held block
+    ctypes.memset(old, 0xFF, x.nbytes)  # it resumes, writing through its old pointer
+    np.testing.assert_array_equal(s.get(h), want)
+    np.testing.assert_array_equal(s.get(other), np.full(300_000, 7, np.float32))
+    s.free(other)
+    s.release_owner("c")  # its connection ends: the block is reused again
+    assert s.stat()["tiers"]["gpu"]["fenced_bytes"] == 0
+    on_gpu = s.info(h)["residency"] == ["gpu"]  # (the put above may have moved it down)
+    assert s.gpu.used() == (s.gpu.rounded(x.nbytes) if on_gpu else 0)
+    np.testing.assert_array_equal(s.get(h), want)
+
+
+def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(gpu_store):
+    s, _ = gpu_store
+    h = s.put(np.full(1 << 20, 5, np.uint8), key="r", tier="host")
+    lease = s.acquire(h, "r", owner="c")
+    assert s.revoke(lease.lid, owner="c")
+    assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0  # still the object's block
+    s.free(h)
+    assert s.stat()["tiers"]["host"]["fenced_bytes"] == 1 << 20
+    hs = [s.put(np.full(1 << 20, i, np.uint8), key=f"f{i}", tier="host") for i in range(15)]
+    assert s.stat()["tiers"]["host"]["free_bytes"] < 1 << 20  # full but for the held block
+    s.arena.view(lease.host_off, 1 << 20)[:] = 99  # a stale view's write
+    for i, o in enumerate(hs):
+        assert (s.get(o) == i).all()
+    s.release_owner("c")
+    assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0

@@ -3,11 +3,17 @@
 Used for both the host arena (blocks of shared memory) and the NVMe data files
 (extents of a file). Pure bookkeeping: it never touches memory or disk. Not
 thread-safe; the store serialises calls under its lock.
+
+Fences: memory another process may still write into (a client whose lease was
+revoked keeps its mapping) is fenced for that owner; an extent freed while it
+overlaps a fence is held back, counted as used, and returned to the free lists
+only once the owner's fences are lifted (its connection ended).
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 from .units import PAGE, align_up
 
@@ -34,6 +40,9 @@ class ExtentAllocator:
         self._size_at: dict[int, int] = {}
         self._by_size: list[tuple[int, int]] = []
         self.used_bytes = 0
+        self._fences: dict[Any, list[tuple[int, int]]] = {}
+        self._held: dict[int, int] = {}
+        """Extents freed while fenced: start -> size, still counted as used."""
         if self.capacity:
             self._add_free(0, self.capacity)
 
@@ -52,6 +61,31 @@ class ExtentAllocator:
 
     def free_extents(self) -> list[tuple[int, int]]:
         return [(s, self._size_at[s]) for s in self._starts]
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes freed but held back by a fence (included in ``used_bytes``)."""
+        return sum(self._held.values())
+
+    # -- fences --------------------------------------------------------------------------
+    def fence(self, owner: Any, offset: int, nbytes: int) -> None:
+        """Keep ``[offset, offset + nbytes)`` from being handed out again while ``owner``'s
+        fences stand: a free of an extent overlapping it is held back until ``unfence``."""
+        self._fences.setdefault(owner, []).append((offset, self.rounded(nbytes)))
+
+    def unfence(self, owner: Any) -> int:
+        """Lift ``owner``'s fences; held extents no other fence covers are freed. Returns
+        the bytes given back."""
+        if self._fences.pop(owner, None) is None:
+            return 0
+        before = self.free_bytes
+        held, self._held = self._held, {}
+        for start, size in sorted(held.items()):
+            self._release(start, size)  # held again if another fence still covers it
+        return self.free_bytes - before
+
+    def _fenced(self, start: int, size: int) -> bool:
+        return any(f < start + size and start < f + n for v in self._fences.values() for f, n in v)
 
     # -- mutation ------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int | None:
@@ -87,7 +121,16 @@ class ExtentAllocator:
             raise ValueError(f"double free of extent ({offset}, {size})")
         if i > 0 and self._starts[i - 1] + self._size_at[self._starts[i - 1]] > offset:
             raise ValueError(f"double free of extent ({offset}, {size})")
+        if offset in self._held:
+            raise ValueError(f"double free of extent ({offset}, {size})")
+        self._release(offset, size)
+
+    def _release(self, offset: int, size: int) -> None:
+        if self._fences and self._fenced(offset, size):
+            self._held[offset] = size
+            return
         self.used_bytes -= size
+        i = bisect.bisect_left(self._starts, offset)
         start, end = offset, offset + size
         # coalesce with the free neighbour after, then the one before
         if i < len(self._starts) and self._starts[i] == end:

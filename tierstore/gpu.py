@@ -189,6 +189,19 @@ class GpuTier:
     def free(self, loc: int, nbytes: int) -> None:
         self._slab(loc)[0].alloc.free(decode_loc(loc)[2], nbytes)
 
+    def fence(self, owner: Any, loc: int, nbytes: int) -> None:
+        """Hold a block back from reuse while ``owner`` may still write into it (see
+        ``ExtentAllocator.fence``)."""
+        self._slab(loc)[0].alloc.fence(owner, decode_loc(loc)[2], nbytes)
+
+    def unfence(self, owner: Any) -> None:
+        for v in self.slabs.values():
+            for s in v:
+                s.alloc.unfence(owner)
+
+    def held_bytes(self) -> int:
+        return sum(s.alloc.held_bytes for v in self.slabs.values() for s in v)
+
     def ptr(self, loc: int) -> int:
         """The device pointer of a block, in this process."""
         slab, off = self._slab(loc)
@@ -266,7 +279,8 @@ class GpuTier:
 
     def describe(self) -> dict[str, Any]:
         return {"capacity_bytes": self.capacity(), "used_bytes": self.used(),
-                "free_bytes": self.capacity() - self.used(), "backend": self.backend.name,
+                "free_bytes": self.capacity() - self.used(), "fenced_bytes": self.held_bytes(),
+                "backend": self.backend.name,
                 "devices": {str(d): {"capacity_bytes": self.capacity(d), "used_bytes": self.used(d),
                                      "slabs": len(self.slabs[d])} for d in self.devices},
                 "mapped_by": self.mapped_by()}

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .gpu import loc_device
 from .errors import Busy, CapacityExceeded, InvalidArgument, KeyExists, NotFound, PermissionDenied, TierstoreError
 from .index import Handle, ObjectMeta, validate_namespace
 from .tensors import TensorSpec
@@ -60,6 +61,8 @@ class LeaseInfo:
     blank: bool = False
     """A ``w`` lease given host memory without a read: until check-in, the host bytes are
     not the object's (its NVMe copy still is)."""
+    revoked: bool = False
+    """Being revoked (``revoke``): a second revocation leaves it alone."""
 
 
 MAX_BATCH = 4096
@@ -647,6 +650,73 @@ class Leasing:
             raise NotFound(f"no lease {', '.join(map(str, unknown[:8]))}{' ...' if len(unknown) > 8 else ''} "
                            "held by this connection; the others were checked in")
 
+    def revoke(self, lid: int, *, owner: Any) -> bool:
+        """End a lease whose holder stopped answering (``lease_timeout_s``). It ends as a
+        check-in (a writer's bytes so far become the object's, as when its connection
+        dies), but the holder still maps the lease's memory and may write into it later:
+        that block is fenced for ``owner`` (not handed out again until its connection
+        ends), and a written object is first copied to a block the holder does not map.
+        False if there is no such lease."""
+        with self._cv:
+            info = self._leases.get(lid)
+            if info is None or info.owner != owner or info.revoked:
+                return False
+            info.revoked = True
+            meta = self._objects.get(info.oid)
+            if owner is not LOCAL:  # in-process, the holder is this process: nothing to fence
+                if info.gpu_loc is not None:
+                    self.gpu.fence(owner, info.gpu_loc, info.spec.nbytes)
+                elif info.spec.nbytes:
+                    self.host.fence(owner, info.host_off, info.spec.nbytes)
+            self.counters["leases_revoked"] += 1
+            move = owner is not LOCAL and info.mode != "r" and meta is not None and not meta.freeing \
+                and meta.nbytes > 0
+        if move:
+            self._move_off(info, meta)
+        try:
+            self.release(lid, owner=owner)
+        except NotFound:
+            pass  # its connection ended meanwhile
+        return True
+
+    def _move_off(self, info: LeaseInfo, meta: ObjectMeta) -> None:
+        """Copy a revoked write lease's bytes into a new block and make that the object's
+        (the lease is exclusive: nobody else touches the object's block meanwhile). Without
+        room the object stays where it is, still exposed to the holder: logged."""
+        n = meta.nbytes
+        if info.gpu_loc is not None:
+            device = loc_device(info.gpu_loc)
+            with self._cv:
+                new = self.gpu.alloc(n, device)
+            if new is None:
+                log.error("revoked lease %d: no GPU-tier room to move object %d off the holder's block",
+                          info.lid, meta.id)
+                return
+            self.gpu.backend.copy(device, self.gpu.ptr(new), self.gpu.ptr(info.gpu_loc), n)
+            with self._cv:
+                if self._leases.get(info.lid) is not info or meta.gpu_loc != info.gpu_loc:
+                    self.gpu.free(new, n)  # checked in meanwhile: the object is not ours to move
+                    return
+                old, meta.gpu_loc, info.gpu_loc = info.gpu_loc, new, new
+                self.gpu.free(old, n)  # fenced: held back until the holder's connection ends
+            return
+        try:
+            new = self._alloc_host(n, wait_s=self.config.lease_wait_s, evict=True)
+        except CapacityExceeded:
+            log.error("revoked lease %d: no host room to move object %d off the holder's block; "
+                      "it stays there", info.lid, meta.id)
+            return
+        self.arena.view(new, n)[:] = self.arena.view(info.host_off, n)
+        with self._cv:
+            if self._leases.get(info.lid) is not info or meta.host_off != info.host_off:
+                self.host.free(new, n)  # checked in meanwhile: the object is not ours to move
+                self._cv.notify_all()
+                return
+            old = info.host_off
+            meta.host_off = info.host_off = new
+            self._log_host(meta)  # (not a durable one's: its check-in below logs it)
+            self.host.free(old, n)  # fenced: held back until the holder's connection ends
+
     def release_owner(self, owner: Any) -> tuple[int, int]:
         """End every lease and reservation of ``owner`` (a connection that went away)."""
         with self._cv:
@@ -668,6 +738,9 @@ class Leasing:
                 self._cv.notify_all()
             if self.gpu is not None:
                 self.gpu.detach(owner)  # its mappings of the slabs died with it
+                self.gpu.unfence(owner)
+            if self.host.unfence(owner):  # blocks of revoked leases: nobody maps them now
+                self._cv.notify_all()
         if owner is not LOCAL:
             self._free_ephemeral(owner)
         return len(lids), len(rids)

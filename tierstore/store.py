@@ -149,7 +149,7 @@ class Store(Leasing, Movement, Recovery):
             ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
              "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
              "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
-             "source_handovers", "source_copies"), 0)
+             "source_handovers", "source_copies", "leases_revoked"), 0)
         self._gpu_lru: OrderedDict[int, None] = OrderedDict()
         self.gpu: GpuTier | None = None
         self.host_pinned, self.host_pinned_reason = False, "no GPU tier in this process: host memory is not page-locked"
@@ -371,14 +371,15 @@ class Store(Leasing, Movement, Recovery):
         return restore(_NamespaceView(self, self._ns(namespace)), src, overwrite=overwrite, progress=progress)
 
     def expire_leases(self, max_age_s: float) -> int:
-        """Revoke leases older than ``max_age_s`` (a client that stopped answering)."""
+        """Revoke leases older than ``max_age_s`` (a client that stopped answering); see
+        ``revoke``: the memory a revoked holder maps is not reused while it is connected."""
         now = time.monotonic()
         with self._cv:
-            old = [(i.lid, i.owner) for i in self._leases.values() if now - i.since > max_age_s]
+            old = [(i.lid, i.owner) for i in self._leases.values() if now - i.since > max_age_s and not i.revoked]
         for lid, owner in old:
             log.warning("revoking lease %d held for more than %.0f s", lid, max_age_s)
             try:
-                self.release(lid, owner=owner)
+                self.revoke(lid, owner=owner)
             except TierstoreError as e:
                 log.error("revoking lease %d failed: %s", lid, e)
         return len(old)
@@ -426,7 +427,8 @@ class Store(Leasing, Movement, Recovery):
             return {
                 "tiers": {
                     "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
-                             "free_bytes": self.host.free_bytes, "objects": host_objs,
+                             "free_bytes": self.host.free_bytes, "fenced_bytes": self.host.held_bytes,
+                             "objects": host_objs,
                              "pinned": self.host_pinned, "pinned_reason": self.host_pinned_reason},
                     "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
                              "free_bytes": self.nvme.free_bytes, "objects": nvme_objs,
