@@ -1,7 +1,9 @@
 """Fault-injection harness: rounds of a randomized multi-process workload against a real
 daemon, with SIGKILL of the daemon or of a client at a random moment, then a restart
 (half of them handed the previous daemon's arena through an emulated systemd fd store,
-so the host tier is adopted) and a check of every invariant DESIGN.md promises.
+so the host tier is adopted) and a check of every invariant DESIGN.md promises. Half
+the rounds add a client that stalls holding leases until the daemon revokes them
+(``lease_timeout_s``), then writes through its old views.
 
     python tests/faults.py --rounds 20 --seed 7          # a fixed number of rounds
     python tests/faults.py --soak 30                     # as many rounds as fit in 30 minutes
@@ -113,6 +115,65 @@ for i in range(n_ops):
 log(op="done")
 """
 
+STALLER = r"""
+import json, sys, time, zlib, numpy as np
+from tierstore.client import Client
+from tierstore import NotFound
+sock, ns, seed, ledger_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+rng = np.random.default_rng(seed)
+
+def data(key, ver, n):
+    return np.random.default_rng(zlib.crc32(f"{ns}|{key}|{ver}".encode())).integers(0, 256, n, dtype=np.uint8)
+
+ledger = open(ledger_path, "a", buffering=1)
+def log(**kw):
+    ledger.write(json.dumps(kw) + "\n")
+c = Client.connect(socket=sock, namespace=ns)
+objs = {}
+for key, durable in (("x", False), ("y", True), ("z", False)):
+    n = int(rng.integers(4096, 1 << 20))
+    log(op="put-begin", key=key, ver=0, n=n, durable=durable, ephemeral=False)
+    objs[key] = (c.put(data(key, 0, n), key=key, durable=durable), n)
+    log(op="put", key=key, ver=0, n=n, durable=durable)
+(hx, nx), (hy, ny), (hz, nz) = objs["x"], objs["y"], objs["z"]
+revoked = c.stat()["counters"]["leases_revoked"]  # (the daemon's count so far)
+log(op="rw-begin", key="x", ver=1)
+log(op="rw-begin", key="y", ver=1)
+lx, ly, lz = c.checkout(hx, "rw"), c.checkout(hy, "w"), c.checkout(hz, "r")
+cut = int(rng.integers(0, nx))
+lx.tensor[:cut] = data("x", 1, nx)[:cut]  # part of an update, then it stops answering
+ly.tensor[:] = data("y", 1, ny)
+while c.stat()["counters"]["leases_revoked"] < revoked + 3:  # this client's three: the only long holds
+    time.sleep(0.1)
+end = time.monotonic() + 1.5
+while time.monotonic() < end:  # it resumes and goes on writing through its old views
+    lx.tensor[:] = 0xEE
+    ly.tensor[:] = 0xEE
+    time.sleep(0.02)
+want_x = data("x", 0, nx)
+want_x[:cut] = data("x", 1, nx)[:cut]
+assert np.array_equal(c.get(hx), want_x), "x changed after its lease was revoked"
+assert np.array_equal(c.get(hy), data("y", 1, ny)), "y: the revoked check-in is not what was written"
+assert np.array_equal(c.get(hz), data("z", 0, nz)), "z changed"
+lx.release()
+lz.release()
+try:
+    ly.release()  # durable: its check-in is answered, and the lease is gone
+    raise AssertionError("the check-in of a revoked durable lease succeeded")
+except NotFound:
+    pass
+log(op="rw", key="y", ver=1)
+for key, (h, _) in objs.items():
+    log(op="free-begin", key=key)
+    c.free(h)
+    log(op="free", key=key)
+"""
+"""A client that stops answering while it holds an ``rw``, a durable ``w`` and an ``r``
+lease, is revoked (``lease_timeout_s``) and then goes on writing through its views: the
+other workers' objects must not change, nor its own."""
+
+LEASE_TIMEOUT_S = 3
+
 
 @dataclass
 class Stats:
@@ -121,6 +182,7 @@ class Stats:
     client_kills: int = 0
     graceful_stops: int = 0
     handbacks: int = 0
+    stallers: int = 0
     objects_checked: int = 0
     durable_checked: int = 0
     ephemeral_checked: int = 0
@@ -147,7 +209,7 @@ class Daemon:
     def start(self, handback: bool = False) -> bool:
         """Start a daemon; with ``handback``, give it the previous one's arena and index
         (systemd's fd store emulated) so it adopts the host tier. Returns whether it did."""
-        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path}
+        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, "TIERSTORE_LEASE_TIMEOUT_S": str(LEASE_TIMEOUT_S)}
         args = ["--socket", self.socket, "--nvme-dir", str(self.base / "nvme"), "--host-bytes", self.host_bytes,
                 "--nvme-bytes", "2GiB", "--log-level", "INFO"]
         handback = handback and {"arena", "index"} <= set(self.fdstore)
@@ -304,6 +366,9 @@ def check(daemon: Daemon, namespaces: list[str], ledgers: dict[str, Path], resta
             fail(f"round {stats.rounds}: {nvme_used} NVMe bytes still allocated with no object left (leak)")
         if host_used > 64 * 1024 * 2:  # at most the staging areas of live connections
             fail(f"round {stats.rounds}: {host_used} host bytes allocated with no object left (leak)")
+        if st["tiers"]["host"]["fenced_bytes"]:
+            fail(f"round {stats.rounds}: {st['tiers']['host']['fenced_bytes']} host bytes still fenced with "
+                 "no revoked client connected")
 
 
 def run(rounds: int | None, seed: int, workers: int = 3, ops: int = 400, soak_s: float | None = None,
@@ -325,6 +390,15 @@ def run(rounds: int | None, seed: int, workers: int = 3, ops: int = 400, soak_s:
                                        str(ledgers[ns]), str(ops)], stdout=subprocess.DEVNULL,
                                       stderr=open(base / f"worker-{r}-{i}.log", "w"))
                      for i, ns in enumerate(namespaces)]
+            if rng.random() < 0.5:  # a client that stalls holding leases, revoked meanwhile
+                ns = f"fi{r}/stall"
+                namespaces.append(ns)
+                ledgers[ns] = base / f"ledger-{r}-stall.jsonl"
+                procs.append(subprocess.Popen([sys.executable, "-c", STALLER, daemon.socket, ns,
+                                               str(rng.randrange(1 << 30)), str(ledgers[ns])],
+                                              stdout=subprocess.DEVNULL,
+                                              stderr=open(base / f"worker-{r}-{len(procs)}.log", "w")))
+                stats.stallers += 1
             time.sleep(rng.uniform(0.3, 2.0))  # the fault lands at a random moment of the workload
             victim = rng.choice(["daemon", "client", "client", "none"])
             daemon_crashed = False
