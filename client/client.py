@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from tierstore.arena import map_arena_fd
-from tierstore.batch import LeaseGroup
+from tierstore.batch import LeaseGroup, check_each
 from tierstore.config import default_socket_path
 from tierstore.errors import DaemonUnavailable, InvalidArgument, TierstoreError
 from tierstore.index import Handle, validate_key, validate_namespace
@@ -80,6 +80,11 @@ class ClientLease:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _log_hint_error(fut: Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("prefetch hint failed: %s", fut.exception())
 
 
 def _log_release_error(fut: Future) -> None:
@@ -219,20 +224,54 @@ class Client:
                  stream: str = "default", source: Handle | int | str | None = None) -> ClientLease:
         """Lease an object (see ``Store.checkout``; ``source``: a ``w`` lease that starts with
         that object's bytes)."""
+        r = self._conn.request("checkout", **self._checkout_fields(handle, mode, timeout_s, stream, source))
+        r["mode"] = mode
+        return ClientLease(self, r)
+
+    def _checkout_fields(self, handle: Handle | int | str, mode: str, timeout_s: float | None, stream: str,
+                         source: Handle | int | str | None) -> dict[str, Any]:
         if mode not in ("r", "rw", "w"):
             raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
-        extra = {}
+        fields: dict[str, Any] = {"handle": _wire(handle), "mode": mode, "timeout_s": timeout_s, "stream": stream}
         if source is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
             if "source" not in self.server.get("features", ()):
                 raise InvalidArgument("this daemon has no check-out from a source (an older version); check the "
                                       "source out 'r' and copy it into a 'w' lease, or upgrade the daemon")
-            extra["source"] = _wire(source)
-        r = self._conn.request("checkout", handle=_wire(handle), mode=mode, timeout_s=timeout_s, stream=stream,
-                               **extra)
-        r["mode"] = mode
-        return ClientLease(self, r)
+            fields["source"] = _wire(source)
+        return fields
+
+    def checkout_each(self, requests: Iterable[tuple[Handle | int | str, str, Handle | int | str | None]], *,
+                      timeout_s: float | None = None, stream: str = "default") -> list[ClientLease]:
+        """Several independent check-outs sent back to back and answered together: one
+        round trip's wait instead of one per object. Each request is ``(handle, mode,
+        source)`` as ``checkout`` takes them (``source`` None for none); each is a
+        check-out of its own, recorded in the order given. If any fails, the others are
+        checked in again and the first error is raised (unlike ``checkout_many``, which
+        takes all or nothing, a ``w`` lease checked in that way counts as written)."""
+        reqs = list(requests)
+        check_each(reqs)
+        fields = [self._checkout_fields(h, m, timeout_s, stream, src) for h, m, src in reqs]
+        futs = [self._conn.submit("checkout", **f) for f in fields]
+        leases: list[ClientLease] = []
+        failed: BaseException | None = None
+        for (_, mode, _), fut in zip(reqs, futs):
+            try:
+                r = self._conn.wait(fut)
+            except BaseException as e:  # the others are still answered: take them, then give them back
+                failed = failed or e
+                continue
+            r["mode"] = mode
+            leases.append(ClientLease(self, r))
+        if failed is not None:
+            for lease in leases:
+                try:
+                    lease.release()
+                except TierstoreError as e:
+                    log.warning("checking in after a failed check-out: %s", e)
+            raise failed
+        return leases
 
     def checkout_many(self, handles: Iterable[Handle | int | str], mode: str | Iterable[str] = "r", *,
                       timeout_s: float | None = None, stream: str = "default") -> LeaseGroup:
@@ -286,9 +325,15 @@ class Client:
     def info(self, handle: Handle | int | str) -> dict[str, Any]:
         return self._conn.request("info", handle=_wire(handle))
 
-    def prefetch(self, handles: Iterable[Handle | int | str]) -> None:
-        """Hint: bring these up now. Returns once the daemon has queued them."""
-        self._conn.request("prefetch", handles=[_wire(h) for h in handles])
+    def prefetch(self, handles: Iterable[Handle | int | str], *, wait: bool = True) -> None:
+        """Hint: bring these up now. Returns once the daemon has queued them; ``wait=False``
+        sends the hint without waiting for its answer (the connection's next request
+        still comes after it; an error, such as an unknown handle, is only logged)."""
+        hs = [_wire(h) for h in handles]
+        if wait:
+            self._conn.request("prefetch", handles=hs)
+        else:
+            self._conn.submit("prefetch", handles=hs).add_done_callback(_log_hint_error)
 
     def step(self) -> None:
         self._conn.request("step")

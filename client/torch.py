@@ -232,7 +232,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         hs = [self._lookup(gi, pi, n, version) for n in layout]
         hs = [h for h in hs if h is not None]
         if hs:
-            self.store.prefetch(hs)
+            self.store.prefetch(hs, wait=False)  # a hint: not waited for
 
     def _step_one(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> None:
         group = self.param_groups[gi]
@@ -266,17 +266,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 return
             views: dict[str, torch.Tensor] = {}
             try:
-                for name in layout:
-                    # out of place: version `read` stays intact until the step completes
-                    if self._sourced():  # the pool hands version `read`'s bytes to version `write`
-                        lease = self._checkout_state(gi, pi, name, write, "w", source=read)
-                        leases.append(lease)
-                    else:
+                # out of place: version `read` stays intact until the step completes
+                if self._sourced():  # the pool hands version `read`'s bytes to version `write`
+                    leases.extend(self._checkout_states(gi, pi, list(layout), write, read))
+                    views.update((name, lease.tensor) for name, lease in zip(layout, leases))
+                else:
+                    for name in layout:
                         with self._checkout_state(gi, pi, name, read, "r") as s:
                             lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
                             leases.append(lease)
                             lease.tensor.copy_(s)
-                    views[name] = lease.tensor
+                        views[name] = lease.tensor
             except CapacityExceeded as e:
                 sizes = [int(self.store.info(self._lookup(gi, pi, n, write))["nbytes"]) for n in layout]
                 held = ("(each made from the old version in place)" if self._sourced() else
@@ -449,6 +449,41 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._handles.pop(k, None)  # a key was re-bound behind our back: look it up again
             hs = handles()
             return self._checkout(hs[0], mode, *hs[1:])
+
+    def _checkout_states(self, gi: int, pi: int, names: list[str], version: int, source: int) -> list[Any]:
+        """``w`` leases on ``version`` of each named state of a parameter, each starting with
+        the bytes of version ``source``: sent together where the pool takes a list of
+        check-outs (through a daemon, one round trip's wait instead of one per tensor)."""
+        each = getattr(self.store, "checkout_each", None)
+        if each is None or len(names) == 1:
+            out: list[Any] = []
+            try:
+                for name in names:
+                    out.append(self._checkout_state(gi, pi, name, version, "w", source=source))
+            except BaseException:
+                for lease in out:
+                    lease.release()
+                raise
+            return out
+
+        def requests() -> list[tuple[Any, str, Any]]:
+            reqs = []
+            for name in names:
+                dst, src = self._lookup(gi, pi, name, version), self._lookup(gi, pi, name, source)
+                if dst is None or src is None:
+                    k = self._key(gi, pi, name, version if dst is None else source)
+                    raise RuntimeError(f"optimizer state {k} is missing from the pool; "
+                                       "was it freed, or is this prefix used by another job?")
+                reqs.append((dst, "w", src))
+            return reqs
+
+        try:
+            return each(requests(), stream=_OPT_STREAM)
+        except (NotFound, StaleHandle):
+            for name in names:  # a key was re-bound behind our back: look them up again
+                for v in (version, source):
+                    self._handles.pop(self._key(gi, pi, name, v), None)
+            return each(requests(), stream=_OPT_STREAM)
 
     # ------------------------------------------------------------------ resume / cleanup
     def _clear_pool(self) -> None:
@@ -759,7 +794,7 @@ class _ParamOffload:
     def _hint(self, hints: list[Any]) -> None:
         if hints:
             try:
-                self.store.prefetch(hints)
+                self.store.prefetch(hints, wait=False)  # a hint: not waited for
             except (NotFound, StaleHandle):  # a hint only: a re-bound key is found at its next fetch
                 log.debug("prefetch hint named a re-bound parameter; skipped")
 

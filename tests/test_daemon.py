@@ -952,3 +952,43 @@ def test_a_revoked_lease_cannot_reach_other_objects_memory(daemon_factory):
     d.restart()
     with d.client("stall") as a:
         assert (a.get(a.lookup("y")) == 22).all()  # the revoked durable check-in was journaled
+
+
+@pytest.mark.parametrize("where", ["daemon", "in-process"])
+def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(daemon, make_store, where):
+    c = daemon.client("each") if where == "daemon" else make_store()
+    try:
+        a = c.put(torch.arange(1000.0), key="a")
+        b = c.put(torch.zeros(1000), key="b", tier="nvme")
+        s = c.put(torch.full((1000,), 7.0), key="s")
+        la, lb = c.checkout_each([(a, "r", None), (b, "w", s)])
+        assert torch.equal(la.tensor, torch.arange(1000.0)) and torch.equal(lb.tensor, torch.full((1000,), 7.0))
+        lb.tensor.add_(1)
+        for lease in (la, lb):
+            lease.release()
+        assert torch.equal(c.get(b), torch.full((1000,), 8.0)) and torch.equal(c.get(s), torch.full((1000,), 7.0))
+        gone = c.put(torch.zeros(3), key="gone")
+        c.free(gone)
+        with pytest.raises((NotFound, StaleHandle)):
+            c.checkout_each([(a, "rw", None), (gone, "r", None), (b, "w", s)])
+        with pytest.raises(InvalidArgument):
+            c.checkout_each([(a, "r", s)])  # a source needs mode "w"
+        for twice in ([(b, "w", s), (s, "rw", None)],  # written after being read as a source
+                      [(a, "r", None), (a, "w", None)],
+                      [(a, "r", None), (b, "w", a), (s, "w", a), (a, "rw", None)]):
+            with pytest.raises(InvalidArgument, match="named twice"):
+                c.checkout_each(twice)  # they could wait on each other
+        la, lb = c.checkout_each([(a, "r", None), (b, "w", a)])  # reading an object twice is fine
+        assert torch.equal(lb.tensor, torch.arange(1000.0))
+        la.release()
+        lb.release()
+        if where == "daemon":
+            c.ping()
+        assert c.stat()["leases"] == 0  # what the failed call took was given back
+        with c.checkout(a, "rw", timeout_s=1) as v:  # nothing left behind holds it
+            assert torch.equal(v, torch.arange(1000.0))
+        c.prefetch([gone], wait=False) if where == "daemon" else None  # a hint for a freed object: no error
+        c.prefetch([b], wait=False)
+        assert torch.equal(c.get(a), torch.arange(1000.0))  # the connection is fine
+    finally:
+        c.close()

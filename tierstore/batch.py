@@ -1,10 +1,44 @@
-"""``LeaseGroup``: the leases one ``checkout_many`` took, checked in together."""
+"""``LeaseGroup``: the leases one ``checkout_many`` took, checked in together; and the
+check of a ``checkout_each`` list."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["LeaseGroup"]
+from .errors import InvalidArgument
+from .index import Handle
+
+__all__ = ["LeaseGroup", "check_each"]
+
+MAX_EACH = 4096
+"""Most check-outs one ``checkout_each`` sends."""
+
+
+def check_each(requests: list[tuple[Any, str, Any]]) -> None:
+    """Refuse a ``checkout_each`` list that could only wait on itself: an object named
+    twice (as an object or a source) where one of the two writes it. Its check-outs are
+    served independently, possibly out of order, so a later one could take the object
+    first and leave an earlier one waiting for a lease its own caller holds."""
+    if not 1 <= len(requests) <= MAX_EACH:
+        raise InvalidArgument(f"checkout_each takes 1 to {MAX_EACH} check-outs, got {len(requests)}")
+    seen: dict[int, bool] = {}  # object id -> written by one of the requests so far
+    for i, req in enumerate(requests):
+        if not isinstance(req, (tuple, list)) or len(req) != 3:
+            raise InvalidArgument(f"check-out #{i}: expected (handle, mode, source), got {req!r}")
+        h, mode, source = req
+        if mode not in ("r", "rw", "w"):
+            raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
+        if source is not None and mode != "w":
+            raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
+        named = [(Handle.parse(h), mode != "r")]
+        if source is not None:
+            named.append((Handle.parse(source), False))
+        for obj, writes in named:
+            prev = seen.get(obj.id)
+            if prev is not None and (prev or writes):
+                raise InvalidArgument(f"object {obj} is named twice in checkout_each, once to write: its "
+                                      "check-outs are served independently and would wait on each other")
+            seen[obj.id] = bool(prev) or writes
 
 
 class LeaseGroup(Sequence):

@@ -31,7 +31,7 @@ import numpy as np
 
 from ._version import __version__
 from .allocator import ExtentAllocator
-from .batch import LeaseGroup
+from .batch import LeaseGroup, check_each
 from .arena import Arena
 from .config import Config
 from .engine import select_engine
@@ -289,6 +289,25 @@ class Store(Leasing, Movement, Recovery):
     def _lease(self, info: LeaseInfo) -> Lease:
         view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
         return Lease(self, info, from_bytes(view, info.spec))
+
+    def checkout_each(self, requests: Iterable[tuple[Handle | int | str, str, Handle | int | str | None]], *,
+                      namespace: str | None = None, timeout_s: float | None = None,
+                      stream: str = "default") -> list[Lease]:
+        """Several independent check-outs, ``(handle, mode, source)`` each (``source`` None
+        for none), in order; if one fails, those taken are checked in again and its error
+        is raised. (Through a daemon they travel back to back: one round trip's wait.)"""
+        reqs = list(requests)
+        check_each(reqs)
+        leases: list[Lease] = []
+        try:
+            for h, mode, source in reqs:
+                leases.append(self.checkout(h, mode, namespace=namespace, timeout_s=timeout_s, stream=stream,
+                                            source=source))
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        return leases
 
     def checkout_many(self, handles: Sequence[Handle | int | str], mode: str | Sequence[str] = "r", *,
                       namespace: str | None = None, timeout_s: float | None = None,
