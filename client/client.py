@@ -248,8 +248,9 @@ class Client:
         round trip's wait instead of one per object. Each request is ``(handle, mode,
         source)`` as ``checkout`` takes them (``source`` None for none); each is a
         check-out of its own, recorded in the order given. If any fails, the others are
-        checked in again and the first error is raised (unlike ``checkout_many``, which
-        takes all or nothing, a ``w`` lease checked in that way counts as written)."""
+        given back unused (unchanged, as ``checkout_many`` gives back a failed batch, but
+        for a check-out from a source: that object then holds the source's bytes) and
+        the first error is raised."""
         reqs = list(requests)
         check_each(reqs)
         fields = [self._checkout_fields(h, m, timeout_s, stream, src) for h, m, src in reqs]
@@ -265,11 +266,18 @@ class Client:
             r["mode"] = mode
             leases.append(ClientLease(self, r))
         if failed is not None:
-            for lease in leases:
+            unused = "unused" in self.server.get("features", ())
+            for lease in leases:  # never used: given back as if not taken (an older daemon: checked in)
+                token = lease._take()
+                if token is None:
+                    continue
                 try:
-                    lease.release()
+                    if unused:
+                        self._conn.submit("release", lid=token[0], unused=True).add_done_callback(_log_release_error)
+                    else:
+                        self._conn.request("release", lid=token[0])
                 except TierstoreError as e:
-                    log.warning("checking in after a failed check-out: %s", e)
+                    log.warning("giving back a check-out after another failed: %s", e)
             raise failed
         return leases
 

@@ -95,7 +95,7 @@ class Handlers:
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source"]}
+                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source", "unused"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -192,7 +192,11 @@ class Handlers:
         return {"leases": [_lease_reply(i) for i in infos]}
 
     def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        self.store.release(field(msg, "lid", int, min_value=0), owner=sess, nowait=nowait)
+        lid = field(msg, "lid", int, min_value=0)
+        if field(msg, "unused", bool, False):  # never written: as if not taken
+            self.store.give_back(lid, owner=sess)
+        else:
+            self.store.release(lid, owner=sess, nowait=nowait)
         return {}
 
     def release_many(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

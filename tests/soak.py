@@ -215,11 +215,11 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
     want, handles, locks = shared if shared is not None else ({}, {}, None)
     for i in range(n_ops):
         op = rng.choice(["put", "put", "replace", "get", "get_out", "r", "rw", "w", "free", "prefetch", "step",
-                         "keys", "info", "batch", "source"])
+                         "keys", "info", "batch", "source", "each"])
         if locks is not None:
             if op == "keys":
                 continue  # other workers change the key set meanwhile
-            if op in ("batch", "source"):  # locks taken in one order: workers never wait on each other in a ring
+            if op in ("batch", "source", "each"):  # locks in one order: workers never wait on each other in a ring
                 chosen = sorted(rng.sample(sorted(locks), 2 if op == "source" else rng.randint(1, 4)))
                 for k in chosen:
                     locks[k].acquire()
@@ -240,7 +240,7 @@ def _api_ops(s, rng: random.Random, where: str, prefix: str, n_ops: int,
         if op not in ("put", "step") and not keys:
             continue
         key = rng.choice(keys) if keys else None
-        if op == "batch":
+        if op in ("batch", "each"):
             keys = rng.sample(keys, min(len(keys), rng.randint(1, 5)))
         if op == "source":
             keys = rng.sample(keys, min(len(keys), 2))
@@ -279,6 +279,8 @@ def _api_op(s, rng: random.Random, where: str, i: int, op: str, keys: list[str],
             _batch_op(s, rng, where, i, [k for k in keys if want[k].size], want, handles)
         elif op == "source":
             _source_op(s, rng, where, i, keys, want, handles)
+        elif op == "each":
+            _each_op(s, rng, where, i, [k for k in keys if want[k].size], want, handles)
         elif op == "free":
             s.free(handles[key])
             del handles[key], want[key]
@@ -337,6 +339,64 @@ def _batch_op(s, rng: random.Random, where: str, i: int, keys: list[str], want: 
             group[rng.randrange(len(group))].release()
     finally:
         group.release()
+    want.update(new)
+
+
+def _each_op(s, rng: random.Random, where: str, i: int, keys: list[str], want: dict, handles: dict) -> None:
+    """``checkout_each`` of ``keys`` (random modes; a ``w`` one often from a source among
+    the keys the same call reads), checked and written like single check-outs; sometimes
+    the list ends with a freed object's handle, so it fails and gives the others back
+    unused: unchanged, but a ``w`` from a source, which then holds the source's bytes
+    (or, when a full tier refused it too, its own)."""
+    room = s.stat()["tiers"]["host"]["capacity_bytes"] // 2  # well below the tier: none waits on another
+    keys = [k for k in keys if (room := room - want[k].nbytes - 4096) >= 0]
+    if not keys:
+        return
+    modes = {k: rng.choice(["r", "rw", "w"]) for k in keys}
+    reqs = []
+    for k in keys:
+        src = None
+        if modes[k] == "w":
+            same = [o for o in keys if modes[o] == "r" and want[o].nbytes == want[k].nbytes]
+            if same and rng.random() < 0.7:
+                src = rng.choice(same)
+        reqs.append((k, modes[k], src))
+    wire = [(handles[k], m, None if src is None else handles[src]) for k, m, src in reqs]
+
+    def given_back() -> None:
+        for k, m, src in reqs:
+            got = s.get(handles[k])
+            got = got.numpy() if isinstance(got, torch.Tensor) else got
+            if src is None:
+                assert _same(got, want[k]), f"{where} op {i}: {k} changed by a failed checkout_each"
+            else:  # its check-out from the source was taken (then it holds those bytes) or refused
+                assert _same(got, want[src]) or _same(got, want[k]), f"{where} op {i}: {k} after a failure"
+                want[k] = np.asarray(got).reshape(want[k].shape).copy()
+
+    if rng.random() < 0.15:
+        gone = s.put(np.zeros(8, np.uint8))
+        s.free(gone)
+        try:
+            s.checkout_each([*wire, (gone, "r", None)])
+        except NotFound:  # StaleHandle is one
+            given_back()
+            return
+        raise AssertionError(f"{where} op {i}: checkout_each with a freed object's handle succeeded")
+    try:
+        leases = s.checkout_each(wire)
+    except (CapacityExceeded, Busy):
+        given_back()
+        return
+    new = {}
+    try:
+        for (k, m, src), lease in zip(reqs, leases):
+            what = f"{where} op {i}: checkout_each {m} of {k}" + (f" from {src}" if src else "")
+            written = _use(lease.tensor, "rw" if src else m, want[src] if src else want[k], rng, what)
+            if written is not None:
+                new[k] = written
+    finally:
+        for lease in leases:
+            lease.release()
     want.update(new)
 
 

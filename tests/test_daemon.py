@@ -967,10 +967,20 @@ def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(
         for lease in (la, lb):
             lease.release()
         assert torch.equal(c.get(b), torch.full((1000,), 8.0)) and torch.equal(c.get(s), torch.full((1000,), 7.0))
+        n = c.put(torch.full((1000,), 3.0), key="n", tier="nvme")
         gone = c.put(torch.zeros(3), key="gone")
         c.free(gone)
         with pytest.raises((NotFound, StaleHandle)):
-            c.checkout_each([(a, "rw", None), (gone, "r", None), (b, "w", s)])
+            c.checkout_each([(a, "rw", None), (n, "w", None), (b, "w", s), (gone, "r", None)])
+        # given back unused: unchanged (the NVMe object's blank w block dropped), but b, from its source
+        assert torch.equal(c.get(n), torch.full((1000,), 3.0)) and torch.equal(c.get(a), torch.arange(1000.0))
+        # (in-process the freed handle is found before anything is taken; through the daemon
+        # the others were served, b's from its source too)
+        assert torch.equal(c.get(b), torch.full((1000,), 8.0 if where == "in-process" else 7.0))
+        if where == "in-process":  # more than the host tier at once: refused before anything waits
+            big = [(c.put(torch.zeros(1 << 20), key=f"big{i}"), "r", None) for i in range(9)]  # 36 MiB
+            with pytest.raises(CapacityExceeded, match="fewer objects"):
+                c.checkout_each(big)
         with pytest.raises(InvalidArgument):
             c.checkout_each([(a, "r", s)])  # a source needs mode "w"
         for twice in ([(b, "w", s), (s, "rw", None)],  # written after being read as a source

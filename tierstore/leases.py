@@ -63,6 +63,9 @@ class LeaseInfo:
     not the object's (its NVMe copy still is)."""
     revoked: bool = False
     """Being revoked (``revoke``): a second revocation leaves it alone."""
+    sourced: bool = False
+    """A ``w`` lease from a source (``acquire_from``): its bytes are the source's, not the
+    object's own, so giving it back unwritten still changes the object (``give_back``)."""
 
 
 MAX_BATCH = 4096
@@ -415,6 +418,7 @@ class Leasing:
                 raise
             with self._cv:
                 self.counters["source_copies"] += 1
+                info.sourced = True
             return info
         finally:
             if rd is not None:
@@ -452,7 +456,8 @@ class Leasing:
         self.counters["checkouts"] += 1
         self.counters["source_handovers"] += 1
         lid = next(self._ids) + (1 << 40)
-        info = LeaseInfo(lid, owner, dst.id, dst.gen, "w", off, dst.spec, time.monotonic(), None, dst.durable)
+        info = LeaseInfo(lid, owner, dst.id, dst.gen, "w", off, dst.spec, time.monotonic(), None, dst.durable,
+                         sourced=True)
         self._leases[lid] = info
         self._cv.notify_all()
         return info
@@ -548,6 +553,20 @@ class Leasing:
             drop = self._drop_if_released(meta)
         if drop:
             self._pool.submit(self._drop, meta)  # a durable drop journals (syncs): off the caller's path
+
+    def give_back(self, lid: int, *, owner: Any = LOCAL) -> None:
+        """End a lease its holder never wrote through (a check-out it could not use): as if
+        it had never been taken — nothing dirtied, a blank ``w`` lease's block dropped (the
+        object keeps its NVMe copy). A lease from a source is checked in instead: its bytes
+        are the source's, which the object's own block may already have taken."""
+        with self._cv:
+            info = self._leases.get(lid)
+            if info is None or info.owner != owner:
+                raise NotFound(f"no lease {lid} held by this connection")
+        if info.sourced:
+            self.release(lid, owner=owner)
+        else:
+            self._undo_lease(info)
 
     def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""

@@ -294,18 +294,30 @@ class Store(Leasing, Movement, Recovery):
                       namespace: str | None = None, timeout_s: float | None = None,
                       stream: str = "default") -> list[Lease]:
         """Several independent check-outs, ``(handle, mode, source)`` each (``source`` None
-        for none), in order; if one fails, those taken are checked in again and its error
-        is raised. (Through a daemon they travel back to back: one round trip's wait.)"""
+        for none), in order; if one fails, those taken are given back unused
+        (``give_back``: unchanged, but for a check-out from a source, which holds the
+        source's bytes) and its error is raised. (Through a daemon they travel back to
+        back: one round trip's wait.)"""
         reqs = list(requests)
         check_each(reqs)
+        ns = self._ns(namespace)
+        with self._cv:
+            total = sum(align_up(max(self._get_meta(h, ns).nbytes, 1), PAGE)
+                        for h in {Handle.parse(r[0]) for r in reqs})
+        usable = self._host_usable()
+        if total > usable:  # they could never all be checked out at once: this caller would wait on itself
+            raise CapacityExceeded(f"the {len(reqs)} check-outs need {total} bytes at once: the host tier holds "
+                                   f"{usable} usable bytes; check out fewer objects at a time")
         leases: list[Lease] = []
         try:
             for h, mode, source in reqs:
                 leases.append(self.checkout(h, mode, namespace=namespace, timeout_s=timeout_s, stream=stream,
                                             source=source))
         except BaseException:
-            for lease in leases:
-                lease.release()
+            for lease in leases:  # never used: given back as if not taken (see ``give_back``)
+                lid = lease._take()
+                if lid is not None:
+                    self.give_back(lid)
             raise
         return leases
 
