@@ -121,3 +121,11 @@ def test_gpu_benchmarks_say_why_they_skip_without_cuda(tmp_path):
     for name in ("gpu_transfer.py", "gpu_nvme.py", "gpu_train.py"):
         out = _run(name, cwd=tmp_path)
         assert out["skipped"] == "no CUDA device", (name, out)
+
+
+def test_optimizer_overhead_smoke(tmp_path):
+    out = _run("optimizer_overhead.py", "--quick", "--compare-sequential", "--tiers", "host", "--dir", str(tmp_path),
+               cwd=tmp_path)
+    assert out["bench"] == "optimizer_overhead" and out["tensors"] == 28
+    assert {r["variant"] for r in out["results"]} == {"checkout_each", "sequential"}
+    assert all(r["offloaded_step_ms"] > 0 and r["plain_step_ms"] > 0 for r in out["results"])
