@@ -33,11 +33,11 @@ import numpy as np
 
 PAGE = 4096
 
-WORKER = r"""
-import json, sys, zlib, numpy as np
+PRELUDE = r"""
+import json, sys, time, zlib, numpy as np
 from tierstore.client import Client
-from tierstore import CapacityExceeded, Busy
-sock, ns, seed, ledger_path, n_ops = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+from tierstore import CapacityExceeded, Busy, NotFound
+sock, ns, seed, ledger_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 rng = np.random.default_rng(seed)
 
 def data(key, ver, n):
@@ -47,6 +47,12 @@ ledger = open(ledger_path, "a", buffering=1)
 def log(**kw):
     ledger.write(json.dumps(kw) + "\n")
 c = Client.connect(socket=sock, namespace=ns)
+"""
+"""What a worker and a staller start with: arguments (socket, namespace, seed, ledger
+path), the bytes of each key's versions, the ledger and the connection."""
+
+WORKER = PRELUDE + r"""
+n_ops = int(sys.argv[5])
 live = {}  # key -> (ver, n, durable)
 for i in range(n_ops):
     r = rng.random()
@@ -115,20 +121,7 @@ for i in range(n_ops):
 log(op="done")
 """
 
-STALLER = r"""
-import json, sys, time, zlib, numpy as np
-from tierstore.client import Client
-from tierstore import NotFound
-sock, ns, seed, ledger_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-rng = np.random.default_rng(seed)
-
-def data(key, ver, n):
-    return np.random.default_rng(zlib.crc32(f"{ns}|{key}|{ver}".encode())).integers(0, 256, n, dtype=np.uint8)
-
-ledger = open(ledger_path, "a", buffering=1)
-def log(**kw):
-    ledger.write(json.dumps(kw) + "\n")
-c = Client.connect(socket=sock, namespace=ns)
+STALLER = PRELUDE + r"""
 objs = {}
 for key, durable in (("x", False), ("y", True), ("z", False)):
     n = int(rng.integers(4096, 1 << 20))
