@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
 from tierstore.index import Handle, validate_key, validate_namespace
+from tierstore.batch import MAX_EACH
 from tierstore.leases import MAX_BATCH
 from tierstore.protocol import PROTOCOL_VERSION, field
 from tierstore.store import Store, WouldBlock
@@ -76,7 +77,8 @@ class Handlers:
         self.table: dict[str, Callable[["Session", dict[str, Any], bool], Any]] = {
             "hello": self.hello, "put_reserve": self.put_reserve, "put_commit": self.put_commit,
             "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
-            "checkout_many": self.checkout_many, "release_many": self.release_many,
+            "checkout_many": self.checkout_many, "checkout_each": self.checkout_each,
+            "release_many": self.release_many,
             "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
             "scratch": self.scratch, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
@@ -95,7 +97,7 @@ class Handlers:
         sess.namespace = ns
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source", "unused"]}
+                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source", "unused", "each"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -188,6 +190,23 @@ class Handlers:
         infos = self.store.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess, namespace=sess.namespace,
                                         timeout_s=timeout_s, nowait=nowait,
                                         stream=field(msg, "stream", str, "default"),
+                                        progress=msg.setdefault(_PROGRESS, []))
+        return {"leases": [_lease_reply(i) for i in infos]}
+
+    def checkout_each(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        reqs = field(msg, "requests", list)
+        if not 1 <= len(reqs) <= MAX_EACH:
+            raise InvalidArgument(f"checkout_each takes 1 to {MAX_EACH} check-outs, got {len(reqs)}")
+        parsed = []
+        for i, r in enumerate(reqs):
+            if not isinstance(r, list) or len(r) != 3 or not isinstance(r[1], str) \
+                    or not all(x is None or (isinstance(x, (int, str)) and not isinstance(x, bool))
+                               for x in (r[0], r[2])) or r[0] is None:
+                raise InvalidArgument(f"check-out #{i}: expected [handle, mode, source or nil]")
+            parsed.append((Handle.parse(r[0]), r[1], None if r[2] is None else Handle.parse(r[2])))
+        timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
+        infos = self.store.acquire_each(parsed, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
+                                        nowait=nowait, stream=field(msg, "stream", str, "default"),
                                         progress=msg.setdefault(_PROGRESS, []))
         return {"leases": [_lease_reply(i) for i in infos]}
 

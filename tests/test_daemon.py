@@ -513,6 +513,14 @@ def test_malformed_input_never_hurts_others(daemon_factory):
         ({"id": 26, "op": "checkout_many", "handles": [int(h)], "modes": ["r", "r"]}, "InvalidArgument"),
         ({"id": 27, "op": "checkout_many", "handles": [int(h)]}, "NotFound"),  # other namespace
         ({"id": 28, "op": "checkout_many", "handles": [{"a": 1}]}, "InvalidArgument"),
+        ({"id": 33, "op": "checkout_each", "requests": [int(h), "r", None]}, "InvalidArgument"),  # not pairs
+        ({"id": 34, "op": "checkout_each", "requests": []}, "InvalidArgument"),
+        ({"id": 35, "op": "checkout_each", "requests": [[int(h), "r", None]] * 5000}, "InvalidArgument"),
+        ({"id": 36, "op": "checkout_each", "requests": [[int(h), 1, None]]}, "InvalidArgument"),
+        ({"id": 37, "op": "checkout_each", "requests": [[None, "r", None]]}, "InvalidArgument"),
+        ({"id": 38, "op": "checkout_each", "requests": [[int(h), "r", {"a": 1}]]}, "InvalidArgument"),
+        ({"id": 39, "op": "checkout_each", "requests": [[int(h), "r", int(h)]]}, "InvalidArgument"),  # r + source
+        ({"id": 40, "op": "checkout_each", "requests": [[int(h), "rw", None]]}, "NotFound"),  # other namespace
         ({"id": 29, "op": "release_many", "lids": [True]}, "InvalidArgument"),
         ({"id": 31, "op": "release_many", "lids": [12345, -1]}, "InvalidArgument"),
         ({"id": 32, "op": "release_many", "lids": [12345]}, "NotFound"),
@@ -954,9 +962,12 @@ def test_a_revoked_lease_cannot_reach_other_objects_memory(daemon_factory):
         assert (a.get(a.lookup("y")) == 22).all()  # the revoked durable check-in was journaled
 
 
-@pytest.mark.parametrize("where", ["daemon", "in-process"])
+@pytest.mark.parametrize("where", ["daemon", "daemon-pipelined", "in-process"])
 def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(daemon, make_store, where):
-    c = daemon.client("each") if where == "daemon" else make_store()
+    c = daemon.client("each") if where != "in-process" else make_store()
+    if where == "daemon-pipelined":  # as against a daemon without the one-message list: back-to-back check-outs
+        c.server["features"] = [f for f in c.server["features"] if f != "each"]
+    holder = daemon.client("each") if where != "in-process" else c
     try:
         a = c.put(torch.arange(1000.0), key="a")
         b = c.put(torch.zeros(1000), key="b", tier="nvme")
@@ -972,11 +983,25 @@ def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(
         c.free(gone)
         with pytest.raises((NotFound, StaleHandle)):
             c.checkout_each([(a, "rw", None), (n, "w", None), (b, "w", s), (gone, "r", None)])
-        # given back unused: unchanged (the NVMe object's blank w block dropped), but b, from its source
+        # a list is checked before anything is taken; sent back to back, the others were served first
+        # and given back unused: unchanged, but b, from its source
         assert torch.equal(c.get(n), torch.full((1000,), 3.0)) and torch.equal(c.get(a), torch.arange(1000.0))
-        # (in-process the freed handle is found before anything is taken; through the daemon
-        # the others were served, b's from its source too)
-        assert torch.equal(c.get(b), torch.full((1000,), 8.0 if where == "in-process" else 7.0))
+        assert torch.equal(c.get(b), torch.full((1000,), 7.0 if where == "daemon-pipelined" else 8.0))
+        with c.checkout(b, "rw") as v:
+            v.fill_(8.0)
+        held = c.put(torch.full((1000,), 5.0), key="held")
+        hold = holder.checkout(held, "rw")  # the last check-out of the list waits for it, then fails
+        with pytest.raises(Busy):
+            c.checkout_each([(a, "rw", None), (n, "w", None), (b, "w", s), (held, "r", None)], timeout_s=0.3)
+        hold.release()
+        # the three taken first were given back unused: unchanged (the NVMe object's blank w
+        # block dropped), but b holds its source's bytes
+        assert torch.equal(c.get(n), torch.full((1000,), 3.0)) and torch.equal(c.get(a), torch.arange(1000.0))
+        assert torch.equal(c.get(b), torch.full((1000,), 7.0)) and torch.equal(c.get(held), torch.full((1000,), 5.0))
+        group = c.checkout_each([(a, "r", None), (n, "rw", None)])
+        group[1].tensor.add_(1)
+        group.release()  # one check-in for the list
+        assert torch.equal(c.get(n), torch.full((1000,), 4.0))
         if where == "in-process":  # more than the host tier at once: refused before anything waits
             big = [(c.put(torch.zeros(1 << 20), key=f"big{i}"), "r", None) for i in range(9)]  # 36 MiB
             with pytest.raises(CapacityExceeded, match="fewer objects"):
@@ -992,13 +1017,15 @@ def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(
         assert torch.equal(lb.tensor, torch.arange(1000.0))
         la.release()
         lb.release()
-        if where == "daemon":
+        if where != "in-process":
             c.ping()
         assert c.stat()["leases"] == 0  # what the failed call took was given back
         with c.checkout(a, "rw", timeout_s=1) as v:  # nothing left behind holds it
             assert torch.equal(v, torch.arange(1000.0))
-        c.prefetch([gone], wait=False) if where == "daemon" else None  # a hint for a freed object: no error
+        c.prefetch([gone], wait=False) if where != "in-process" else None  # a hint for a freed object: no error
         c.prefetch([b], wait=False)
         assert torch.equal(c.get(a), torch.arange(1000.0))  # the connection is fine
     finally:
         c.close()
+        if holder is not c:
+            holder.close()

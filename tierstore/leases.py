@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .batch import check_each
 from .gpu import loc_device
 from .errors import Busy, CapacityExceeded, InvalidArgument, KeyExists, NotFound, PermissionDenied, TierstoreError
 from .index import Handle, ObjectMeta, validate_namespace
@@ -502,6 +503,57 @@ class Leasing:
             if isinstance(e, TierstoreError):
                 raise type(e)(f"object #{i} of the batch ({hs[i]}): {e.message}; no object was checked out") \
                     from None
+            raise
+        return list(done)
+
+    def acquire_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
+                     timeout_s: float | None = None, nowait: bool = False, stream: str = "default",
+                     progress: list[LeaseInfo] | None = None) -> list[LeaseInfo]:
+        """Several independent check-outs, ``(handle, mode, source)`` each (``source`` None
+        for none; with one, an ``acquire_from``), taken in order (accesses recorded in that
+        order). Unlike ``acquire_many`` each stands alone: a check-out from a source may
+        hand a block over, which cannot be undone. If one fails, those taken are given back
+        unused (``give_back``) and its error is raised. ``timeout_s`` bounds the whole list.
+
+        ``progress``: as for ``acquire_many`` (the event loop takes what needs no wait, a
+        worker the rest, from where the first call stopped)."""
+        done = progress if progress is not None else []
+        ns = self._ns(namespace)
+        if not done:
+            check_each(requests)
+            with self._cv:
+                total = sum(align_up(max(self._get_meta(h, ns).nbytes, 1), PAGE)
+                            for h in {Handle.parse(r[0]) for r in requests})
+            usable = self._host_usable()
+            if total > usable:  # they could never all be checked out at once: the caller would wait on itself
+                raise CapacityExceeded(f"the {len(requests)} check-outs need {total} bytes at once: the host tier "
+                                       f"holds {usable} usable bytes; check out fewer objects at a time")
+        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        i = len(done)
+        try:
+            while i < len(requests):
+                h, mode, source = requests[i]
+                left = max(0.0, deadline - time.monotonic())
+                if source is None:
+                    info = self.acquire(h, mode, owner=owner, namespace=ns, nowait=nowait, timeout_s=left,
+                                        stream=stream, undoable=True)
+                else:
+                    info = self.acquire_from(h, source, owner=owner, namespace=ns, nowait=nowait, timeout_s=left,
+                                             stream=stream)
+                done.append(info)
+                i += 1
+        except WouldBlock:
+            raise
+        except BaseException as e:
+            for info in reversed(done):  # never used: as if not taken (a sourced one keeps the source's bytes)
+                try:
+                    self.give_back(info.lid, owner=owner)
+                except TierstoreError as e2:
+                    log.warning("giving back check-out %d after another failed: %s", info.lid, e2)
+            done.clear()
+            if isinstance(e, TierstoreError):
+                raise type(e)(f"check-out #{i} of the list ({requests[i][0]}): {e.message}; the others were given "
+                              "back") from None
             raise
         return list(done)
 

@@ -23,7 +23,8 @@ MAX_REPLY_BYTES = 16 << 20
 """Replies (a large ``ls`` or ``stat``) may be bigger than requests; SEQPACKET allows it."""
 
 OPS = frozenset({
-    "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "checkout_many", "release",
+    "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "checkout_many", "checkout_each",
+    "release",
     "release_many", "free", "lookup",
     "keys", "ls", "info", "prefetch", "step", "stat", "ping", "scratch", "put_staged", "gpu_attach", "client_info",
 })

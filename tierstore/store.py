@@ -31,7 +31,7 @@ import numpy as np
 
 from ._version import __version__
 from .allocator import ExtentAllocator
-from .batch import LeaseGroup, check_each
+from .batch import LeaseGroup
 from .arena import Arena
 from .config import Config
 from .engine import select_engine
@@ -292,34 +292,16 @@ class Store(Leasing, Movement, Recovery):
 
     def checkout_each(self, requests: Iterable[tuple[Handle | int | str, str, Handle | int | str | None]], *,
                       namespace: str | None = None, timeout_s: float | None = None,
-                      stream: str = "default") -> list[Lease]:
+                      stream: str = "default") -> LeaseGroup:
         """Several independent check-outs, ``(handle, mode, source)`` each (``source`` None
         for none), in order; if one fails, those taken are given back unused
         (``give_back``: unchanged, but for a check-out from a source, which holds the
-        source's bytes) and its error is raised. (Through a daemon they travel back to
-        back: one round trip's wait.)"""
-        reqs = list(requests)
-        check_each(reqs)
-        ns = self._ns(namespace)
-        with self._cv:
-            total = sum(align_up(max(self._get_meta(h, ns).nbytes, 1), PAGE)
-                        for h in {Handle.parse(r[0]) for r in reqs})
-        usable = self._host_usable()
-        if total > usable:  # they could never all be checked out at once: this caller would wait on itself
-            raise CapacityExceeded(f"the {len(reqs)} check-outs need {total} bytes at once: the host tier holds "
-                                   f"{usable} usable bytes; check out fewer objects at a time")
-        leases: list[Lease] = []
-        try:
-            for h, mode, source in reqs:
-                leases.append(self.checkout(h, mode, namespace=namespace, timeout_s=timeout_s, stream=stream,
-                                            source=source))
-        except BaseException:
-            for lease in leases:  # never used: given back as if not taken (see ``give_back``)
-                lid = lease._take()
-                if lid is not None:
-                    self.give_back(lid)
-            raise
-        return leases
+        source's bytes) and its error is raised. Returns a ``LeaseGroup`` (one ``Lease``
+        per request; ``release()`` checks in all still held at once). Through a daemon
+        the list is one message."""
+        infos = self.acquire_each(list(requests), owner=_LOCAL, namespace=namespace, timeout_s=timeout_s,
+                                  stream=stream)
+        return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
     def checkout_many(self, handles: Sequence[Handle | int | str], mode: str | Sequence[str] = "r", *,
                       namespace: str | None = None, timeout_s: float | None = None,
