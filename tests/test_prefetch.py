@@ -199,6 +199,25 @@ def test_lru_with_prefetch_and_explicit_hints(make_store):
     assert st["prefetched_bytes"] == 4 * OBJ and st["queued"] == 0
 
 
+def test_a_hint_longer_than_the_in_flight_limit_is_fetched_whole_within_the_budget(make_store):
+    """A hint's objects past the in-flight limit wait for a slot (not dropped); past the
+    budget, until the prefetched ones are used."""
+    s = make_store(host_bytes="16MiB", policy="lru", prefetch=True, prefetch_budget_bytes=str(3 * OBJ),
+                   prefetch_max_inflight=1, high_watermark=1.0, low_watermark=0.9)
+    hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}", tier="nvme") for i in range(6)]
+    assert s.prefetch(hs).result(timeout=30) == 3  # one at a time, up to the budget's three
+    st = s.stat()["prefetch"]
+    assert st["prefetched_bytes"] == 3 * OBJ and st["protected_bytes"] == 3 * OBJ and st["hinted"] == 3
+    assert ["host" in s.info(h)["residency"] for h in hs] == [True] * 3 + [False] * 3
+    for i, h in enumerate(hs[:3]):  # using them frees the budget: the rest of the hint follows
+        with s.checkout(h, "r") as v:
+            assert v[0].item() == float(i)
+    assert s.wait_prefetch(timeout_s=30)
+    st = s.stat()["prefetch"]
+    assert st["hits"] == 3 and st["prefetched_bytes"] == 6 * OBJ and st["hinted"] == 0
+    assert all("host" in s.info(h)["residency"] for h in hs[3:])
+
+
 CLIENT = r"""
 import sys, torch
 from tierstore.client import Client

@@ -309,8 +309,19 @@ class Movement:
                 self._cv.notify_all()
 
     def _await_prefetch(self, oids: list[int]) -> int:
+        pf = self.prefetcher
+
+        def settled() -> bool:
+            if self._closed:
+                return True
+            if any(o in pf.queued for o in oids):
+                return False
+            # hinted ones still waiting for a slot are issued as fetches in flight finish; with
+            # none in flight the budget holds them back until prefetched objects are used
+            return not pf.queued or not pf.pending(oids)
+
         with self._cv:
-            self._cv.wait_for(lambda: self._closed or not any(o in self.prefetcher.queued for o in oids))
+            self._cv.wait_for(settled)
             return sum(1 for o in oids if o in self._objects and self._objects[o].host_valid)
 
     # ------------------------------------------------------------------ GPU tier

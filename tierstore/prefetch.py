@@ -9,6 +9,7 @@ reads run at prefetch priority so demand reads overtake them on the I/O engine.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import queue
 import threading
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 __all__ = ["Prefetcher"]
 
 _DONE, _QUEUED, _AGAIN, _FULL = object(), object(), object(), object()
+
+MAX_HINTED = 65536
+"""Hinted objects one client may have waiting for a prefetch slot (the oldest go first)."""
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ class Prefetcher:
              "dropped"), 0)
         self.counters["stall_s"] = self.counters["late_wait_s"] = 0.0
         self._q: queue.Queue = queue.Queue()
+        self._hints: dict[Any, collections.deque[int]] = {}
+        """Per owner: hinted objects not yet offered (the in-flight limit or the budget held
+        them back); offered as fetches finish and prefetched objects are used."""
         self._scanned: dict[int, tuple[Trace, int, int]] = {}
         """Per trace: (trace, version, ticks of the last access the scan has passed)."""
         self._sums: dict[int, tuple[Trace, int, list[int]]] = {}
@@ -65,14 +72,42 @@ class Prefetcher:
         used = self.protected.pop(oid, None)
         if used is not None:
             self.protected_bytes -= used[1]
+            if owner in self._hints:  # budget came free
+                self._drain_hints(owner)
         trace = self.book.get(owner, stream)
         trace.record(oid)
         if self.enabled and trace.state == "learned":
             self._advance(owner, trace)
 
     def hint(self, owner: Any, oids: list[int]) -> int:
-        """Explicit prefetch() hints: the same queue and budget as predictions."""
-        return self._schedule(owner, oids)
+        """Explicit prefetch() hints: the same queue and budget as predictions. What the
+        in-flight limit or the budget holds back waits, in order, for a slot (at most
+        ``MAX_HINTED`` per owner); returns how many were queued now."""
+        q = self._hints.setdefault(owner, collections.deque())
+        q.extend(oids)
+        while len(q) > MAX_HINTED:
+            q.popleft()
+        return self._drain_hints(owner)
+
+    def _drain_hints(self, owner: Any) -> int:
+        q = self._hints.get(owner)
+        n = 0
+        while q:
+            got = self._offer(owner, q[0])
+            if got is _FULL:
+                break
+            q.popleft()
+            n += got is _QUEUED
+        if not q:
+            self._hints.pop(owner, None)
+        return n
+
+    def pending(self, oids: Iterable[int]) -> bool:
+        """Whether any of ``oids`` is hinted and not yet offered."""
+        if not self._hints:
+            return False
+        waiting = set().union(*self._hints.values())
+        return any(o in waiting for o in oids)
 
     def step(self, owner: Any) -> None:
         self.book.step(owner)
@@ -80,6 +115,7 @@ class Prefetcher:
     def drop_owner(self, owner: Any) -> None:
         """A client went away: forget its traces, queued fetches and protections."""
         self.book.drop(owner)
+        self._hints.pop(owner, None)
         live = {id(t) for t in self.book.traces.values()}
         for cache in (self._scanned, self._sums):
             for k in [k for k in cache if k not in live]:
@@ -173,17 +209,6 @@ class Prefetcher:
         self.counters["issued"] += 1
         self._q.put(oid)
 
-    def _schedule(self, owner: Any, oids: Iterable[int]) -> int:
-        """Queue what of ``oids`` needs fetching, in order, until the budget or the in-flight
-        limit is reached; returns how many were queued."""
-        n = 0
-        for oid in oids:
-            got = self._offer(owner, oid)
-            if got is _FULL:
-                break
-            n += got is _QUEUED
-        return n
-
     def done(self, oid: int, owner: Any, nbytes: int, fetched: bool) -> None:
         q = self.queued.pop(oid, None)
         if q is not None:
@@ -195,6 +220,8 @@ class Prefetcher:
                 self.protected_bytes += nbytes
         else:
             self.counters["dropped"] += 1
+        if owner in self._hints:  # a slot came free: the next hinted object
+            self._drain_hints(owner)
         if self.enabled:
             # a slot and budget came free: go on down the owner's traces now, not at its next
             # access (a loop that checks a layer out in one batch accesses in bursts)
@@ -207,7 +234,8 @@ class Prefetcher:
         return {"hits": int(c["hits"]), "late": int(c["late"]), "misses": int(c["misses"]),
                 "stall_s": c["stall_s"], "late_wait_s": c["late_wait_s"], "prefetched_bytes": int(c["prefetched_bytes"]),
                 "wasted_bytes": int(c["wasted_bytes"]), "issued": int(c["issued"]), "dropped": int(c["dropped"]),
-                "queued": len(self.queued), "protected_bytes": self.protected_bytes,
+                "queued": len(self.queued), "hinted": sum(len(q) for q in self._hints.values()),
+                "protected_bytes": self.protected_bytes,
                 "budget_bytes": self.budget_bytes, "enabled": self.enabled, "traces": self.book.describe()}
 
     # ------------------------------------------------------------------ worker threads
