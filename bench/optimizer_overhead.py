@@ -6,10 +6,12 @@ trips. For each tier, ``opt.step()`` of AdamW is timed plain (state in the proce
 and offloaded to a daemon started for the run (median over the steps after warm-up),
 and the difference is divided by the number of parameter tensors.
 
-With ``--compare-sequential`` the offloaded step is also timed with the state
-check-outs of a parameter sent one at a time and the prefetch hints waited for (as
-the optimizer did before ``checkout_each``), alternating with the default, so the
-two are measured under the same load.
+By default small parameters are updated in buckets (``bucket_bytes``). With
+``--compare-sequential`` the offloaded step is also timed one parameter at a time
+(``bucket_bytes=0``: one ``checkout_each`` per parameter) and one state tensor at a
+time with the prefetch hints waited for (as the optimizer did before
+``checkout_each``), the three rotated from round to round, so they are measured under
+the same load.
 
 Usage: python bench/optimizer_overhead.py [--layers 8] [--steps 12] [--tiers host,nvme] [--compare-sequential] [--quick]
 """
@@ -53,10 +55,12 @@ def _sequential(client: Client):
         del client.checkout_each, client.prefetch
 
 
-def step_ms(layers: int, steps: int, client: Client | None, tier: str, sequential: bool = False) -> float:
+def step_ms(layers: int, steps: int, client: Client | None, tier: str, sequential: bool = False,
+            bucket_bytes: int | None = None) -> float:
     model = _model(layers)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opt = offload_optimizer(inner, client, tier=tier, prefix=f"o{time.monotonic_ns()}") if client else inner
+    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    opt = offload_optimizer(inner, client, tier=tier, prefix=f"o{time.monotonic_ns()}", **kw) if client else inner
     x = torch.randint(0, 64, (8, 64))
     times = []
     ctx = _sequential(client) if sequential and client else contextlib.nullcontext()
@@ -98,11 +102,11 @@ def main(argv: list[str] | None = None) -> dict:
             for tier in tiers:
                 for r in range(args.rounds if args.compare_sequential else 1):
                     plain = step_ms(args.layers, args.steps, None, tier)
-                    variants = [("checkout_each", False)] + ([("sequential", True)] if args.compare_sequential else [])
-                    if r % 2:
-                        variants.reverse()
-                    for name, seq in variants:
-                        off = step_ms(args.layers, args.steps, c, tier, seq)
+                    variants = [("buckets", False, None)] + (
+                        [("per parameter", False, 0), ("per tensor", True, 0)] if args.compare_sequential else [])
+                    variants = variants[r % len(variants):] + variants[:r % len(variants)]
+                    for name, seq, bucket in variants:
+                        off = step_ms(args.layers, args.steps, c, tier, seq, bucket)
                         per = (off - plain) / n_tensors * 1e3
                         rows.append([tier, r, name, f"{plain:.1f}", f"{off:.1f}", f"{per:.0f}"])
                         results.append({"tier": tier, "round": r, "variant": name, "plain_step_ms": plain,

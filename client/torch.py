@@ -29,6 +29,26 @@ log = logging.getLogger(__name__)
 _OPT_STREAM = "optim"
 _PARAM_STREAM = "params"
 
+DEFAULT_BUCKET_BYTES = 16 << 20
+"""Default ``bucket_bytes`` of ``offload_optimizer``: small parameters are updated
+together, up to this many bytes of state at a time."""
+_BUCKET_MAX = 256
+"""Most parameters in one bucket (each has a few state tensors: well below one
+``checkout_each`` list's 4096)."""
+
+
+def _pages(n: int) -> int:
+    return -(-max(n, 1) // 4096) * 4096
+
+
+def _release_all(leases: Any) -> None:
+    """Check in a ``LeaseGroup`` (one message) or a list of leases (one each)."""
+    if hasattr(leases, "release"):
+        leases.release()
+    else:
+        for lease in leases:
+            lease.release()
+
 
 def _pytag(v: Any) -> tuple[str, torch.Tensor]:
     """Non-tensor optimizer state (python numbers) stored as 0-d tensors, tagged by type."""
@@ -73,6 +93,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``step()`` walks the parameters in a fixed order. For each one it checks the
     state out of the pool (the next parameter's state is already being prefetched),
     updates it with the wrapped optimizer's own update rule, and checks it back in.
+    Small parameters go in buckets (``bucket_bytes`` of state at most): one check-out
+    message, one call of the wrapped optimizer and one check-in for the bucket.
     State is double-buffered (two versions per tensor): a step reads each parameter's
     current version and writes the other one, and a small progress record, written
     after the last parameter, names the step and each parameter's current version, so
@@ -93,14 +115,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, store: Any, *, tier: str | None = "nvme",
                  prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
-                 resume: bool = False, update: str = "auto") -> None:
+                 resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
         if update not in ("auto", "cpu", "gpu"):
             raise ValueError(f"update must be 'auto', 'cpu' or 'gpu', got {update!r}")
         if update == "gpu" and not all(p.is_cuda for g in inner.param_groups for p in g["params"]):
             raise ValueError("update='gpu' needs every parameter on a CUDA device; use 'cpu' or 'auto'")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
         self.update = update
+        self.bucket_bytes = bucket_bytes
+        self._bucket_limit = bucket_bytes  # lowered when a bucket does not fit in the host tier at once
         self._streams: Any = None  # per-device copy streams, made on first GPU update
         self._handles: dict[str, Any] = {}  # key -> handle, so a step does not look every key up
         self._has_source: bool | None = None
@@ -174,12 +200,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         pending: list[_GpuItem] = []  # updated on the GPU, state still being written back
         nxt: _GpuItem | None = None
         try:
-            for k, (gi, pi, p) in enumerate(work):
+            k = 0
+            while k < len(work):
+                gi, pi, p = work[k]
                 read = ver[(gi, pi)]
                 if not (self._on_gpu(p) and (gi, pi) in self._layout):
-                    if k + 1 < len(work):
-                        self._prefetch(work[k + 1], ver)  # overlap the next parameter's fetch with this update
-                    self._step_one(gi, pi, p, read, 1 - read)
+                    end = self._bucket_end(work, k)
+                    if end < len(work):  # overlap the next bucket's fetch with this update
+                        self._prefetch(work[end:self._bucket_end(work, end)], ver)
+                    if end == k + 1:
+                        self._step_one(gi, pi, p, read, 1 - read)
+                    else:
+                        self._step_bucket(work[k:end], ver)
+                    k = end
                     continue
                 item = nxt if nxt is not None and nxt.key == (gi, pi) else \
                     self._gpu_fetch(gi, pi, p, read, 1 - read)
@@ -190,13 +223,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                         v2 = ver[(g2, p2)]
                         nxt = self._gpu_fetch(g2, p2, q, v2, 1 - v2)  # its H2D copies overlap this update
                     else:
-                        self._prefetch(work[k + 1], ver)
+                        self._prefetch(work[k + 1:self._bucket_end(work, k + 1)], ver)
                 if k + 2 < len(work):
-                    self._prefetch(work[k + 2], ver)  # the pool brings it up from NVMe meanwhile
+                    self._prefetch(work[k + 2:k + 3], ver)  # the pool brings it up from NVMe meanwhile
                 pending.append(item)
                 self._gpu_update(item)
                 while len(pending) > 1:
                     self._gpu_finish(pending.pop(0))
+                k += 1
         finally:
             self.inner.param_groups = saved_groups
             for item in pending + ([nxt] if nxt is not None else []):
@@ -212,6 +246,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._put_progress()
         if hasattr(self.store, "step"):
             self.store.step()
+        if work:  # the next step starts where this one did: its first state comes up meanwhile
+            self._prefetch(work[:self._bucket_end(work, 0)], self._cur)
         return loss
 
     def _put_progress(self) -> None:
@@ -223,16 +259,78 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.store.put(torch.tensor(rec, dtype=torch.int64), key=self._progress_key(), replace=True,
                        durable=self.durable)
 
-    def _prefetch(self, item: tuple[int, int, torch.Tensor], versions: dict[tuple[int, int], int]) -> None:
-        gi, pi, _ = item
-        layout = self._layout.get((gi, pi))
-        if not layout:
-            return
-        version = versions[(gi, pi)]
-        hs = [self._lookup(gi, pi, n, version) for n in layout]
-        hs = [h for h in hs if h is not None]
+    def _prefetch(self, items: list[tuple[int, int, torch.Tensor]], versions: dict[tuple[int, int], int]) -> None:
+        """Hint the pool to bring up the state ``items`` will read (one message, not waited for)."""
+        hs = []
+        for gi, pi, _ in items:
+            for name in self._layout.get((gi, pi), ()):
+                h = self._lookup(gi, pi, name, versions[(gi, pi)])
+                if h is not None:
+                    hs.append(h)
         if hs:
             self.store.prefetch(hs, wait=False)  # a hint: not waited for
+
+    def _state_bytes(self, gi: int, pi: int, p: torch.Tensor) -> int:
+        """About how many host-tier bytes a parameter's state takes checked out (fp32 per
+        element; every object in whole pages)."""
+        layout = self._layout.get((gi, pi), {})
+        n = sum(1 for tag in layout.values() if tag in ("tensor", "dtensor"))
+        return n * _pages(4 * _local(p)[1].numel()) + (len(layout) - n) * _pages(8)
+
+    def _bucketable(self, gi: int, pi: int, p: torch.Tensor) -> bool:
+        return ((gi, pi) in self._layout and not self._on_gpu(p) and self._sourced()
+                and self._state_bytes(gi, pi, p) <= self._bucket_limit)
+
+    def _bucket_end(self, work: list[tuple[int, int, torch.Tensor]], k: int) -> int:
+        """End (exclusive) of the bucket starting at ``work[k]``: the parameters after it in
+        the same group that are updated on the CPU with state already in the pool, up to
+        ``bucket_bytes`` of state and ``_BUCKET_MAX`` parameters (one alone otherwise)."""
+        gi, pi, p = work[k]
+        if not self._bucketable(gi, pi, p):
+            return k + 1
+        total, end = self._state_bytes(gi, pi, p), k + 1
+        while end < len(work) and end - k < _BUCKET_MAX:
+            g2, p2, q = work[end]
+            if g2 != gi or not self._bucketable(g2, p2, q):
+                break
+            total += self._state_bytes(g2, p2, q)
+            if total > self._bucket_limit:
+                break
+            end += 1
+        return end
+
+    def _step_bucket(self, items: list[tuple[int, int, torch.Tensor]], versions: dict[tuple[int, int], int]) -> None:
+        """Update several small parameters of one group together: their state tensors are
+        checked out with one ``checkout_each`` (each new version from the current one),
+        updated by one call of the wrapped optimizer and checked in with one message."""
+        gi = items[0][0]
+        wanted = [(g, pi, name, 1 - versions[(g, pi)], versions[(g, pi)])
+                  for g, pi, _ in items for name in self._layout[(g, pi)]]
+        try:
+            leases = self._checkout_states(wanted)
+        except CapacityExceeded:
+            # more than the host tier holds at once (nothing was taken): smaller buckets from now on
+            need = sum(self._state_bytes(g, pi, p) for g, pi, p in items)
+            self._bucket_limit = min(self._bucket_limit, need // 2)
+            log.info("a bucket of %d parameters (%s of state) does not fit in the host tier at once: "
+                     "updating at most %s together", len(items), format_size(need), format_size(self._bucket_limit))
+            half = len(items) // 2
+            for part in (items[:half], items[half:]):
+                if len(part) == 1:
+                    g, pi, p = part[0]
+                    self._step_one(g, pi, p, versions[(g, pi)], 1 - versions[(g, pi)])
+                else:
+                    self._step_bucket(part, versions)
+            return
+        try:
+            updates, i = [], 0
+            for g, pi, p in items:
+                layout = self._layout[(g, pi)]
+                updates.append((p, layout, {name: leases[i + j].tensor for j, name in enumerate(layout)}))
+                i += len(layout)
+            self._update_many(self.param_groups[gi], updates)
+        finally:
+            _release_all(leases)
 
     def _step_one(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> None:
         group = self.param_groups[gi]
@@ -268,8 +366,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             try:
                 # out of place: version `read` stays intact until the step completes
                 if self._sourced():  # the pool hands version `read`'s bytes to version `write`
-                    leases.extend(self._checkout_states(gi, pi, list(layout), write, read))
-                    views.update((name, lease.tensor) for name, lease in zip(layout, leases))
+                    group_leases = self._checkout_states([(gi, pi, name, write, read) for name in layout])
+                    leases.append(group_leases)
+                    views.update((name, lease.tensor) for name, lease in zip(layout, group_leases))
                 else:
                     for name in layout:
                         with self._checkout_state(gi, pi, name, read, "r") as s:
@@ -289,38 +388,54 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._update(group, p, layout, views)
         finally:
             for lease in leases:
-                lease.release()
+                _release_all(lease)
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, layout: dict[str, str],
                 views: dict[str, torch.Tensor]) -> None:
         """Run the wrapped optimizer's update of ``p`` on state ``views`` (written in place;
         with a master in ``views``, the update runs on it and is rounded into ``p``)."""
-        state: dict[str, Any] = {}
-        for name, tag in layout.items():
-            if name == "master":
-                continue
-            if tag == "tensor":
-                state[name] = views[name]
-            elif tag == "dtensor":  # writes through the local shard land in the pool
-                state[name] = _wrap_like(views[name], p)
-            else:
-                state[name] = _untag(tag, views[name])
-        master = views.get("master") if "master" in layout else None
-        if master is not None:
-            target = master
-            target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
-        else:
-            target = p
-        self.inner.state[target] = state
-        self.inner.param_groups = [dict(group, params=[target])]
-        self.inner.step()
-        new_state = self.inner.state.pop(target, {})
-        for name, tag in layout.items():  # python scalars changed by the update go back into their views
-            if name != "master" and tag not in ("tensor", "dtensor"):
-                views[name].fill_(new_state[name])
-        if master is not None:
-            p.copy_(target)  # the parameter is the master rounded to its dtype
-            target.grad = None
+        self._update_many(group, [(p, layout, views)])
+
+    def _update_many(self, group: dict[str, Any],
+                     updates: list[tuple[torch.Tensor, dict[str, str], dict[str, torch.Tensor]]]) -> None:
+        """``_update`` of several parameters of ``group`` by one call of the wrapped
+        optimizer (its update of each parameter is the same as alone: elementwise, per
+        parameter)."""
+        targets = []
+        try:
+            for p, layout, views in updates:
+                state: dict[str, Any] = {}
+                for name, tag in layout.items():
+                    if name == "master":
+                        continue
+                    if tag == "tensor":
+                        state[name] = views[name]
+                    elif tag == "dtensor":  # writes through the local shard land in the pool
+                        state[name] = _wrap_like(views[name], p)
+                    else:
+                        state[name] = _untag(tag, views[name])
+                master = views.get("master") if "master" in layout else None
+                if master is not None:
+                    target = master
+                    target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
+                else:
+                    target = p
+                self.inner.state[target] = state
+                targets.append(target)
+            self.inner.param_groups = [dict(group, params=targets)]
+            self.inner.step()
+            for (p, layout, views), target in zip(updates, targets):
+                new_state = self.inner.state.get(target, {})
+                for name, tag in layout.items():  # python scalars changed by the update go back into their views
+                    if name != "master" and tag not in ("tensor", "dtensor"):
+                        views[name].fill_(new_state[name])
+                if target is not p:
+                    p.copy_(target)  # the parameter is the master rounded to its dtype
+        finally:
+            for (p, _, _), target in zip(updates, targets):
+                self.inner.state.pop(target, None)  # the views go with their leases
+                if target is not p:
+                    target.grad = None
 
     # ------------------------------------------------------------------ update on the GPU
     def _side(self, device: torch.device, role: str) -> Any:
@@ -450,15 +565,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             hs = handles()
             return self._checkout(hs[0], mode, *hs[1:])
 
-    def _checkout_states(self, gi: int, pi: int, names: list[str], version: int, source: int) -> list[Any]:
-        """``w`` leases on ``version`` of each named state of a parameter, each starting with
-        the bytes of version ``source``: sent together where the pool takes a list of
-        check-outs (through a daemon, one round trip's wait instead of one per tensor)."""
+    def _checkout_states(self, wanted: list[tuple[int, int, str, int, int]]) -> Any:
+        """``w`` leases on state tensors, ``(group, index, name, version, source)`` each: that
+        version, starting with the bytes of version ``source``; sent together where the pool
+        takes a list of check-outs (through a daemon, one message). Returns them in order,
+        as a ``LeaseGroup`` where the pool made one (``_release_all`` checks them in)."""
         each = getattr(self.store, "checkout_each", None)
-        if each is None or len(names) == 1:
+        if each is None or len(wanted) == 1:
             out: list[Any] = []
             try:
-                for name in names:
+                for gi, pi, name, version, source in wanted:
                     out.append(self._checkout_state(gi, pi, name, version, "w", source=source))
             except BaseException:
                 for lease in out:
@@ -468,7 +584,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         def requests() -> list[tuple[Any, str, Any]]:
             reqs = []
-            for name in names:
+            for gi, pi, name, version, source in wanted:
                 dst, src = self._lookup(gi, pi, name, version), self._lookup(gi, pi, name, source)
                 if dst is None or src is None:
                     k = self._key(gi, pi, name, version if dst is None else source)
@@ -480,7 +596,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         try:
             return each(requests(), stream=_OPT_STREAM)
         except (NotFound, StaleHandle):
-            for name in names:  # a key was re-bound behind our back: look them up again
+            for gi, pi, name, version, source in wanted:  # a key was re-bound behind our back: look them up again
                 for v in (version, source):
                     self._handles.pop(self._key(gi, pi, name, v), None)
             return each(requests(), stream=_OPT_STREAM)
@@ -605,7 +721,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: str | None = "nvme",
                       prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
-                      resume: bool = False, update: str = "auto") -> OffloadedOptimizer:
+                      resume: bool = False, update: str = "auto",
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> OffloadedOptimizer:
     """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
 
     ``tier``: where new state goes (``"host"``, ``"nvme"``, or ``None``: the host tier
@@ -614,9 +731,12 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: st
     otherwise any old state under ``prefix`` is freed. ``durable=True`` makes the
     state survive a daemon crash too (each check-in is then written through).
     ``update``: where CUDA parameters are updated, ``"gpu"`` (default) or ``"cpu"``.
+    ``bucket_bytes``: parameters updated on the CPU whose state is smaller are updated
+    together, up to this many bytes of state (16 MiB) at a time: one check-out message,
+    one update call and one check-in for them all. ``0``: one parameter at a time.
     """
     return OffloadedOptimizer(optimizer, client, tier=tier, prefix=prefix, master_weights=master_weights,
-                              durable=durable, resume=resume, update=update)
+                              durable=durable, resume=resume, update=update, bucket_bytes=bucket_bytes)
 
 
 def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Any, *, tier: str | None = "nvme",
