@@ -98,8 +98,13 @@ for i in range(n_ops):
         for key in keys:
             log(op="rw-begin", key=key, ver=live[key][0] + 1)
         try:
-            with c.checkout_many([c.lookup(k) for k in keys], "rw", timeout_s=5) if len(keys) > 1 else \
-                    c.checkout(c.lookup(keys[0]), "rw", timeout_s=5) as vs:
+            if len(keys) == 1:
+                lease = c.checkout(c.lookup(keys[0]), "rw", timeout_s=5)
+            elif rng.random() < 0.5:  # all or nothing
+                lease = c.checkout_many([c.lookup(k) for k in keys], "rw", timeout_s=5)
+            else:  # one message, each on its own (a failed one gives the others back)
+                lease = c.checkout_each([(c.lookup(k), "rw", None) for k in keys], timeout_s=5)
+            with lease as vs:
                 for key, v in zip(keys, vs if len(keys) > 1 else [vs]):
                     ver, n, _ = live[key]
                     assert np.array_equal(v, data(key, ver, n)), f"wrong bytes in checkout of {key}"
