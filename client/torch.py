@@ -268,7 +268,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if h is not None:
                     hs.append(h)
         if hs:
-            self.store.prefetch(hs, wait=False)  # a hint: not waited for
+            try:
+                self.store.prefetch(hs, wait=False)  # a hint: not waited for
+            except (NotFound, StaleHandle):  # a key re-bound behind our back: found again at its check-out
+                log.debug("prefetch hint named a re-bound optimizer state; skipped")
 
     def _state_bytes(self, gi: int, pi: int, p: torch.Tensor) -> int:
         """About how many host-tier bytes a parameter's state takes checked out (fp32 per

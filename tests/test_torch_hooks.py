@@ -540,13 +540,16 @@ def test_state_keys_re_bound_behind_the_optimizer_are_found_again(make_store):
     """The optimizer looks each state key up once; when a key is re-bound to a new object
     (its cached handle goes stale), the next step looks it up again and the numbers stay
     those of the plain optimizer."""
-    plain, off, opt_p, opt_o, s = _adamw_twin(make_store, Net, "rebind")
+    plain, off, opt_p, _, s = _adamw_twin(make_store, Net, "rebind")
+    # two parameters a bucket: the second bucket's prefetch hint goes out before the first's check-out
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="rebind",
+                              bucket_bytes=4096 * 6)
     sch_p, sch_o = (torch.optim.lr_scheduler.StepLR(o, step_size=100) for o in (opt_p, opt_o))
     _train(plain, opt_p, sch_p, 3)
     _train(off, opt_o, sch_o, 3)
     cur = opt_o.completed_steps % 2
-    rebound = [k for k in s.keys(prefix="rebind/0.0/") if k.endswith(f"@{cur}")]
-    assert rebound
+    rebound = [k for g in ("0.0", "0.2") for k in s.keys(prefix=f"rebind/{g}/") if k.endswith(f"@{cur}")]
+    assert len(rebound) == 6
     for key in rebound:
         s.put(s.get(s.lookup(key)), key=key, replace=True)  # same bytes, a new object and handle
     _train(plain, opt_p, sch_p, 5, start=3)
