@@ -115,6 +115,50 @@ def test_leases_released_when_client_is_sigkilled(daemon):
         assert c.lookup("held-put-done") is not None  # its objects stay; only its leases went
 
 
+EACH_WAITER = r"""
+import sys
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="shared")
+hs = [c.lookup(k) for k in ("a", "b", "s", "x")]
+print("asking", flush=True)
+c.checkout_each([(hs[0], "rw", None), (hs[1], "w", hs[2]), (hs[3], "rw", None)], timeout_s=60)
+print("got", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_client_killed_while_its_checkout_each_waits_leaves_no_lease(daemon):
+    """A list whose last check-out waits (on a daemon worker) for another client's lease:
+    its client is SIGKILLed meanwhile; when the wait ends the daemon gives back what the
+    list took for the dead connection, and every object is as it was."""
+    with daemon.client("shared") as c:
+        a = c.put(torch.full((1000,), 1.0), key="a")
+        c.put(torch.zeros(1000), key="b", tier="nvme")
+        c.put(torch.full((1000,), 7.0), key="s")
+        x = c.put(torch.full((1000,), 3.0), key="x")
+        hold = c.checkout(x, "rw")
+        p = subprocess.Popen([sys.executable, "-c", EACH_WAITER, daemon.socket], stdout=subprocess.PIPE,
+                             stdin=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "asking"
+        for _ in range(200):  # a and b taken (the event loop), x waited for (a worker)
+            if c.stat()["leases"] == 3:
+                break
+            time.sleep(0.05)
+        assert c.stat()["leases"] == 3
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        hold.release()  # the worker takes x for a connection that is gone
+        for _ in range(200):
+            if c.stat()["leases"] == 0:
+                break
+            time.sleep(0.05)
+        assert c.stat()["leases"] == 0
+        with c.checkout(a, "rw", timeout_s=5) as v:  # free again, and unchanged
+            assert torch.equal(v, torch.full((1000,), 1.0))
+        assert torch.equal(c.get(x), torch.full((1000,), 3.0))
+        assert torch.equal(c.get(c.lookup("s")), torch.full((1000,), 7.0))
+
+
 EPHEMERAL = r"""
 import sys
 import numpy as np
