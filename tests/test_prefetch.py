@@ -216,6 +216,14 @@ def test_a_hint_longer_than_the_in_flight_limit_is_fetched_whole_within_the_budg
     st = s.stat()["prefetch"]
     assert st["hits"] == 3 and st["prefetched_bytes"] == 6 * OBJ and st["hinted"] == 0
     assert all("host" in s.info(h)["residency"] for h in hs[3:])
+    # an object larger than the whole budget is skipped, not left blocking the hints behind it
+    big = s.put(torch.zeros(OBJ), key="big", tier="nvme")  # 4 x OBJ bytes
+    rest = [s.put(torch.full((OBJ // 4,), 9.0), key=f"q{i}", tier="nvme") for i in range(2)]
+    for h in hs[3:]:
+        with s.checkout(h, "r"):
+            pass
+    assert s.prefetch([big, *rest]).result(timeout=30) == 2
+    assert s.stat()["prefetch"]["hinted"] == 0 and "host" not in s.info(big)["residency"]
 
 
 CLIENT = r"""

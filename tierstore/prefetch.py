@@ -95,7 +95,9 @@ class Prefetcher:
         while q:
             got = self._offer(owner, q[0])
             if got is _FULL:
-                break
+                if self.queued or self.protected_bytes:
+                    break  # a slot or budget comes free later
+                self.counters["dropped"] += 1  # larger than the whole budget: it can never be fetched ahead
             q.popleft()
             n += got is _QUEUED
         if not q:
