@@ -1,0 +1,109 @@
+"""The GPU update path of the offloaded optimizer: each CUDA parameter's state is
+copied host-to-device on a side stream while the previous parameter updates, updated
+on the device, and written back device-to-host on another side stream, ordered by
+events. A mix-in of ``OffloadedOptimizer``, which owns the order of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["GpuUpdates"]
+
+
+class _GpuItem:
+    """One parameter's state in flight through a GPU update."""
+
+    __slots__ = ("key", "p", "leases", "dev", "host", "fetched", "stored")
+
+    def __init__(self, key: tuple[int, int], p: torch.Tensor) -> None:
+        self.key = key
+        self.p = p
+        self.leases: list[Any] = []
+        self.dev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (device copy, host view to write)
+        self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # scalar state kept on the host
+        self.fetched: Any = None
+        self.stored: Any = None
+
+
+class GpuUpdates:
+    """``OffloadedOptimizer``'s methods for parameters updated on their GPU. Uses the
+    host's ``_layout``, ``_checkout_state``, ``_update`` and ``param_groups``."""
+
+    _streams: Any
+
+    def _side(self, device: torch.device, role: str) -> Any:
+        if self._streams is None:
+            from .gpu import SideStreams
+
+            self._streams = SideStreams()
+        return self._streams.stream(device, role)
+
+    def _gpu_fetch(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> "_GpuItem":
+        """Lease a parameter's state (version ``read`` to read, ``write`` to overwrite) and
+        start its host-to-device copies on the side stream."""
+        item = _GpuItem((gi, pi), p)
+        side = self._side(p.device, "in")
+        try:
+            # device buffers of earlier updates are freed on the compute stream: order after it
+            side.wait_stream(torch.cuda.current_stream(p.device))
+            for name in self._layout[(gi, pi)]:
+                ls = self._checkout_state(gi, pi, name, read, "r")
+                item.leases.append(ls)
+                ld = self._checkout_state(gi, pi, name, write, "w")
+                item.leases.append(ld)
+                host = ls.tensor
+                if host.dim() == 0:  # scalar state (e.g. Adam's step) stays where torch keeps it: the host
+                    item.host[name] = (host.clone(), ld.tensor)
+                    continue
+                with torch.cuda.stream(side):
+                    dev = torch.empty(host.shape, dtype=host.dtype, device=p.device)
+                    dev.copy_(host, non_blocking=True)
+                item.dev[name] = (dev, ld.tensor)
+            item.fetched = torch.cuda.Event()
+            item.fetched.record(side)
+        except BaseException:
+            side.synchronize()  # no copy may still read a view whose lease goes
+            for lease in item.leases:
+                lease.release()
+            raise
+        return item
+
+    def _gpu_update(self, item: "_GpuItem") -> None:
+        gi, pi = item.key
+        p = item.p
+        group = self.param_groups[gi]
+        layout = self._layout[(gi, pi)]
+        cur = torch.cuda.current_stream(p.device)
+        cur.wait_event(item.fetched)
+        views: dict[str, torch.Tensor] = {}
+        for name, (dev, _) in item.dev.items():
+            dev.record_stream(cur)  # allocated on the side stream, used (and freed) on this one
+            views[name] = dev
+        for name, (h, _) in item.host.items():
+            views[name] = h
+        self._update(group, p, layout, views)
+        side = self._side(p.device, "out")
+        side.wait_stream(cur)  # the write-back starts after the update
+        with torch.cuda.stream(side):
+            for dev, dst in item.dev.values():
+                dst.copy_(dev, non_blocking=True)
+                dev.record_stream(side)
+        for h, dst in item.host.values():
+            dst.copy_(h)
+        item.stored = torch.cuda.Event()
+        item.stored.record(side)
+
+    def _gpu_finish(self, item: "_GpuItem") -> None:
+        """Wait for the item's copies, then check its state back in."""
+        try:
+            if item.stored is not None:
+                item.stored.synchronize()  # after the update, which waited for the fetch
+            else:
+                self._side(item.p.device, "in").synchronize()  # no copy may still read a leased view
+        finally:
+            for lease in item.leases:
+                lease.release()
+            item.leases = []
