@@ -46,6 +46,7 @@ from .policy import make_policy
 from .leases import LOCAL, LeaseInfo, Leasing, Reservation, WouldBlock
 from .movement import Movement
 from .prefetch import Prefetcher
+from .puts import Puts
 from .recovery import Recovery
 from .tensors import aligned_empty, cuda_source, from_bytes, out_bytes, to_bytes
 from .units import PAGE, align_up
@@ -118,7 +119,7 @@ class _NamespaceView:
         self._s.free(handle, namespace=self._ns)
 
 
-class Store(Leasing, Movement, Recovery):
+class Store(Leasing, Puts, Movement, Recovery):
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
 
     def __init__(self, config: Config | None = None, *, namespace: str = "default",
