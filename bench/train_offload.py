@@ -19,7 +19,7 @@ run fingerprints every parameter after every step (an integer sum of its bits), 
 a variant that differs is reported with the first step and parameter where it does;
 plain is then run once more, because plain AdamW itself is not always bit-identical
 from one process to the next on this CPU (docs/benchmarks.md).
-Usage: python bench/train_offload.py [--width 4096] [--layers 16] [--steps 3] [--variants a,b] [--quick] [--png F]
+Usage: python bench/train_offload.py [--width 4096] [--layers 16] [--steps 3] [--variants a,b] [--nvme-budget 0.75] [--quick] [--png F]
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def divergence(a: dict, b: dict) -> tuple[int, int] | None:
 VARIANTS = ("plain", "host", "nvme", "nvme+prefetch", "cache+prefetch")
 
 
-def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str):
+def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str, budget_bytes: int):
     return start_daemon(base, "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
                         "--prefetch", "1" if prefetch else "0", "--policy", policy,
-                        "--prefetch-budget-bytes", str(max(host_bytes // 3, 1 << 20)))
+                        "--prefetch-budget-bytes", str(max(budget_bytes, 1 << 20)))
 
 
 def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
@@ -123,7 +123,12 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
             else:
                 host, prefetch = max(state_bytes // 4, 8 << 20), variant.endswith("+prefetch")
                 tier = None if variant.startswith("cache") else "nvme"
-            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace")
+            # tier="nvme" keeps nothing resident between steps: the prefetcher may use most of the
+            # host tier (the rest holds the parameter being updated and the write-behind), so the
+            # next step's first reads overlap the forward and backward passes. A cache keeps what
+            # fits resident, and every byte of budget is a byte it cannot keep (docs/prefetch.md).
+            budget = int(host * cfg["nvme_budget"]) if tier == "nvme" else host // 3
+            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace", budget)
             wcfg.update(socket=sock, tier=tier)
         r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(wcfg)], capture_output=True, text=True)
         if r.returncode != 0:
@@ -145,13 +150,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=4,
+                   help="untimed steps first (default 4: the prefetcher has learned a double-buffered "
+                        "optimizer's two-step cycle by the end of its 4th step, docs/prefetch.md)")
     p.add_argument("--dir", default=None)
     p.add_argument("--png", default=None)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)} (plain is "
                    "always run: the others are compared with it)")
+    p.add_argument("--nvme-budget", type=float, default=0.75,
+                   help="prefetch budget of the nvme variants as a fraction of the host tier (default 0.75; "
+                        "the cache variant uses 1/3)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    if not 0 < args.nvme_budget <= 1:
+        p.error("--nvme-budget must be in (0, 1]")
     variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -163,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = args.layers * (args.width * args.width + args.width)
     state_bytes = 2 * 4 * n_params
     cfg = {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
-           "warmup": args.warmup}
+           "warmup": args.warmup, "nvme_budget": args.nvme_budget}
     # the ceiling for moving state: this disk reading and writing at once
     mixed_gbps = disk_mixed_gbps(base, 64 << 20 if args.quick else 256 << 20)
     results = {}
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "-" if row["hit_rate"] is None else f"{row['hit_rate'] * 100:.1f}%"])
     print(f"# train_offload: {args.layers} x Linear({args.width}) = {n_params / 1e6:.0f}M params, AdamW state "
           f"{state_bytes / 2**30:.2f} GiB, batch {args.batch}, {args.steps} steps after {args.warmup} warm-up; "
-          f"{machine()}")
+          f"prefetch budget {args.nvme_budget:.0%} of the host tier (nvme variants); {machine()}")
     disk = (f"disk {mixed_gbps:.2f} GB/s reading and writing at once (O_DIRECT): 'disk s' is the time it needs "
             "for a step's NVMe bytes, a floor under that variant's step however well they overlap the compute"
             if mixed_gbps else f"{base} does not take O_DIRECT: disk time not measured")
@@ -218,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.png:
         plot(out_rows, args.png)
     out = {"bench": "train_offload", "params": n_params, "state_bytes": state_bytes, "machine": machine(),
-           "disk_mixed_gbps": mixed_gbps, "plain_fwd_bwd_s": fwd_bwd, "results": out_rows,
+           "disk_mixed_gbps": mixed_gbps, "plain_fwd_bwd_s": fwd_bwd, "nvme_budget": args.nvme_budget,
+           "results": out_rows,
            "plain_reproduced": None if again is None else divergence(plain, again) is None}
     emit_json(out)
     return out
