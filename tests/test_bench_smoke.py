@@ -78,10 +78,12 @@ def test_train_offload_smoke(tmp_path):
     png = tmp_path / "to.png"
     out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), "--png", str(png), cwd=tmp_path)
     assert png.stat().st_size > 0
-    if out["plain_reproduced"] is False:
-        # plain AdamW gave different numbers in two fresh processes (it happens on this CPU,
-        # docs/benchmarks.md), so this run cannot tell anything: once more. A variant that
-        # differs while plain reproduces itself fails below.
+    if out["plain_reproduced"] is not None:
+        # some variant differed from plain. Plain AdamW is not always bit-reproducible from one
+        # fresh process to the next on this CPU (about 1 process in 70, docs/benchmarks.md), and
+        # either side of a comparison can hit it — the plain run or a variant's — so a single
+        # difference cannot tell a store fault from that: once more. A store fault that changes
+        # the numbers shows again and fails below.
         out = _run("train_offload.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
     assert out["bench"] == "train_offload"
     assert [r["variant"] for r in out["results"]] == ["plain", "host", "nvme", "nvme+prefetch", "cache+prefetch"]
