@@ -11,6 +11,10 @@ memory is its own), the offloaded ones against a daemon started for it:
   cache+prefetch  state placed by the store (tier=None): the 25 % host tier keeps what
                   fits resident across steps (trace eviction), the rest on NVMe; prefetch
 
+The NVMe variants give the prefetcher 3/4 of the host tier (``--nvme-budget``: nothing
+of theirs stays resident between steps), the store-placed one 1/3 (every byte of
+budget is one it cannot keep resident); docs/prefetch.md.
+
 Reported: median step time (vs plain), the training process's peak unique memory
 (private pages, sampled after every step), the daemon's peak resident memory, their
 sum (the node's memory spent on training) and the saving against plain as a fraction
