@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tierstore.errors import CapacityExceeded, NotFound, StaleHandle
-from tierstore.units import format_size
+from tierstore.units import align_up, format_size
 
 from .optimizer_gpu import GpuUpdates, _GpuItem
 
@@ -25,16 +25,13 @@ __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "DEFAULT_BUCK
 log = logging.getLogger(__name__)
 
 _OPT_STREAM = "optim"
+
 DEFAULT_BUCKET_BYTES = 16 << 20
 """Default ``bucket_bytes`` of ``offload_optimizer``: small parameters are updated
 together, up to this many bytes of state at a time."""
 _BUCKET_MAX = 256
 """Most parameters in one bucket (each has a few state tensors: well below one
 ``checkout_each`` list's 4096)."""
-
-
-def _pages(n: int) -> int:
-    return -(-max(n, 1) // 4096) * 4096
 
 
 def _release_all(leases: Any) -> None:
@@ -273,7 +270,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         element; every object in whole pages)."""
         layout = self._layout.get((gi, pi), {})
         n = sum(1 for tag in layout.values() if tag in ("tensor", "dtensor"))
-        return n * _pages(4 * _local(p)[1].numel()) + (len(layout) - n) * _pages(8)
+        return n * align_up(max(4 * _local(p)[1].numel(), 1)) + (len(layout) - n) * align_up(8)
 
     def _bucketable(self, gi: int, pi: int, p: torch.Tensor) -> bool:
         return ((gi, pi) in self._layout and not self._on_gpu(p) and self._sourced()
