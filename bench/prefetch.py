@@ -1,7 +1,9 @@
 """Training-like replay: does the prefetcher keep every tensor resident before it is asked for?
 
-The parameter and optimizer-state tensors of a real model shape list (GPT-2 small,
-or a ~1B-parameter decoder; optionally scaled down in width) are accessed layer by
+The parameter and optimizer-state tensors of a real model shape list (GPT-2 small at
+its real widths by default, or a ~1B-parameter decoder; ``--scale`` narrows every
+width, which keeps the number of tensors and shrinks each: a stress of the store's
+per-object cost rather than a real model) are accessed layer by
 layer: each layer's fp32 parameters are checked out read-only and its Adam states
 (exp_avg, exp_avg_sq) read-write — in batches (``checkout_many``) of at most the
 prefetch budget's bytes, or with ``--access object`` one by one — then a matmul runs
@@ -30,8 +32,8 @@ just before and just after it (the floor row shows their median and range).
 ``--mode daemon`` runs the same replay as a client of a real daemon (the deployment:
 the prefetcher's I/O runs in another process), ``embedded`` (default) in-process.
 
-Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 0.25] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--raw-io-at even|access] [--access layer|object] [--variants a,b] [--repeat N] [--probe] [--quick] [--png F]
-Prints a table, then one JSON line.
+Usage: python bench/prefetch.py [--model gpt2-small|decoder-1b] [--scale 1.0] [--steps 5] [--mode M] [--budget F] [--compute matmul|sleep] [--no-raw-io] [--raw-io-at even|access] [--access layer|object] [--variants a,b] [--repeat N] [--probe] [--quick] [--png F]
+Prints a line per measured run on stderr as it goes, then a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -300,7 +302,8 @@ the state updates (``mul_`` over the rw leases), the compute, the rest (loop, st
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt2-small", choices=sorted(MODELS))
-    p.add_argument("--scale", type=float, default=0.25, help="width scale (1.0 = the real model)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="width scale (1.0 = the real model; 0.25 keeps its tensor count at 1/16 of the bytes)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fractions", default="0.25,0.5,0.75")
@@ -357,7 +360,16 @@ def main(argv: list[str] | None = None) -> dict:
     # This machine's speed drifts between runs (the same matmul loop 1.3-2x slower a minute
     # later): each variant is compared with floor runs made just before and just after it.
     floor_host = 2 * total + (64 << 20)
+    def say(what: str, r: dict) -> None:
+        """Progress on stderr: a full run takes minutes (about 15 at the default size here)."""
+        ratio = f" = {r['step_vs_floor']:.2f}x the floor" if "step_vs_floor" in r else ""
+        print(f"# {what}: {r['step_s']:.3f} s a step{ratio}, {r['hit_rate'] * 100:.1f}% hits", file=sys.stderr,
+              flush=True)
+
+    print(f"# {args.model} x{args.scale}: working set {format_size(total)}, compute {compute_s:.3f} s a step",
+          file=sys.stderr, flush=True)
     floors = [run_variant(layers, total, floor_host, "lru", False, **common)]
+    say("floor", floors[0])
     floor = floors[0]
     results = {"floor": floor, "floors_s": [], "variants": []}
     rows = []
@@ -377,6 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
                 one["floor_s"] = next_floor()
                 one["step_vs_floor"] = one["step_s"] / one["floor_s"]
                 runs.append(one)
+                say(f"{name} at {frac * 100:.0f}%", one)
             # the run with the median ratio stands for the variant; the others give the range
             ratios = [x["step_vs_floor"] for x in runs]
             r = sorted(runs, key=lambda x: x["step_vs_floor"])[len(runs) // 2]
@@ -406,6 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
             c.update({"variant": "floor+raw I/O", "host_fraction": frac, "floor_s": local_floor,
                       "step_vs_floor": c["step_s"] / local_floor, "raw_read_bytes_per_step": rd,
                       "raw_written_bytes_per_step": wr})
+            say(f"floor+raw I/O at {frac * 100:.0f}%", c)
             results["variants"].append(c)
             rows.append(["floor+raw I/O", f"{frac * 100:.0f}%", "-", "-", "-",
                          f"{format_size(rd)} / {format_size(wr)} raw", f"{disk_s / compute_s:.2f}",
