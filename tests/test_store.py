@@ -348,6 +348,24 @@ def test_nvme_homed_objects_go_back_down_after_use(make_store):
     assert "host" in s.info(cached)["residency"]  # tier=None objects stay cached
 
 
+def test_a_store_placed_object_put_on_nvme_for_want_of_room_is_cached_later(make_store):
+    """put(tier=None) finding the host tier full writes to NVMe, but the object does not
+    *live* there as a tier="nvme" one does: once checked out it stays in the host tier
+    while there is room (the eviction policy decides when it goes)."""
+    import time
+
+    s = make_store(host_bytes="4MiB", high_watermark=1.0, low_watermark=0.9)
+    first = s.put(torch.ones(3 << 18))  # 3 MiB: fits
+    second = s.put(torch.full((3 << 18,), 2.0))  # does not fit beside it: NVMe
+    assert s.info(second)["residency"] == ["nvme"]
+    s.free(first)
+    with s.checkout(second, "rw") as v:
+        v.add_(1)
+    time.sleep(0.3)  # the background demoter would have taken a home-NVMe object back by now
+    assert "host" in s.info(second)["residency"]
+    assert torch.equal(s.get(second), torch.full((3 << 18,), 3.0))
+
+
 def test_an_object_larger_than_the_host_tier_is_read_directly_and_its_checkout_refused_at_once(make_store):
     s = make_store(host_bytes="1MiB")
     t = torch.randn(1 << 19)  # 2 MiB, on NVMe

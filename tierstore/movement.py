@@ -140,7 +140,10 @@ class Movement:
             self.nvme.free(old)
 
     def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
-                  ns: str, ephemeral: bool = False) -> Handle:
+                  ns: str, ephemeral: bool = False, home: str | None = "nvme") -> Handle:
+        """Write a put straight to NVMe. ``home="nvme"`` (``put(tier="nvme")``): the object
+        lives there, going back down after each use; None (``tier=None`` finding no room in
+        the host tier): it is only placed there, and cached like any other once used."""
         if key is not None:
             with self._cv:
                 if (ns, key) in self._keys and not replace:
@@ -151,7 +154,7 @@ class Movement:
             crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
             with self._cv:
                 meta = ObjectMeta(id=self._new_id(), gen=self._epoch, namespace=ns, key=key, spec=spec,
-                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home="nvme",
+                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home=home,
                                   ephemeral=LOCAL if ephemeral else None)
             with self.journal.lock:
                 with self._cv:

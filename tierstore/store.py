@@ -227,7 +227,8 @@ class Store(Leasing, Puts, Movement, Recovery):
                 self.abort_put(res.rid)
                 raise
             return self.commit_put(res.rid)
-        return self._put_nvme(u8, spec, key, durable, replace, ns, ephemeral)
+        return self._put_nvme(u8, spec, key, durable, replace, ns, ephemeral,
+                              home="nvme" if tier == "nvme" else None)
 
     def _put_gpu(self, tensor: Any, key: str | None, durable: bool, replace: bool, ns: str, wait_s: float,
                  ephemeral: bool = False) -> Handle:
