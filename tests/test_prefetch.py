@@ -47,10 +47,10 @@ def test_trace_reaches_95_percent_where_lru_collapses(make_store):
 
 
 def test_the_head_of_the_step_stays_resident(make_store):
-    """A tier too small for the loop rotates its end, not its start: the first objects
-    of a step are not evicted right after use (plain Belady does, as the object just
-    used is the one needed furthest away, and it must then be read back at the wrap
-    with no compute before it)."""
+    """A tier too small for the loop does not rotate the head of the step: its first
+    objects are not evicted right after use (plain Belady does, as the object just used
+    is the one needed furthest away, and it must then be read back at the wrap with no
+    compute before it)."""
     s = make_store(host_bytes="8MiB", policy="trace", prefetch=True, prefetch_budget_bytes="2MiB",
                    high_watermark=1.0, low_watermark=0.9)
     hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}") for i in range(32)]  # room for 16
@@ -64,6 +64,49 @@ def test_the_head_of_the_step_stays_resident(make_store):
     _run_steps(s, order, 3, check=check)
     assert all(seen), seen.count(False)
     assert min(_run_steps(s, order, 1)) >= 0.95
+
+
+def test_the_rotation_is_spread_over_the_step(make_store):
+    """A tier too small for the loop rotates objects spread over the step, not one
+    stretch of it: the objects that leave the tier during a step (and are read back)
+    are spread over the step after its head, so the disk reads and writes back at about
+    the step's average rate everywhere. The head stays resident."""
+    s = make_store(host_bytes="12MiB", policy="trace", prefetch=True, prefetch_budget_bytes="2MiB",
+                   high_watermark=1.0, low_watermark=0.9)
+    hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}") for i in range(32)]  # room for 24
+    order = list(enumerate(hs))
+    _run_steps(s, order, 3)
+    for _ in range(2):
+        rotated = set()
+
+        def check():
+            rotated.update(i for i in range(32) if "host" not in s.info(hs[i])["residency"])
+
+        assert min(_run_steps(s, order, 1, check=check)) >= 0.95
+        assert len(rotated) >= 8 and min(rotated) >= 4, sorted(rotated)  # the head (the budget's 4) stays
+        # in one stretch, any 8 consecutive accesses there would all be read back
+        assert max(len(rotated & set(range(a, a + 8))) for a in range(4, 25)) <= 5, sorted(rotated)
+
+
+def test_an_object_larger_than_half_the_budget_stays_resident(make_store):
+    """An object that would fill most of the prefetcher's reach is not rotated while
+    smaller ones can be: there is not enough compute in front of it to hide its read
+    (here it is the step's last access, which a "latest in the step first" order would
+    rotate every step)."""
+    s = make_store(host_bytes="8MiB", policy="trace", prefetch=True, prefetch_budget_bytes="2MiB",
+                   high_watermark=1.0, low_watermark=0.9)
+    hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}") for i in range(24)]
+    hs.append(s.put(torch.full((3 * OBJ // 4,), 24.0), key="big"))  # 1.5 MiB of a 2 MiB budget
+    order = list(enumerate(hs))
+    _run_steps(s, order, 3)
+    seen = []
+
+    def check():
+        seen.append("host" in s.info(hs[-1])["residency"])
+
+    rates = _run_steps(s, order, 3, check=check)
+    assert all(seen), seen.count(False)
+    assert min(rates) >= 0.95, rates
 
 
 def test_the_heads_of_two_interleaved_loops_stay_resident(make_store):
@@ -282,15 +325,16 @@ def test_two_step_cycles_are_learned(make_store):
 def test_candidate_walk_follows_the_eviction_order():
     """The lazy candidate walk (cheap per eviction) yields every resident object once,
     in the order of the policy's keys computed object by object — with one and with
-    several traces, repeats, untraced and protected objects, and after inserts and
-    removals that the walk's own bookkeeping must follow."""
+    several traces, repeats, untraced and protected objects, and after inserts,
+    removals and cursor moves (within a step and past its end) that the walk's own
+    bookkeeping must follow."""
     import random
 
     from tierstore.policy import LRUPolicy, TracePolicy
     from tierstore.trace import TraceBook
 
     rng = random.Random(7)
-    classes = set()
+    classes, parts = set(), set()
     for case in range(60):
         book = TraceBook()
         n_traces = 1 + case % 3
@@ -322,6 +366,15 @@ def test_candidate_walk_follows_the_eviction_order():
         for oid in rng.sample(range(170), 20):
             pol.insert(oid)
             pol.touch(rng.choice(resident))
+        if case % 3:  # the cursors move on (sometimes past the end of the step)
+            for t in book.learned_traces():
+                moves = len(t.learned) + 1 if case % 5 == 0 else rng.randrange(1, len(t.learned) * 3 // 2 + 1)
+                for j in range(moves):
+                    t.record(t.learned[(t.cursor + 1) % len(t.learned)])
+                    if j % 7 == 0 and case % 5:  # (not at all: a whole step passes unseen)
+                        list(pol.candidates())  # lists split while the cursor moves
+                        pol.remove(oid := rng.choice(list(pol._order)))
+                        pol.insert(oid)
         walked = list(pol.candidates())
         assert sorted(walked) == sorted(pol._order)
         keys = pol.keys()
@@ -329,7 +382,9 @@ def test_candidate_walk_follows_the_eviction_order():
         assert walked == free + [o for o in walked if o in protected]
         assert [keys[o] for o in free] == sorted(keys[o] for o in free)
         classes |= {k[0] for k in keys.values()}
+        parts |= {k[1] for k in keys.values() if k[0] == 1}
     assert classes == {0, 1, 2}  # untraced, beyond every reach, within one: all exercised
+    assert parts == {0, 1, 2}  # beyond every reach: used in this step, ahead, held
     assert list(LRUPolicy().candidates()) == []
 
 

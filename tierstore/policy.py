@@ -71,34 +71,59 @@ class TracePolicy(LRUPolicy):
     Objects no trace will use again go first (LRU order). Among objects needed within
     the prefetcher's reach in their trace (the next accesses whose bytes fit in its
     budget, at most ``HORIZON``) the one needed furthest away goes first (Belady), and
-    those go last; every object needed later than that is fetched back in time anyway,
-    and evicting any of them costs the same bytes per step, so among those the one
-    latest in its step (by position over the step's length) goes first. That keeps
-    the part a too-small tier rotates in one place, the end of the step. Plain
-    Belady's rotation drifts into the head of the next step (at the wrap the object
-    just used is the one needed furthest away), and the head is then read back with
-    no compute before it to hide behind.
+    those go last. Every object needed later than that is fetched back in time anyway;
+    what matters is how many bytes that costs and *where* in the step they are read
+    back. Each traced position has a fixed rotation key, so the same objects rotate
+    step after step, and among objects beyond every reach:
+
+    1. objects that may rotate and were already used in this step (next needed in the
+       next one), highest rotation key first;
+    2. then those still ahead in this step (evicting one costs a read in this step),
+       highest key first;
+    3. then the held ones, latest in the step first: the head of the step (the accesses
+       from its start whose bytes fit in the budget) and objects larger than half the
+       budget. Nothing runs before the head to hide its reads behind (plain Belady's
+       rotation drifts into it: at the wrap the object just used is the one needed
+       furthest away), and an object that fills most of the reach cannot be read
+       within the compute in front of it.
+
+    The rotation keys are the positions' bit-reversed ranks (a van der Corput order):
+    whatever fraction of the step a too-small tier must rotate is spread evenly over
+    it, so the disk reads and writes back at about the step's average rate everywhere
+    instead of all at once in one stretch.
 
     Cost per eviction: O(traces x HORIZON) plus the candidates skipped, not a pass
-    over every resident object: the policy keeps, per learned trace, the sorted
-    positions of its resident objects, and the resident objects no trace uses, in
-    LRU order; both are rebuilt only when a learned order changes.
+    over every resident object: the policy keeps, per learned trace, its resident
+    objects in three lists sorted by rotation key (used in this step, ahead, held),
+    moving entries from the second to the first as the trace's cursor passes them
+    (both are split again when a step wraps), and the resident objects no trace uses,
+    in LRU order; all are rebuilt only when a learned order changes.
     """
 
     name = "trace"
 
     def __init__(self, book: TraceBook, protected: dict[int, object] | None = None,
-                 reach: Callable[[Trace], int] | None = None) -> None:
+                 reach: Callable[[Trace], int] | None = None, size: Callable[[int], int] | None = None,
+                 budget_bytes: int = 0) -> None:
         super().__init__(protected)
         self.book = book
         self.reach = reach
         """Accesses ahead of a trace's cursor the prefetcher fetches (None: ``HORIZON``)."""
+        self.size = size
+        """Bytes of an object (None: every object counts as one, and the budget is the
+        reach when the order is learned, in accesses)."""
+        self.budget_bytes = budget_bytes
         self._version = -1
         self._traces: list[Trace] = []
         self._where: dict[int, list[int]] = {}
         """Traced oid -> indexes in ``_traces`` of the traces that use it."""
-        self._resident_at: list[list[int]] = []
-        """Per trace: the latest positions of its resident objects, sorted."""
+        self._rotation: list[list[float]] = []
+        """Per trace: the rotation key of each position (higher: evicted first)."""
+        self._parts: list[tuple[list, list, list]] = []
+        """Per trace: (used in this step, ahead, held) resident objects as sorted
+        (rotation key, latest position) lists, split at ``_split``'s cursor."""
+        self._split: list[int] = []
+        """Per trace: the cursor at which its lists were last split."""
         self._untraced: OrderedDict[int, None] = OrderedDict()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -111,12 +136,43 @@ class TracePolicy(LRUPolicy):
         for i, t in enumerate(self._traces):
             for oid in t.positions:
                 self._where.setdefault(oid, []).append(i)
-        self._resident_at = [[] for _ in self._traces]
+        self._rotation = [self._rotation_keys(t) for t in self._traces]
+        self._split = [t.cursor for t in self._traces]
+        self._parts = [([], [], []) for _ in self._traces]
         self._untraced = OrderedDict()
         for oid in self._order:
             self._add(oid)
-        for lst in self._resident_at:
-            lst.sort()
+        for lists in self._parts:
+            for lst in lists:
+                lst.sort()
+
+    def _rotation_keys(self, t: Trace) -> list[float]:
+        """Each position's rotation key: its bit-reversed rank, in [0, 1), where it may
+        rotate; position / length - 1, in [-1, 0), in the head of the step and for an
+        object larger than half the budget."""
+        n = len(t.learned)
+        sizes = [self.size(o) for o in t.learned] if self.size is not None else [1] * n
+        budget = self.budget_bytes if self.size is not None else self.horizon(t)
+        head, acc = 0, 0
+        while head < n and (head == 0 or acc + sizes[head] <= budget):
+            acc += sizes[head]
+            head += 1
+        keys = [p / n - 1.0 for p in range(n)]
+        spread = [p for p in range(head, n) if 2 * sizes[p] <= budget]
+        bits = max(1, (len(spread) - 1).bit_length())
+        for r, p in enumerate(spread):
+            keys[p] = int(format(r, f"0{bits}b")[::-1], 2) / (1 << bits)
+        return keys
+
+    def _entry(self, i: int, oid: int) -> tuple[float, int]:
+        """(rotation key, latest position) of ``oid`` in trace ``i``."""
+        p = self._traces[i].positions[oid][-1]
+        return self._rotation[i][p], p
+
+    def _list(self, i: int, entry: tuple[float, int]) -> list:
+        """The list of trace ``i`` that ``entry`` belongs in, at its last split."""
+        key, p = entry
+        return self._parts[i][2 if key < 0 else 0 if p <= self._split[i] else 1]
 
     def _add(self, oid: int, keep_sorted: bool = False) -> None:
         where = self._where.get(oid)
@@ -124,11 +180,36 @@ class TracePolicy(LRUPolicy):
             self._untraced[oid] = None
             return
         for i in where:
-            p = self._traces[i].positions[oid][-1]
+            e = self._entry(i, oid)
             if keep_sorted:
-                bisect.insort(self._resident_at[i], p)
+                bisect.insort(self._list(i, e), e)
             else:
-                self._resident_at[i].append(p)
+                self._list(i, e).append(e)
+
+    def _catch_up(self, i: int) -> None:
+        """Split trace ``i``'s lists at its cursor now: move the entries the cursor passed
+        since the last split from ahead to used (O(accesses passed)); after a wrap, split
+        them all again (once a step)."""
+        t = self._traces[i]
+        c0 = self._split[i]
+        if t.cursor == c0:
+            return
+        used, ahead, _ = self._parts[i]
+        self._split[i] = t.cursor
+        if t.cursor < c0:
+            both = used + ahead
+            used[:] = sorted(e for e in both if e[1] <= t.cursor)
+            ahead[:] = sorted(e for e in both if e[1] > t.cursor)
+            return
+        for p in range(c0 + 1, t.cursor + 1):
+            oid = t.learned[p]
+            if oid not in self._order or t.positions[oid][-1] != p or self._rotation[i][p] < 0:
+                continue
+            e = (self._rotation[i][p], p)
+            k = bisect.bisect_left(ahead, e)
+            if k < len(ahead) and ahead[k] == e:
+                del ahead[k]
+                bisect.insort(used, e)
 
     def insert(self, oid: int) -> None:
         fresh = oid not in self._order
@@ -150,9 +231,10 @@ class TracePolicy(LRUPolicy):
                 del self._untraced[oid]
             else:
                 for i in self._where.get(oid, ()):
-                    lst, p = self._resident_at[i], self._traces[i].positions[oid][-1]
-                    k = bisect.bisect_left(lst, p)
-                    if k < len(lst) and lst[k] == p:
+                    e = self._entry(i, oid)
+                    lst = self._list(i, e)
+                    k = bisect.bisect_left(lst, e)
+                    if k < len(lst) and lst[k] == e:
                         del lst[k]
         super().remove(oid)
 
@@ -192,32 +274,33 @@ class TracePolicy(LRUPolicy):
             return best
 
         seen: set[int] = set()
-        # beyond every reach: latest in its step first (a k-way merge of the per-trace lists)
-        heap = [(-lst[-1] / len(traces[i].learned), i, len(lst) - 1) for i, lst in enumerate(self._resident_at) if lst]
-        heapq.heapify(heap)
-        while heap:
-            _, i, k = heapq.heappop(heap)
-            lst, t = self._resident_at[i], traces[i]
-            if k >= len(lst):
-                continue
-            n, cur, p = len(t.learned), t.cursor, lst[k]
-            if (p - cur - 1) % n < horizons[i]:
-                # inside this trace's reach, and so is every position from there down to the
-                # cursor (or to 0, where the reach wraps): skip them all at once
-                if p > cur:
-                    k = bisect.bisect_right(lst, cur, 0, k)
-                    if k:
-                        heapq.heappush(heap, (-lst[k - 1] / n, i, k - 1))
-                continue
-            if k:
-                heapq.heappush(heap, (-lst[k - 1] / n, i, k - 1))
-            oid = t.learned[p]
-            if oid in seen or oid not in self._order:
-                continue
-            if (len(where[oid]) > 1 or len(t.positions[oid]) > 1) and nearest(oid) is not None:
-                continue  # used elsewhere too, within some reach
-            seen.add(oid)
-            yield oid
+        for i in range(len(traces)):
+            self._catch_up(i)
+        # beyond every reach: the objects that may rotate, those used in this step before
+        # those ahead in it, each highest rotation key first; then the held ones, latest
+        # first (a k-way merge of the per-trace lists; entries within a trace's reach, at
+        # most its horizon, are skipped)
+        for part in range(3):
+            heap = [(-parts[part][-1][0], i, len(parts[part]) - 1)
+                    for i, parts in enumerate(self._parts) if parts[part]]
+            heapq.heapify(heap)
+            while heap:
+                _, i, k = heapq.heappop(heap)
+                lst, t = self._parts[i][part], traces[i]
+                if k >= len(lst):
+                    continue
+                if k:
+                    heapq.heappush(heap, (-lst[k - 1][0], i, k - 1))
+                p = lst[k][1]
+                if (p - t.cursor - 1) % len(t.learned) < horizons[i]:
+                    continue  # within this trace's reach
+                oid = t.learned[p]
+                if oid in seen or oid not in self._order:
+                    continue
+                if (len(where[oid]) > 1 or len(t.positions[oid]) > 1) and nearest(oid) is not None:
+                    continue  # used elsewhere too, within some reach
+                seen.add(oid)
+                yield oid
         # within some reach: furthest next use first
         near: dict[int, int] = {}
         for i, t in enumerate(traces):
@@ -228,10 +311,12 @@ class TracePolicy(LRUPolicy):
                     near[oid] = nearest(oid)
         yield from sorted(near, key=lambda o: -near[o])
 
-    def keys(self) -> dict[int, tuple[int, float]]:
+    def keys(self) -> dict[int, tuple]:
         """The key the walk orders candidates by, for every resident object (for tests):
-        (0, LRU rank) untraced, (1, -position / length) beyond every reach, (2, -distance)
-        within one."""
+        (0, LRU rank) untraced; (1, part, -rotation key) beyond every reach, part 0 for an
+        object that may rotate and is already used in this step, 1 for one still ahead in
+        it, 2 for a held one (the lowest over the traces using it); (2, -distance) within
+        one."""
         self._sync()
         traces = self._traces
         horizons = [self.horizon(t) for t in traces]
@@ -245,18 +330,22 @@ class TracePolicy(LRUPolicy):
             if near:
                 keys[oid] = (2, -float(min(near)))
             else:
-                keys[oid] = (1, -max(traces[i].positions[oid][-1] / len(traces[i].learned)
-                                     for i in self._where[oid]))
+                keys[oid] = (1, *min(self._part(i, oid) for i in self._where[oid]))
         return keys
+
+    def _part(self, i: int, oid: int) -> tuple[int, float]:
+        key, p = self._entry(i, oid)
+        return (2 if key < 0 else 0 if p <= self._traces[i].cursor else 1), -key
 
     def distance(self, oid: int) -> int | None:
         return self.book.distance(oid)
 
 
 def make_policy(name: str, book: TraceBook, protected: dict[int, object],
-                reach: Callable[[Trace], int] | None = None) -> EvictionPolicy:
+                reach: Callable[[Trace], int] | None = None, size: Callable[[int], int] | None = None,
+                budget_bytes: int = 0) -> EvictionPolicy:
     if name == "lru":
         return LRUPolicy(protected)
     if name == "trace":
-        return TracePolicy(book, protected, reach)
+        return TracePolicy(book, protected, reach, size, budget_bytes)
     raise ValueError(f"unknown policy {name!r}")

@@ -180,7 +180,7 @@ class Store(Leasing, Puts, Movement, Recovery):
             raise
         self.prefetcher = Prefetcher(self, cfg)
         self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected,
-                                  self.prefetcher.reach)
+                                  self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.journal = Journal(cfg.nvme_dirs[0])
         self._hostlog_on = False
         self.replay_info = self._replay()
@@ -422,6 +422,11 @@ class Store(Leasing, Puts, Movement, Recovery):
         with self._cv:
             self.counters["steps"] += 1
             self.prefetcher.step(owner)
+
+    def _nbytes_of(self, oid: int) -> int:
+        """Bytes of object ``oid`` (0 once freed), for the eviction policy (under _cv)."""
+        meta = self._objects.get(oid)
+        return meta.nbytes if meta is not None else 0
 
     def stat(self) -> dict[str, Any]:
         with self._cv:
