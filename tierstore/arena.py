@@ -6,6 +6,8 @@ The arena knows nothing about objects; the store allocates blocks in it with an
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -52,13 +54,15 @@ class Arena:
                                            f"{e.strerror}; lower host_bytes (or free memory)") from None
             else:
                 os.ftruncate(self.fd, 0)
+            self.sealed = _seal(self.fd)
             self.mm = _map(self.fd, self.size)
         except BaseException:
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self.mm, dtype=np.uint8) if self.size else np.empty(0, np.uint8)
-        log.info("host arena: %d bytes in memfd %d, %s", self.size, self.fd,
-                 "adopted with its contents" if self.adopted else "pre-faulted")
+        log.info("host arena: %d bytes in memfd %d, %s, %s", self.size, self.fd,
+                 "adopted with its contents" if self.adopted else "pre-faulted",
+                 "sealed against shrinking and growing" if self.sealed else "NOT sealed (a client could truncate it)")
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view of ``[offset, offset + nbytes)`` (no copy)."""
@@ -77,6 +81,35 @@ class Arena:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""Every client is handed the arena's fd: with these seals none can change its size (a
+truncated arena would turn the daemon's next touch of a block into SIGBUS), nor add a seal
+of its own (F_SEAL_FUTURE_WRITE would stop new clients from mapping it writable). Writes
+stay possible — clients fill their blocks — and so does punching a hole (FALLOC_FL_PUNCH_HOLE,
+refused only under F_SEAL_WRITE): that zeroes the bytes and the pages come back, zeroed, on the
+next touch, which is no more than a client could do by writing zeros."""
+
+
+def _seal(fd: int) -> bool:
+    """Seal ``fd`` against size changes and further seals; whether it is (an arena handed
+    back by systemd may be sealed already, or come from a memfd created without sealing)."""
+    try:
+        have = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if have & ARENA_SEALS == ARENA_SEALS:
+            return True
+        if have & fcntl.F_SEAL_SEAL:
+            log.warning("host arena memfd is sealed without F_SEAL_SHRINK/F_SEAL_GROW (seals %#x): a client "
+                        "could truncate it; restart the daemon without the handed-back arena", have)
+            return False
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EPERM):
+            raise
+        log.warning("host arena memfd cannot be sealed (%s): a client could truncate it", e.strerror)
+        return False
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
