@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import MutableMapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -79,6 +80,47 @@ def _wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _dtensor_cls().from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                      stride=p.stride())
 
+class _PoolState(MutableMapping):
+    """``optimizer.state`` of an offloaded optimizer: parameter -> its state, read from the
+    pool on access (copies), written into the pool on assignment. It is non-empty once any
+    parameter has state, so tools that test ``optimizer.state`` (DCP's ``get_state_dict``
+    runs a zero-gradient step on an optimizer whose state looks empty) see the pool's."""
+
+    def __init__(self, opt: "OffloadedOptimizer") -> None:
+        self._opt = opt
+
+    def _where(self, p: Any) -> tuple[int, int] | None:
+        for gi, g in enumerate(self._opt.param_groups):
+            for pi, q in enumerate(g["params"]):
+                if q is p:
+                    return gi, pi
+        return None
+
+    def __getitem__(self, p: Any) -> dict[str, Any]:
+        where = self._where(p)
+        if where is None or where not in self._opt._layout:
+            return {}  # as the defaultdict of torch.optim.Optimizer.state does, without storing it
+        return self._opt._param_state(*where)
+
+    def __setitem__(self, p: Any, st: dict[str, Any]) -> None:
+        where = self._where(p)
+        if where is None:
+            raise KeyError("not a parameter of this optimizer")
+        self._opt._set_param_state(*where, dict(st))
+        self._opt._put_progress()
+
+    def __delitem__(self, p: Any) -> None:
+        raise TypeError("the state of an offloaded optimizer's parameter cannot be deleted on its own; "
+                        "use load_state_dict or free()")
+
+    def __iter__(self):
+        for gi, pi in sorted(self._opt._layout):
+            yield self._opt.param_groups[gi]["params"][pi]
+
+    def __len__(self) -> int:
+        return len(self._opt._layout)
+
+
 class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose per-parameter state lives in a tierstore pool.
 
@@ -143,6 +185,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         self._layout: dict[tuple[int, int], dict[str, str]] = {}
         self._completed = 0
         self._cur: dict[tuple[int, int], int] = {}  # (group, index) -> current state version (0 or 1)
+        self.state = _PoolState(self)  # type: ignore[assignment]  # the pool's, not a dict
         if resume and self._resume():
             return
         self._clear_pool()
@@ -567,37 +610,70 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         return True
 
     # ------------------------------------------------------------------ state dicts
+    def _param_state(self, gi: int, pi: int) -> dict[str, Any]:
+        """One parameter's current state as the wrapped optimizer keeps it (copies out of
+        the pool; sharded state as a DTensor like the parameter; no fp32 master)."""
+        st: dict[str, Any] = {}
+        p = self.param_groups[gi]["params"][pi]
+        for name, tag in self._layout.get((gi, pi), {}).items():
+            if name == "master":
+                continue
+            t = self.store.get(self._lookup(gi, pi, name, self._cur[(gi, pi)]))
+            if tag == "dtensor":
+                st[name] = _wrap_like(t, p)
+            else:
+                st[name] = t if tag == "tensor" else _untag(tag, t)
+        return st
+
+    def _set_param_state(self, gi: int, pi: int, st: dict[str, Any]) -> None:
+        """Put one parameter's state (the wrapped optimizer's form) into the pool as both
+        versions, with a fresh fp32 master where one is kept."""
+        p = self.param_groups[gi]["params"][pi]
+        layout = self._layout[(gi, pi)] = {}
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                layout[name], v = _local(v)
+                # as torch does: floating state follows the dtype of what is updated (the fp32
+                # master where there is one, else the parameter), except "step"
+                if v.is_floating_point() and name != "step":
+                    v = v.to(torch.float32 if self._needs_master(p) else p.dtype)
+                t = v
+            else:
+                layout[name], t = _pytag(v)
+            self._put_both(gi, pi, name, t)
+        if self._needs_master(p):
+            layout["master"] = "tensor"
+            self._put_both(gi, pi, "master", p.detach().float())
+        self._cur[(gi, pi)] = 0
+
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's own format (fp32 masters are not part of it)."""
+        """The wrapped optimizer's own format: state keyed by integer ids in parameter-group
+        order (``torch.distributed.checkpoint.state_dict.get_state_dict`` turns them into
+        parameter names); FSDP2 / tensor-parallel state as DTensors sharded like their
+        parameters. fp32 masters are not part of it (they are rebuilt from the parameters)."""
         packed: dict[int, dict[str, Any]] = {}
         groups = []
         idx = 0
         for gi, group in enumerate(self.param_groups):
             ids = []
             for pi in range(len(group["params"])):
-                layout = self._layout.get((gi, pi))
-                if layout:
-                    st = {}
-                    p = group["params"][pi]
-                    for name, tag in layout.items():
-                        if name == "master":
-                            continue
-                        t = self.store.get(self.store.lookup(self._key(gi, pi, name, self._cur[(gi, pi)])))
-                        if tag == "dtensor":
-                            st[name] = _wrap_like(t, p)
-                        else:
-                            st[name] = t if tag == "tensor" else _untag(tag, t)
-                    packed[idx] = st
+                if self._layout.get((gi, pi)):
+                    packed[idx] = self._param_state(gi, pi)
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         return {"state": packed, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's format, as ``torch.optim.Optimizer.load_state_dict``
+        does: saved parameter ids of any kind (integers, or the parameter names
+        ``set_state_dict`` passes) are matched to this optimizer's parameters by position
+        in their groups; DTensor state (as DCP loads it, resharded to this rank's layout)
+        is stored as this rank's local shard."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} parameter groups, the optimizer {len(self.param_groups)}")
-        idx_of = {}
+        idx_of: dict[Any, tuple[int, int]] = {}
         for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
             if len(g["params"]) != len(saved["params"]):
                 raise ValueError(f"parameter group {gi} has {len(g['params'])} parameters, the state_dict "
@@ -607,29 +683,21 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                     g[k] = v
             for pi, i in enumerate(saved["params"]):
                 idx_of[i] = (gi, pi)
+        placed = []
+        for i, st in state_dict["state"].items():
+            where = idx_of.get(i)
+            if where is None and isinstance(i, str) and i.isdigit():
+                where = idx_of.get(int(i))  # integer ids that went through a text format
+            if where is None:
+                raise ValueError(f"state_dict has state for parameter {i!r}, which none of its parameter "
+                                 "groups lists; was it saved from a different model or optimizer?")
+            placed.append((where, st))
         self._clear_pool()
         self._layout = {}
         self._cur = {}
         self._completed = 0
-        for i, st in state_dict["state"].items():
-            gi, pi = idx_of[int(i)]
-            p = self.param_groups[gi]["params"][pi]
-            layout = self._layout[(gi, pi)] = {}
-            for name, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    layout[name], v = _local(v)
-                    # as torch does: floating state follows the dtype of what is updated (the fp32
-                    # master where there is one, else the parameter), except "step"
-                    if v.is_floating_point() and name != "step":
-                        v = v.to(torch.float32 if self._needs_master(p) else p.dtype)
-                    t = v
-                else:
-                    layout[name], t = _pytag(v)
-                self._put_both(gi, pi, name, t)
-            if self._needs_master(p):
-                layout["master"] = "tensor"
-                self._put_both(gi, pi, "master", p.detach().float())
-            self._cur[(gi, pi)] = 0
+        for (gi, pi), st in placed:
+            self._set_param_state(gi, pi, st)
         self._put_progress()
 
     def free(self) -> None:
