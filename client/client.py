@@ -50,7 +50,10 @@ class ClientLease:
         self._durable = reply.get("durable", True)
         self.handle = Handle.parse(reply["handle"])
         spec = _spec_of(reply)
-        self.tensor = from_bytes(client._view(reply["offset"], spec.nbytes), spec)
+        if self.mode == "r":  # over the read-only mapping: a write through it never reaches the object
+            self.tensor = _read_only_view(client._view(reply["offset"], spec.nbytes, read_only=True), spec)
+        else:
+            self.tensor = from_bytes(client._view(reply["offset"], spec.nbytes), spec)
 
     def release(self) -> None:
         """Check the object back in. Read leases and leases on volatile objects are
@@ -82,6 +85,29 @@ class ClientLease:
         self.release()
 
 
+_quiet_from_numpy = False
+
+
+def _read_only_view(u8: np.ndarray, spec: TensorSpec) -> Any:
+    """An ``r`` check-out's tensor over the read-only mapping (see ``readonly``)."""
+    global _quiet_from_numpy
+    if spec.kind != "torch":
+        return from_bytes(u8, spec)  # NumPy: a view of read-only memory is not writeable
+    from .readonly import read_only
+
+    if not _quiet_from_numpy:
+        # torch warns (once a process) that a non-writeable array makes a tensor whose
+        # writes are undefined; ReadOnlyTensor refuses them, so the warning would mislead
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            t = from_bytes(u8, spec)
+        _quiet_from_numpy = True
+        return read_only(t)
+    return read_only(from_bytes(u8, spec))
+
+
 def _log_hint_error(fut: Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.debug("prefetch hint failed: %s", fut.exception())
@@ -105,12 +131,19 @@ class Client:
         self.server = hello
         self._arena_fd = arena_fd
         self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
+        # a second, read-only mapping of the same pages for the views of 'r' check-outs
+        self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True)
         self._executor: ThreadPoolExecutor | None = None
         # page-lock this process's mapping where CUDA is present (detected once, reason kept)
         from .cuda import register_host_memory
 
         self._pinned_pieces, self.pinned_reason = register_host_memory(self._arena.ctypes.data, self._arena.nbytes) \
             if self._arena.nbytes else ([], "empty arena")
+        if self._pinned_pieces:  # 'r' check-outs copy to the GPU from the read-only mapping
+            ro_pieces, ro_reason = register_host_memory(self._arena_ro.ctypes.data, self._arena_ro.nbytes,
+                                                        read_only=True)
+            self._pinned_pieces += ro_pieces
+            self.pinned_reason += f"; read-only mapping: {ro_reason}"
         self.pinned = bool(self._pinned_pieces)
         if self._pinned_pieces or "torch" in sys.modules:  # tell `tierstore stat` (no reply awaited)
             conn.submit("client_info", pinned=self.pinned, pinned_reason=self.pinned_reason)
@@ -390,11 +423,12 @@ class Client:
             self._executor = None
         self._conn.drain()
         self._conn.close()
-        self._arena = np.empty(0, np.uint8)
-        try:
-            self._mm.close()
-        except BufferError:
-            log.debug("arena still referenced by checked-out views; unmapped when they are collected")
+        self._arena = self._arena_ro = np.empty(0, np.uint8)
+        for mm in (self._mm, self._mm_ro):
+            try:
+                mm.close()
+            except BufferError:
+                log.debug("arena still referenced by checked-out views; unmapped when they are collected")
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
             self._arena_fd = -1
@@ -406,12 +440,12 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _view(self, offset: int, nbytes: int) -> np.ndarray:
+    def _view(self, offset: int, nbytes: int, *, read_only: bool = False) -> np.ndarray:
         if nbytes == 0:
             return np.empty(0, np.uint8)
         if offset < 0 or offset + nbytes > self._arena.nbytes:
             raise TierstoreError(f"daemon named arena bytes [{offset}, {offset + nbytes}) outside the arena")
-        return self._arena[offset:offset + nbytes]
+        return (self._arena_ro if read_only else self._arena)[offset:offset + nbytes]
 
     def _gpu_readable(self) -> bool:
         """Can this process read the daemon's GPU tier (it has one, and CUDA works here)?"""

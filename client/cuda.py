@@ -19,6 +19,7 @@ REGISTER_CHUNK = 1 << 30
 """Arenas are registered in pieces of this size: some drivers refuse one huge range."""
 
 _PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the range is mapped PROT_READ (the device only reads it)
 
 
 def _cuda():
@@ -30,12 +31,15 @@ def _cuda():
     return torch, ""
 
 
-def register_host_memory(address: int, size: int) -> tuple[list[tuple[int, int]], str]:
+def register_host_memory(address: int, size: int, *, read_only: bool = False) -> tuple[list[tuple[int, int]], str]:
     """Register ``[address, address + size)``; returns (registered pieces, reason).
+    ``read_only``: a ``PROT_READ`` mapping (cudaHostRegisterReadOnly; devices without
+    ``hostRegisterReadOnlySupported`` refuse it and copies from it stay pageable).
 
     An empty list means pageable copies, with the reason (no CUDA, RLIMIT_MEMLOCK,
     driver refusal) — never an exception.
     """
+    flags = _PORTABLE | (_READ_ONLY if read_only else 0)
     torch, why = _cuda()
     if torch is None:
         return [], why
@@ -43,7 +47,7 @@ def register_host_memory(address: int, size: int) -> tuple[list[tuple[int, int]]
     done: list[tuple[int, int]] = []
     for off in range(0, size, REGISTER_CHUNK):
         n = min(REGISTER_CHUNK, size - off)
-        err = cudart.cudaHostRegister(address + off, n, _PORTABLE)
+        err = cudart.cudaHostRegister(address + off, n, flags)
         code = int(getattr(err, "value", err))
         if code != 0:
             unregister_host_memory(done)

@@ -119,7 +119,11 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def map_arena_fd(fd: int, size: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map an arena fd received from the daemon; returns the mapping and a uint8 view."""
-    mm = _map(fd, size)
+def map_arena_fd(fd: int, size: int, *, read_only: bool = False) -> tuple[mmap.mmap, np.ndarray]:
+    """Map an arena fd received from the daemon; returns the mapping and a uint8 view
+    (``read_only``: a ``PROT_READ`` mapping, whose view is not writeable)."""
+    if read_only and size:
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    else:
+        mm = _map(fd, size)
     return mm, (np.frombuffer(mm, dtype=np.uint8) if size else np.empty(0, np.uint8))

@@ -42,6 +42,12 @@ class InvalidArgument(TierstoreError, ValueError):
     code = "InvalidArgument"
 
 
+class ReadOnlyView(InvalidArgument):
+    """A write through the tensor of an ``r`` check-out (read-only memory)."""
+
+    code = "ReadOnlyView"
+
+
 class NotFound(TierstoreError, KeyError):
     """No object with that handle or key exists."""
 
@@ -122,7 +128,7 @@ _BY_CODE: dict[str, type[TierstoreError]] = {
     for cls in (
         TierstoreError, InvalidArgument, NotFound, StaleHandle, KeyExists, CapacityExceeded,
         NoSpace, ChecksumMismatch, StorageError, Busy, PermissionDenied, ProtocolError,
-        DaemonUnavailable, Closed,
+        DaemonUnavailable, Closed, ReadOnlyView,
     )
 }
 
