@@ -70,6 +70,11 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     lines.append(f"  namespaces ({len(ns)}):")
     for name in sorted(ns):
         lines.append(f"    {name:30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
+    j = st.get("journal", {})
+    if j.get("kept_aside"):
+        lines.append(f"  journal recovery at start: {j.get('corrupt_records', 0)} damaged stretches, "
+                     f"{j.get('malformed_records', 0)} malformed records, torn tail {j.get('torn_bytes', 0)} B skipped; "
+                     f"{j.get('superseded', 0)} objects superseded; journal as found: {j['kept_aside']}")
     if st.get("errors"):
         lines.append("  errors: " + ", ".join(f"{k}={v}" for k, v in sorted(st["errors"].items())))
     return "\n".join(lines)

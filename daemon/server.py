@@ -133,6 +133,8 @@ class Server:
         status = (f"serving on {path}: host {st['host']['capacity_bytes']} B, nvme {st['nvme']['capacity_bytes']} B, "
                   f"engine {st['nvme']['engine']}, {self.store.replay_info['objects']} durable objects recovered, "
                   f"{self.store.replay_info['adopted']} host-resident objects adopted")
+        if self.store.replay_info.get("kept_aside"):
+            status += f"; the journal was damaged (see the log), kept as found at {self.store.replay_info['kept_aside']}"
         log.info(status)
         self.notifier.ready(status)
 

@@ -369,6 +369,30 @@ def check(daemon: Daemon, namespaces: list[str], ledgers: dict[str, Path], resta
                  "no revoked client connected")
 
 
+def journal_evidence(data: bytes, damaged: list[tuple[int, int]]) -> tuple[set[int], set[int]]:
+    """What a journal image promises after the byte ranges ``damaged`` (of that image)
+    were flipped, zeroed or cut: (ids of the objects whose latest put record is intact
+    and that were not freed, ids of the freed objects of which some intact record says so)."""
+    from tierstore.journal import scan
+
+    latest: dict[int, bool] = {}
+    freed: set[int] = set()
+    evidenced: set[int] = set()
+    for s, e, r in scan(data):
+        if r is None:
+            continue
+        intact = not any(s < hi and lo < e for lo, hi in damaged)
+        ids = list(r.get("fr") or [])
+        if r.get("op") == "put":
+            latest[r["id"]] = intact
+        elif r.get("op") == "free":
+            freed.add(r["id"])
+            ids.append(r["id"])
+        if intact:
+            evidenced.update(ids)
+    return {oid for oid, ok in latest.items() if ok and oid not in freed}, evidenced
+
+
 def run(rounds: int | None, seed: int, workers: int = 3, ops: int = 400, soak_s: float | None = None,
         base: Path | None = None, host_bytes: str = "32MiB", verbose: bool = True) -> Stats:
     rng = random.Random(seed)

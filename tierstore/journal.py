@@ -1,18 +1,33 @@
-"""The NVMe index journal: append-only, checksummed records, replayed on open.
+"""The NVMe index journal: append-only, self-validating records, replayed on open.
 
-Record layout: ``magic u32 | length u32 | crc32c(payload) u32 | payload (msgpack map)``.
-A record is valid only if its magic, length and CRC all check out. Replay stops at a
-torn tail and truncates it; a corrupt record in the middle is skipped (and counted)
-so one flipped byte cannot hide every record after it. Compaction rewrites the live
-records to a new file and renames it over the old one (atomic on POSIX).
+Framing of one record: ``magic u32 | length u32 | crc32c(payload) u32 | payload``, the
+payload a msgpack map. A record counts only if its magic, its length and its CRC all
+check out (a flipped length byte gives the wrong payload slice, which fails the CRC).
+Replay (``scan``) walks the file record by record; at anything that does not check
+out it searches forward for the next magic whose record checks out and goes on from
+there, so a flipped byte, a zeroed page or a cut in the middle costs the records it
+touches and no others. What cannot be resynchronised at the end is a torn tail.
+
+Redundancy against the loss of single records: for ``ECHO_BYTES`` of journal after
+a free or a namespace claim, every record appended repeats it (``fr``: freed ids,
+``own``: ``[namespace, uid]`` pairs), so the loss of the free record (or the claim)
+is made good by any intact record of the next two pages. Interpreting the records is
+``recovery.py``'s business; this module frames, appends, scans and rewrites.
+
+Compaction rewrites the live records to a new file and renames it over the old one
+(atomic on POSIX). A journal that replay found damaged is kept aside first
+(``keep_aside``: ``journal.damaged-<UTC time>``), so no recovery decision is final.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -21,23 +36,47 @@ import msgpack
 from .checksum import crc32c
 from .errors import StorageError
 
-__all__ = ["Journal", "ReplayResult", "JOURNAL_FILE"]
+__all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "scan"]
 
 log = logging.getLogger(__name__)
 
 JOURNAL_FILE = "journal.log"
+DAMAGED_PREFIX = "journal.damaged-"
 _MAGIC = 0x314A5354  # "TSJ1" little-endian
+_MAGIC_BYTES = struct.pack("<I", _MAGIC)
 _HEADER = struct.Struct("<III")
 _MAX_RECORD = 64 << 20
+ECHO_BYTES = 8192
+"""How far past a free or a namespace claim later records repeat it: two pages, so
+neither a zeroed page nor a flipped byte takes every copy."""
 
 
 @dataclass
 class ReplayResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     torn_bytes: int = 0
-    """Bytes dropped from the tail (an append cut short by a crash)."""
+    """Bytes at the end that hold no valid record (an append cut short, or damage)."""
     corrupt_records: int = 0
-    """Records in the middle whose checksum failed; skipped."""
+    """Damaged stretches in the middle (each one or more records) that were skipped."""
+    corrupt_bytes: int = 0
+    """Bytes in those stretches."""
+
+
+def scan(data: bytes) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
+    """``(start, end, record)`` for each valid record of a journal image, in order, and
+    ``(start, end, None)`` for each stretch that holds none (the last one may be a torn tail)."""
+    pos, n = 0, len(data)
+    while pos < n:
+        rec, end = _parse_at(data, pos)
+        if rec is not None:
+            yield pos, end, rec
+            pos = end
+            continue
+        nxt = _resync(data, pos + 1)
+        yield pos, (n if nxt is None else nxt), None
+        if nxt is None:
+            return
+        pos = nxt
 
 
 class Journal:
@@ -49,56 +88,91 @@ class Journal:
         self.lock = threading.RLock()
         self._fd = -1
         self.appended = 0
+        self._pos = 0  # bytes in the file: where the next record starts
+        self._echo: deque[tuple[int, str, Any]] = deque()  # (end of the original, field, value)
 
     # -- replay ----------------------------------------------------------------------------
     def replay(self) -> ReplayResult:
-        """Read every valid record; truncate a torn tail. Call before ``open_for_append``."""
+        """Every valid record, in order. Nothing is changed on disk: the caller rewrites a
+        damaged journal (after ``keep_aside``) once it has rebuilt the index."""
         res = ReplayResult()
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return res
-        pos, good_end = 0, 0
-        n = len(data)
-        while pos < n:
-            rec, end = _parse_at(data, pos)
+        for start, end, rec in scan(data):
             if rec is not None:
                 res.records.append(rec)
-                pos = good_end = end
-                continue
-            nxt = _resync(data, pos + 1)
-            if nxt is None:
-                res.torn_bytes = n - pos
-                break
-            res.corrupt_records += 1
-            log.error("journal %s: corrupt record at offset %d skipped", self.path, pos)
-            pos = nxt
-        if res.torn_bytes:
-            log.warning("journal %s: torn tail of %d bytes dropped", self.path, res.torn_bytes)
-            with open(self.path, "r+b") as f:
-                f.truncate(good_end)
-                os.fsync(f.fileno())
+            elif end == len(data):
+                res.torn_bytes = end - start
+                log.warning("journal %s: %d bytes at the end hold no valid record (torn tail); dropped",
+                            self.path, res.torn_bytes)
+            else:
+                res.corrupt_records += 1
+                res.corrupt_bytes += end - start
+                log.error("journal %s: %d damaged bytes at offset %d skipped", self.path, end - start, start)
         return res
+
+    def keep_aside(self) -> str | None:
+        """Keep the journal as it is now under ``journal.damaged-<UTC time>`` (a hard link:
+        the rewrite that follows replaces the name, not these bytes). Returns its path."""
+        if not os.path.exists(self.path):
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for n in range(1000):
+            dst = os.path.join(self.directory, DAMAGED_PREFIX + stamp + (f".{n}" if n else ""))
+            try:
+                os.link(self.path, dst)
+            except FileExistsError:
+                continue
+            _fsync_dir(self.directory)
+            return dst
+        return None
 
     # -- append ----------------------------------------------------------------------------
     def open_for_append(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._pos = os.fstat(self._fd).st_size
         _fsync_dir(self.directory)
 
     def append(self, record: dict[str, Any], *, sync: bool = True) -> None:
-        """Append one record; with ``sync`` it is on stable storage when this returns."""
-        blob = _encode(record)
+        """Append one record; with ``sync`` it is on stable storage when this returns.
+        A free (``op: free``) or a namespace claim (``op: ns``) is repeated by the records
+        of the next ``ECHO_BYTES``."""
         with self.lock:
             if self._fd < 0:
                 raise StorageError("journal is closed")
+            while self._echo and self._echo[0][0] + ECHO_BYTES <= self._pos:
+                self._echo.popleft()
+            if self._echo:
+                record = dict(record)
+                for _, name, value in self._echo:
+                    record.setdefault(name, []).append(value)
+            blob = _encode(record)
             try:
-                os.write(self._fd, blob)
+                n = os.write(self._fd, blob)
+                if n != len(blob):
+                    raise OSError(errno.ENOSPC, "short write")
                 if sync:
                     os.fdatasync(self._fd)  # the caller's promise (durable / freed) rests on this
             except OSError as e:
-                raise StorageError(f"journal append to {self.path} failed: {os.strerror(e.errno)}") from None
+                # not appended: take back what reached the file, so a restart does not act on a
+                # record whose caller was told it failed (if even that fails, the partial record
+                # is a damaged stretch that replay skips, and the next record starts after it)
+                try:
+                    os.ftruncate(self._fd, self._pos)
+                except OSError:
+                    self._pos = _size(self._fd, self._pos)
+                raise StorageError(f"journal append to {self.path} failed: {os.strerror(e.errno)}; "
+                                   "free space on that filesystem or check the drive") from None
+            self._pos += len(blob)
             self.appended += len(blob)
+            op = record.get("op")
+            if op == "free":
+                self._echo.append((self._pos, "fr", record["id"]))
+            elif op == "ns":
+                self._echo.append((self._pos, "own", [record["name"], record["uid"]]))
 
     def size(self) -> int:
         try:
@@ -116,30 +190,55 @@ class Journal:
                 for rec in records:
                     buf += _encode(rec)
                     if len(buf) > (4 << 20):
-                        os.write(fd, buf)
+                        _write_all(fd, buf)
                         buf.clear()
-                os.write(fd, buf)
+                _write_all(fd, buf)
                 os.fsync(fd)  # the new file must be complete before it replaces the old
-            finally:
+            except OSError as e:
                 os.close(fd)
+                os.unlink(tmp)
+                raise StorageError(f"journal compaction into {tmp} failed: {os.strerror(e.errno)}") from None
+            os.close(fd)
             os.replace(tmp, self.path)
             _fsync_dir(self.directory)
             if self._fd >= 0:
                 os.close(self._fd)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        log.info("journal compacted to %d bytes", self.size())
+            self._pos = os.fstat(self._fd).st_size
+            self._echo.clear()  # the new file holds the state itself: nothing freed is in it
+        log.info("journal compacted to %d bytes", self._pos)
 
     def close(self) -> None:
         with self.lock:
+            if self._fd >= 0 and self._echo:
+                try:  # the last frees and claims get their repeat, too
+                    self.append({"op": "close"})
+                except StorageError as e:
+                    log.warning("journal: closing record not written: %s", e)
             if self._fd >= 0:
-                os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = -1
+                try:
+                    os.fsync(self._fd)
+                finally:
+                    os.close(self._fd)
+                    self._fd = -1
 
 
 def _encode(record: dict[str, Any]) -> bytes:
     payload = msgpack.packb(record, use_bin_type=True)
     return _HEADER.pack(_MAGIC, len(payload), crc32c(payload)) + payload
+
+
+def _write_all(fd: int, buf: bytes | bytearray) -> None:
+    mv = memoryview(buf)
+    while mv:
+        mv = mv[os.write(fd, mv):]
+
+
+def _size(fd: int, default: int) -> int:
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return default
 
 
 def _parse_at(data: bytes, pos: int) -> tuple[dict | None, int]:
@@ -160,14 +259,13 @@ def _parse_at(data: bytes, pos: int) -> tuple[dict | None, int]:
 
 
 def _resync(data: bytes, start: int) -> int | None:
-    """Offset of the next valid record after ``start``, or None (the rest is a torn tail)."""
-    magic = struct.pack("<I", _MAGIC)
-    pos = data.find(magic, start)
+    """Offset of the next valid record at or after ``start``, or None (the rest is a torn tail)."""
+    pos = data.find(_MAGIC_BYTES, start)
     while pos != -1:
         rec, _ = _parse_at(data, pos)
         if rec is not None:
             return pos
-        pos = data.find(magic, pos + 1)
+        pos = data.find(_MAGIC_BYTES, pos + 1)
     return None
 
 

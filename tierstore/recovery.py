@@ -4,13 +4,16 @@ log that lets a restarted daemon adopt the host arena. Part of ``Store`` (a mixi
 from __future__ import annotations
 
 import logging
+import bisect
 from typing import Any
 
-from .errors import TierstoreError
-from .index import ObjectMeta
+from .checksum import BLOCK_BYTES
+from .errors import InvalidArgument, TierstoreError
+from .index import ObjectMeta, validate_key, validate_namespace
+from .units import PAGE, align_up
 from .tensors import TensorSpec
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "Replay"]
 
 log = logging.getLogger(__name__)
 
@@ -95,59 +98,267 @@ class Recovery:
         return adopted
 
     # ------------------------------------------------------------------ journal
-    def _replay(self) -> dict[str, int]:
+    def _replay(self) -> dict[str, Any]:
+        """Rebuild the durable index from the journal, losing only what is damaged (see
+        ``Replay``); a damaged journal is kept aside before it is rewritten."""
         res = self.journal.replay()
-        objs: dict[int, dict] = {}
-        epoch, next_id = 0, 1
+        rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
         for r in res.records:
-            op = r.get("op")
-            if op == "open":
-                epoch = max(epoch, int(r.get("epoch", 0)))
-                next_id = max(next_id, int(r.get("next_id", 1)))
-            elif op == "put":
-                objs[int(r["id"])] = r
-                next_id = max(next_id, int(r["id"]) + 1)
-            elif op == "free":
-                objs.pop(int(r["id"]), None)
-            elif op == "ns":
-                self._ns_owner[str(r["name"])] = int(r["uid"])
-        by_key: dict[tuple[str, str], int] = {}
-        for oid in sorted(objs):
-            r = objs[oid]
+            rp.apply(r)
+        dropped = 0
+        for oid in sorted(rp.live):
+            r = rp.live[oid]
             meta = ObjectMeta.from_record(r)
             meta.record = r
             try:
                 self.nvme.reserve(meta.nvme)
-            except (ValueError, TierstoreError) as e:
-                log.error("journal names object %s with extents that overlap another; dropped: %s", oid, e)
+            except (ValueError, TierstoreError) as e:  # (validated and disjoint: not expected)
+                log.error("journal names object %s with extents the NVMe tier cannot hold; dropped: %s", oid, e)
+                dropped += 1
                 continue
-            if meta.key is not None:
-                k = (meta.namespace, meta.key)
-                prev = by_key.get(k)
-                if prev is not None:  # crash between a replace's put and its free: the newer wins
-                    old = self._objects.pop(prev)
-                    self.nvme.free(old.nvme)
-                by_key[k] = oid
             self._objects[oid] = meta
-        self._keys = by_key
-        self._epoch = (epoch % 0xFFFF) + 1
-        self._next_id = next_id
-        self.journal.open_for_append()
+        self._keys = {(m.namespace, m.key): m.id for m in self._objects.values() if m.key is not None}
+        self._ns_owner.update(rp.owners)
+        self._epoch = (rp.epoch % 0xFFFF) + 1
+        self._next_id = rp.next_id
+        info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
+                "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
+                "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,
+                "kept_aside": None, "objects": len(self._objects)}
+        damaged = res.torn_bytes or res.corrupt_records or rp.malformed or dropped or rp.owner_conflicts
+        if damaged:
+            # nothing recovery decided is final: the journal as found stays beside the new one
+            info["kept_aside"] = self.journal.keep_aside()
+            log.warning("journal recovery: %d damaged stretches (%d bytes) and %d malformed records skipped, "
+                        "torn tail of %d bytes dropped, %d objects superseded by later records, %d dropped; "
+                        "%d durable objects recovered; the journal as found is kept at %s",
+                        res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes, rp.superseded,
+                        dropped, len(self._objects), info["kept_aside"])
+            self.journal.rewrite(iter(self._live_records()))  # the damage is not carried forward
+        else:
+            self.journal.open_for_append()
         self.journal.append({"op": "open", "epoch": self._epoch, "next_id": self._next_id})
-        self._maybe_compact(force=res.torn_bytes > 0 or res.corrupt_records > 0)
-        return {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records, "objects": len(self._objects)}
+        return info
+
+    def _live_records(self) -> list[dict[str, Any]]:
+        """(under the journal lock) The journal's content as of now: the namespace claims
+        (twice: first and last, so no single lost record loses one) and the durable objects."""
+        with self._cv:
+            owners = [{"op": "ns", "name": n, "uid": u} for n, u in self._ns_owner.items()]
+            records = [{"op": "open", "epoch": self._epoch, "next_id": self._next_id}, *owners]
+            records += [m.record for m in self._objects.values() if m.durable and m.record is not None]
+        return records + owners
 
     def _maybe_compact(self, force: bool = False) -> None:
         size = self.journal.size()
         if not force and size < self.config.journal_compact_bytes:
             return
         with self.journal.lock:
-            with self._cv:
-                records = [{"op": "open", "epoch": self._epoch, "next_id": self._next_id}]
-                records += [{"op": "ns", "name": n, "uid": u} for n, u in self._ns_owner.items()]
-                records += [m.record for m in self._objects.values() if m.durable and m.record is not None]
+            records = self._live_records()
             est = sum(len(str(r)) for r in records)
             if not force and size < 2 * est:
                 return
             self.journal.rewrite(iter(records))
 
+
+
+_ID_LIMIT = 1 << 48
+_MAX_DIMS = 64
+
+
+class Replay:
+    """The durable index as the journal's records describe it, losing only what is damaged.
+
+    Records are applied in journal order (the order they were appended). Every field of
+    every record is checked; a record that does not hold together is skipped and counted
+    (``malformed``), alone. Conflicts are resolved by order:
+
+    - a put whose extents overlap a live object's: that object was freed (or rewritten
+      elsewhere) before the space was reused, whatever its own records say;
+    - a put binding a key another live object holds: the higher id is the newer (a
+      replace), the other goes;
+    - a free, or a free repeated (``fr``) by a later record, removes the object;
+    - namespace ownership: the first claim in order (``ns``, repeated as ``own``, and the
+      owner's uid in each put, ``nsuid``) holds; a later disagreeing one is ignored.
+    """
+
+    def __init__(self, *, ndrives: int, drive_bytes: int) -> None:
+        self.ndrives, self.drive_bytes = ndrives, drive_bytes
+        self.live: dict[int, dict[str, Any]] = {}
+        self.owners: dict[str, int] = {}
+        self.epoch, self.next_id = 0, 1
+        self.malformed = self.superseded = self.owner_conflicts = 0
+        self._space = [_Extents() for _ in range(ndrives)]
+        self._key: dict[tuple[str, str], int] = {}
+
+    def apply(self, r: dict[str, Any]) -> None:
+        why = _check_record(r, self.ndrives, self.drive_bytes)
+        if why is not None:
+            self.malformed += 1
+            log.error("journal record skipped (%s): %.200r", why, r)
+            return
+        for oid in r.get("fr") or ():
+            self._free(oid)
+        for name, uid in r.get("own") or ():
+            self._claim(name, uid)
+        op = r["op"]
+        if op == "open":
+            self.epoch = max(self.epoch, r["epoch"])
+            self.next_id = max(self.next_id, r["next_id"])
+        elif op == "ns":
+            self._claim(r["name"], r["uid"])
+        elif op == "free":
+            self._free(r["id"])
+        elif op == "put":
+            self._put(r)
+
+    def _claim(self, name: str, uid: int) -> None:
+        have = self.owners.setdefault(name, uid)
+        if have != uid:
+            self.owner_conflicts += 1
+            log.error("journal: namespace %r claimed by uid %d, a later record names uid %d; uid %d keeps it",
+                      name, have, uid, have)
+
+    def _free(self, oid: int) -> None:
+        self.next_id = max(self.next_id, oid + 1)
+        r = self.live.pop(oid, None)
+        if r is None:
+            return
+        for e in r["ext"]:
+            self._space[e[0]].remove(e[1])
+        if r.get("key") is not None and self._key.get((r["ns"], r["key"])) == oid:
+            del self._key[(r["ns"], r["key"])]
+
+    def _put(self, r: dict[str, Any]) -> None:
+        oid = r["id"]
+        self.next_id = max(self.next_id, oid + 1)
+        self.epoch = max(self.epoch, r["gen"])
+        if r.get("nsuid") is not None:
+            self._claim(r["ns"].split("/")[0], r["nsuid"])
+        self._free(oid)  # an earlier record of the same object (a write-back): this one is newer
+        for dev, off, _, n in r["ext"]:
+            for other in self._space[dev].overlapping(off, align_up(max(n, 1), PAGE)):
+                if other != oid and other in self.live:
+                    log.warning("journal: object %d's space was reused by object %d; it was freed", other, oid)
+                    self.superseded += 1
+                    self._free(other)
+        if r.get("key") is not None:
+            k = (r["ns"], r["key"])
+            other = self._key.get(k)
+            if other is not None and other > oid:
+                self.superseded += 1  # replaced by a newer object: this one was on its way out
+                log.warning("journal: object %d's key is bound to the newer object %d; it was freed", oid, other)
+                return
+            if other is not None:
+                self.superseded += 1
+                self._free(other)
+            self._key[k] = oid
+        for dev, off, _, n in r["ext"]:
+            self._space[dev].add(off, align_up(max(n, 1), PAGE), oid)
+        self.live[oid] = {k: v for k, v in r.items() if k not in ("fr", "own")}  # (echoes are not its own)
+
+
+class _Extents:
+    """Disjoint byte ranges of one drive and the object each belongs to (replay only)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._at: dict[int, tuple[int, int]] = {}  # start -> (end, oid)
+
+    def overlapping(self, start: int, size: int) -> list[int]:
+        end = start + size
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        out = []
+        while i < len(self._starts) and self._starts[i] < end:
+            s = self._starts[i]
+            e, oid = self._at[s]
+            if e > start:
+                out.append(oid)
+            i += 1
+        return out
+
+    def add(self, start: int, size: int, oid: int) -> None:
+        bisect.insort(self._starts, start)
+        self._at[start] = (start + size, oid)
+
+    def remove(self, start: int) -> None:
+        if self._at.pop(start, None) is not None:
+            del self._starts[bisect.bisect_left(self._starts, start)]
+
+
+def _is_int(v: Any, lo: int = 0, hi: int = 1 << 63) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+
+def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | None:
+    """Why the record cannot be applied, or None. Every field a replay reads is checked."""
+    op = r.get("op")
+    fr, own = r.get("fr"), r.get("own")
+    if fr is not None and not (isinstance(fr, list) and all(_is_int(x, 1, _ID_LIMIT) for x in fr)):
+        return "bad 'fr'"
+    if own is not None and not (isinstance(own, list) and all(
+            isinstance(x, list) and len(x) == 2 and _ns_root_ok(x[0]) and _is_int(x[1], 0, 1 << 32)
+            for x in own)):
+        return "bad 'own'"
+    if op == "open":
+        if not (_is_int(r.get("epoch")) and _is_int(r.get("next_id"), 1, _ID_LIMIT + 1)):
+            return "open: bad 'epoch' or 'next_id'"
+        return None
+    if op == "close":
+        return None
+    if op == "ns":
+        if not (_ns_root_ok(r.get("name")) and _is_int(r.get("uid"), 0, 1 << 32)):
+            return "ns: bad 'name' or 'uid'"
+        return None
+    if op == "free":
+        return None if _is_int(r.get("id"), 1, _ID_LIMIT) else "free: bad 'id'"
+    if op != "put":
+        return f"unknown op {op!r}"
+    if not _is_int(r.get("id"), 1, _ID_LIMIT) or not _is_int(r.get("gen"), 0, 0x10000):
+        return "put: bad 'id' or 'gen'"
+    try:
+        validate_namespace(r.get("ns"))
+        validate_key(r.get("key"))
+    except InvalidArgument:
+        return "put: bad 'ns' or 'key'"
+    if r.get("nsuid") is not None and not _is_int(r["nsuid"], 0, 1 << 32):
+        return "put: bad 'nsuid'"
+    if r.get("kind") not in ("torch", "numpy") or not isinstance(r.get("dtype"), str) \
+            or not 0 < len(r["dtype"]) <= 32:
+        return "put: bad 'kind' or 'dtype'"
+    shape, nbytes = r.get("shape"), r.get("nbytes")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(d) for d in shape)) \
+            or not _is_int(nbytes):
+        return "put: bad 'shape' or 'nbytes'"
+    if nbytes and not all(shape):
+        return "put: 'nbytes' disagrees with 'shape'"
+    ext, crc = r.get("ext"), r.get("crc")
+    if not isinstance(ext, list) or not ext and nbytes:
+        return "put: bad 'ext'"
+    covered = 0
+    for e in ext:
+        if not (isinstance(e, list) and len(e) == 4 and all(_is_int(x) for x in e)):
+            return "put: bad extent"
+        dev, off, obj_off, n = e
+        if dev >= ndrives or off % PAGE or off + align_up(max(n, 1), PAGE) > drive_bytes:
+            return f"put: extent {e} is outside the configured NVMe tier"
+        if obj_off != covered:
+            return "put: extents do not tile the object"
+        covered += n
+    if covered != nbytes:
+        return "put: extents do not add up to 'nbytes'"
+    if not (isinstance(crc, list) and len(crc) == -(-nbytes // BLOCK_BYTES)
+            and all(_is_int(c, 0, 1 << 32) for c in crc)):
+        return "put: bad 'crc'"
+    if r.get("extra") is not None and not isinstance(r["extra"], dict):
+        return "put: bad 'extra'"
+    if r.get("home") not in (None, "nvme"):
+        return "put: bad 'home'"
+    return None
+
+
+def _ns_root_ok(name: Any) -> bool:
+    try:
+        return "/" not in validate_namespace(name)
+    except InvalidArgument:
+        return False

@@ -329,7 +329,17 @@ class Store(Leasing, Puts, Movement, Recovery):
             meta.freeing = True
             if meta.key is not None:
                 self._keys.pop((meta.namespace, meta.key), None)
-        self._drop(meta)
+        try:
+            self._drop(meta)
+        except TierstoreError as e:
+            # the free was not journaled: the object stays exactly as it was (a restart would
+            # bring it back, so it must not vanish now)
+            with self._cv:
+                meta.freeing = False
+                if meta.key is not None:
+                    self._keys.setdefault((meta.namespace, meta.key), meta.id)
+                self._cv.notify_all()
+            raise type(e)(f"free of {h} failed, the object is unchanged: {e.message}") from None
         self.counters["frees"] += 1
 
     def lookup(self, key: str, *, namespace: str | None = None) -> Handle | None:
@@ -465,8 +475,8 @@ class Store(Leasing, Puts, Movement, Recovery):
                 "reservations": len(self._reservations),
                 "policy": self.policy.name,
                 "counters": dict(self.counters),
-                "journal": {"bytes": self.journal.size(), "torn_bytes": self.replay_info["torn_bytes"],
-                            "corrupt_records": self.replay_info["corrupt_records"]},
+                "journal": {"bytes": self.journal.size(),
+                            **{k: v for k, v in self.replay_info.items() if k not in ("objects", "adopted")}},
                 "uptime_s": time.monotonic() - self._started,
                 "version": __version__,
             }
@@ -564,6 +574,9 @@ class Store(Leasing, Puts, Movement, Recovery):
     def _journal_put(self, meta: ObjectMeta) -> None:
         """Append meta's put record (caller holds the journal lock)."""
         rec = meta.to_record()
+        owner = self._ns_owner.get(meta.namespace.split("/")[0])
+        if owner is not None:
+            rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
         self.journal.append(rec)
         meta.record = rec
 
@@ -611,8 +624,13 @@ class Store(Leasing, Puts, Movement, Recovery):
                 return
             meta.dropped = True
         if meta.durable:
-            with self.journal.lock:
-                self.journal.append({"op": "free", "id": meta.id})
+            try:
+                with self.journal.lock:
+                    self.journal.append({"op": "free", "id": meta.id})
+            except TierstoreError:
+                with self._cv:
+                    meta.dropped = False  # not freed: the caller puts it back as it was
+                raise
         with self._cv:
             self._objects.pop(meta.id, None)
             self.prefetcher.forget(meta.id)

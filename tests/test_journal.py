@@ -1,0 +1,252 @@
+"""Journal damage anywhere in the file costs only the damaged records: no intact
+acknowledged object is dropped, no acknowledged free is undone, namespace ownership
+holds, the store always opens and says what it skipped."""
+
+import os
+
+import msgpack
+import pytest
+import torch
+
+from tierstore import Config, PermissionDenied, StorageError, Store
+from tierstore.journal import JOURNAL_FILE, _encode, scan
+from tierstore.recovery import Replay
+
+
+def _cfg(d, **kw):
+    return Config(**{"host_bytes": "8MiB", "nvme_dirs": [str(d)], "nvme_bytes": "64MiB",
+                     "nvme_grow_bytes": "4MiB", **kw})
+
+
+def _records(d):
+    data = (d / JOURNAL_FILE).read_bytes()
+    return data, [(s, e, r) for s, e, r in scan(data) if r is not None]
+
+
+def _damage(d, fn):
+    data = bytearray((d / JOURNAL_FILE).read_bytes())
+    fn(data)
+    (d / JOURNAL_FILE).write_bytes(bytes(data))
+
+
+def _find(recs, **match):
+    hits = [(s, e, r) for s, e, r in recs if all(r.get(k) == v for k, v in match.items())]
+    assert hits, match
+    return hits[-1]
+
+
+def test_flipped_free_record_with_its_extent_reused_keeps_the_later_object(tmp_path):
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        a = s.put(torch.full((50_000,), 1.0), key="a", tier="nvme", durable=True)
+        ext_a = s._objects[a.id].nvme
+        s.free(a)
+        b = s.put(torch.full((50_000,), 2.0), key="b", tier="nvme", durable=True)
+        assert s._objects[b.id].nvme == ext_a  # b took a's space
+        s.put(torch.full((10,), 3.0), key="c", tier="nvme", durable=True)
+    data, recs = _records(d)
+    start, end, _ = _find(recs, op="free", id=a.id)
+    _damage(d, lambda buf: buf.__setitem__(end - 2, buf[end - 2] ^ 0x40))
+    with Store(_cfg(d)) as s:
+        assert sorted(s.keys()) == ["b", "c"]
+        assert torch.equal(s.get(s.lookup("b")), torch.full((50_000,), 2.0))
+        assert torch.equal(s.get(s.lookup("c")), torch.full((10,), 3.0))
+        j = s.stat()["journal"]
+        assert j["corrupt_records"] == 1 and j["torn_bytes"] == 0
+        assert j["kept_aside"] and os.path.exists(j["kept_aside"])
+    with Store(_cfg(d)) as s:  # the decision was made once; the rewritten journal is clean
+        assert sorted(s.keys()) == ["b", "c"] and s.stat()["journal"]["corrupt_records"] == 0
+
+
+def test_a_flipped_free_record_is_made_good_by_the_records_after_it(tmp_path):
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        a = s.put(torch.ones(100), key="a", durable=True, tier="nvme")
+        s.put(torch.ones(100) * 2, key="keep", durable=True, tier="nvme")
+        s.free(a)
+        s.put(torch.ones(100) * 3, key="later", durable=True, tier="nvme")
+    _, recs = _records(d)
+    _, end, _ = _find(recs, op="free", id=a.id)
+    _damage(d, lambda buf: buf.__setitem__(end - 1, buf[end - 1] ^ 0xFF))
+    with Store(_cfg(d)) as s:
+        assert sorted(s.keys()) == ["keep", "later"]
+        assert s.stat()["journal"]["corrupt_records"] == 1
+
+
+def _workload(s, n=90):
+    """Durable puts, replaces, write-backs and frees: what must be there, what must not."""
+    want, freed = {}, []
+    for i in range(n):
+        k = f"k{i % 9}"
+        t = torch.full((int(1000 + 997 * i),), float(i))
+        h = s.put(t, key=k, tier="nvme", durable=True, replace=True)
+        want[k] = (h, t)
+        if i % 4 == 3:
+            k2 = f"k{(i * 5) % 9}"
+            if k2 in want:
+                s.free(want[k2][0])
+                freed.append(want.pop(k2)[0])
+        if i % 5 == 2 and "k0" in want:
+            with s.checkout(want["k0"][0], "rw") as v:  # a write-back: a second put record of k0
+                v += 1
+            want["k0"] = (want["k0"][0], want["k0"][1] + 1)
+    return want, freed
+
+
+@pytest.mark.parametrize("where", ["page", "length", "cut"])
+def test_damage_in_the_middle_costs_only_the_damaged_records(tmp_path, where):
+    import faults
+
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        want, freed = _workload(s)
+    data, recs = _records(d)
+    assert len(data) > 3 * 4096
+    if where == "page":  # a zeroed 4 KiB page in the middle
+        zone = (4096, 8192)
+        _damage(d, lambda buf: buf.__setitem__(slice(*zone), bytes(4096)))
+    elif where == "length":  # a flipped length byte of a record in the middle
+        s_, e_, _ = recs[len(recs) // 2]
+        zone = (s_, e_)
+        _damage(d, lambda buf: buf.__setitem__(s_ + 5, buf[s_ + 5] ^ 0x01))
+    else:  # bytes cut out of the middle: everything after moves
+        zone = (len(data) // 3, len(data) // 3 + 1500)
+        _damage(d, lambda buf: buf.__delitem__(slice(*zone)))
+    must, evidenced = faults.journal_evidence(data, [zone])
+    with Store(_cfg(d)) as s:
+        kept = {k: s.lookup(k) for k in s.keys()}
+        for k, (h, t) in want.items():
+            if h.id in must:
+                assert kept.get(k) == h, f"{k}: its records are intact, but it was dropped"
+                assert torch.equal(s.get(h), t)
+        for h in freed:
+            if h.id in evidenced:
+                assert h not in kept.values(), f"{h}: an acknowledged free was undone"
+        assert s.stat()["journal"]["kept_aside"]
+        assert len(must) >= len(want) - 6  # the zone really was in the middle
+
+
+def test_flipped_namespace_record_does_not_give_the_namespace_away(tmp_path):
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        s.claim_namespace("team", 1000)
+        s.put(torch.ones(10), key="w", durable=True, namespace="team")
+        s.claim_namespace("empty", 1000)  # no object of its own: the records after it repeat it
+        s.put(torch.ones(10), key="other", durable=True)
+    _, recs = _records(d)
+    for name in ("team", "empty"):
+        s_, e_, _ = _find(recs, op="ns", name=name)
+        _damage(d, lambda buf, e_=e_: buf.__setitem__(e_ - 3, buf[e_ - 3] ^ 0x10))
+    with Store(_cfg(d)) as s:
+        assert s.stat()["journal"]["corrupt_records"] == 2
+        for name in ("team", "empty"):
+            assert s.namespace_owner(name) == 1000
+            with pytest.raises(PermissionDenied):
+                s.check_namespace(name, 2000)
+            with pytest.raises(PermissionDenied):
+                s.claim_namespace(name, 2000)
+
+
+def test_a_record_with_a_valid_crc_but_missing_or_wrong_fields_costs_that_record_alone(tmp_path):
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        s.put(torch.ones(10), key="before", durable=True)
+    bad = [{"op": "put", "id": 7}, {"id": 8},
+           {"op": "put", "id": 9, "gen": 1, "ns": "default", "key": "x", "kind": "torch", "dtype": "float32",
+            "shape": [4], "nbytes": 16, "ext": [[0, 12345, 0, 16]], "crc": [1]},  # an unaligned extent
+           {"op": "free", "id": "1"}, {"op": "ns", "name": "default", "uid": -1},
+           {"op": "open", "epoch": 1, "next_id": 2, "fr": ["x"]}]
+    with open(d / JOURNAL_FILE, "ab") as f:  # framed as the journal frames them: the CRCs check out
+        for r in bad:
+            f.write(_encode(r))
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["malformed_records"] == 6
+        s.put(torch.ones(10) * 2, key="after", durable=True)
+        assert sorted(s.keys()) == ["after", "before"]
+    with Store(_cfg(d)) as s:
+        assert torch.equal(s.get(s.lookup("before")), torch.ones(10))
+
+
+def test_the_daemon_starts_on_a_damaged_journal_and_says_what_it_skipped(daemon_factory):
+    dm = daemon_factory()
+    with dm.client() as c:
+        c.put(torch.ones(100), key="a", durable=True)
+        c.put(torch.ones(100) * 2, key="b", durable=True)
+    dm.stop()
+    path = os.path.join(dm.nvme, JOURNAL_FILE)
+    data = bytearray(open(path, "rb").read())
+    recs = [(s, e, r) for s, e, r in scan(bytes(data)) if r is not None]
+    s_, e_, _ = _find(recs, op="put", key="a")
+    data[e_ - 1] ^= 0xFF
+    data += msgpack.packb({"not": "a record"})  # junk at the end, too
+    with open(path, "wb") as f:
+        f.write(data)
+    with open(path, "ab") as f:
+        f.write(_encode({"op": "put", "id": 99}))  # CRC-valid, fields missing
+    dm.start()
+    with dm.client() as c:
+        assert c.keys() == ["b"]
+        st = c.stat()["journal"]
+        assert st["corrupt_records"] >= 1 and st["malformed_records"] == 1
+    log = dm.log.read_text()
+    assert "journal recovery:" in log and "journal record skipped" in log
+
+
+def test_a_free_that_cannot_be_journaled_leaves_the_object_as_it_was(tmp_path):
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        h = s.put(torch.arange(1000.0), key="x", durable=True)
+        used = s.stat()["tiers"]["nvme"]["used_bytes"]
+        # the journal's descriptor reopened read-only: every append fails
+        ro = os.open(d / JOURNAL_FILE, os.O_RDONLY)
+        saved = os.dup(s.journal._fd)
+        os.dup2(ro, s.journal._fd)
+        os.close(ro)
+        with pytest.raises(StorageError, match="object is unchanged"):
+            s.free(h)
+        assert s.lookup("x") == h and torch.equal(s.get(h), torch.arange(1000.0))
+        assert s.stat()["tiers"]["nvme"]["used_bytes"] == used
+        os.dup2(saved, s.journal._fd)
+        os.close(saved)
+        s.free(h)  # and it can be freed once the journal is writable again
+        assert s.lookup("x") is None
+    with Store(_cfg(d)) as s:
+        assert s.keys() == []
+
+
+def test_a_free_on_a_full_filesystem_leaves_the_object_as_it_was(tmpfs):
+    d = os.path.join(tmpfs, "nvme")
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[d], nvme_bytes="4MiB", nvme_grow_bytes="4MiB")) as s:
+        h = s.put(torch.arange(1000.0), key="x", durable=True)
+        _fill(os.path.join(tmpfs, "filler"))  # the filesystem full to the last page
+        _fill(os.path.join(d, JOURNAL_FILE))  # and the journal's last page: the free record needs a new one
+        with pytest.raises(StorageError, match="object is unchanged"):
+            s.free(h)
+        assert torch.equal(s.get(s.lookup("x")), torch.arange(1000.0))
+
+
+def _fill(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\0" * 512)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def test_replay_resolves_conflicts_by_record_order():
+    rp = Replay(ndrives=1, drive_bytes=1 << 20)
+
+    def put(oid, off, key=None):
+        rp.apply({"op": "put", "id": oid, "gen": 1, "ns": "n", "key": key, "kind": "numpy", "dtype": "uint8",
+                  "shape": [10], "nbytes": 10, "ext": [[0, off, 0, 10]], "crc": [0]})
+
+    put(1, 0, "a")
+    put(2, 4096, "b")
+    put(3, 0)  # reuses 1's page: 1 was freed though its free record is gone
+    put(4, 8192, "b")  # a replace of 2 whose free was lost
+    put(2, 12288, "b")  # a late write-back of the replaced 2: the newer object keeps the key
+    assert sorted(rp.live) == [3, 4] and rp.superseded == 3 and rp.next_id == 5
