@@ -306,6 +306,13 @@ def offload_parameters(model: torch.nn.Module, client: Any, *, tier: str | None 
     Between steps, call ``undo.materialize()`` before an optimizer step that needs
     the values and ``undo.writeback()`` after it.
     """
+    sharded = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"), None)
+    if sharded is not None:
+        # FSDP2 and tensor parallelism own their parameters' storage (each rank keeps its shard
+        # and gathers the rest per module); swapping a DTensor's bytes in and out under them breaks it
+        raise ValueError(f"offload_parameters does not work on sharded (FSDP2 / tensor-parallel DTensor) "
+                         f"parameters such as {sharded!r}: FSDP2 already frees the gathered parameters "
+                         "after each module; offload the optimizer state with offload_optimizer instead")
     po = _ParamOffload(model, client, tier, prefix)
     ref = weakref.ref(po)
 

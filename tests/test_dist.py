@@ -81,3 +81,20 @@ def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(ma
     steps(fresh, opt_f, 2, 4)
     for a, b in zip(plain.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon):
+    """GPT-style blocks with q/k/v/fc1 column- and o/fc2 row-parallel over "tp", FSDP2 over "dp":
+    the offloaded AdamW's losses and parameters equal plain AdamW's bit for bit every step,
+    each rank's state is its 2-D local shard in its own namespace, and parameter offload of
+    the sharded model is refused clearly."""
+    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params"), 4, "tp")
+    with daemon.client("tp-job/rank0") as c:
+        assert {f"tp-job/rank{r}" for r in range(4)} <= set(c.stat()["namespaces"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_pipeline_stages_with_offloaded_parameters_and_optimizer_equal_plain(daemon, schedule):
+    """Two pipeline stages, 4 microbatches: each stage's parameters and optimizer state in
+    its rank's namespace; per-microbatch losses and parameters equal plain every step."""
+    assert_ranks_ok(torchrun(2, "dist_parallel.py", schedule, daemon.socket, "pp-job", "params"), 2, schedule)
