@@ -1,8 +1,20 @@
 """The tierstore node daemon: socket server, sessions, auth, leases, systemd integration.
 
-Imports the core (``tierstore``), never the client.
+Imports the core (``tierstore``), never the client. ``Server``, ``Session`` and ``run``
+are imported on first use, so ``python -m tierstore.daemon`` can refuse a bad setting
+before loading the server.
 """
 
-from .server import Server, Session, run
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Server", "Session", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module 'tierstore.daemon' has no attribute {name!r}")

@@ -28,8 +28,10 @@ from typing import Any
 
 from tierstore.config import Config
 from tierstore.errors import PermissionDenied, ProtocolError, TierstoreError
+from tierstore.preflight import check_dir
 from tierstore.protocol import MAX_REPLY_BYTES, OPS, decode, reply_err, reply_ok
 from tierstore.store import Store, WouldBlock
+from tierstore.units import format_size
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
 from .handlers import Handlers
@@ -95,17 +97,32 @@ class Server:
         self.latency = LatencyHistogram()
         self.metrics_server = None
         self.metrics_port: int | None = None
+        self.failed: BaseException | None = None
+        """Set when the start could not finish in the background (the arena's memory was not there)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Open the store (journal replay), bind the socket, then tell systemd READY=1."""
+        """Check, open, bind, then populate: the start-up sequence.
+
+        1. Checks that can refuse the start, in milliseconds: a live daemon on the
+           socket, the socket's directory, then (in ``Store``) the NVMe directories, their
+           locks, free disk and memory.
+        2. The store: the host arena is created and mapped but not yet populated, the
+           journal replayed.
+        3. The socket is bound: clients are served from here on.
+        4. The arena's pages are populated by a background thread; ``READY=1`` (and the
+           start line in the log) follows when that is done, so systemd's ready means
+           the promise holds: every page of the host tier is there.
+        """
         path = self.config.socket
-        self.notifier.status("replaying the journal and mapping the host arena")
+        self.notifier.status("checking the configuration")
         self._check_no_live_daemon(path)
+        check_dir(os.path.dirname(path) or ".", mode=0o750, what="socket directory", flag="--socket")
         inherited = inherited_fds()
         if inherited:
             log.info("systemd handed back %s", ", ".join(sorted(inherited)))
-        self.store = Store(self.config, inherited_fds=inherited)
+        self.notifier.status("replaying the journal")
+        self.store = Store(self.config, inherited_fds=inherited, populate_host=False)
         # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
         # crash) gets them back and adopts every host-resident object
         if self.notifier.store_fd("arena", self.store.arena.fd) and \
@@ -129,14 +146,42 @@ class Server:
                                            f"{self.config.metrics_port}: {e}") from None
         self._sel.register(self._listen, selectors.EVENT_READ, ("listen", None))
         self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        st = self.store.stat()["tiers"]
-        status = (f"serving on {path}: host {st['host']['capacity_bytes']} B, nvme {st['nvme']['capacity_bytes']} B, "
-                  f"engine {st['nvme']['engine']}, {self.store.replay_info['objects']} durable objects recovered, "
-                  f"{self.store.replay_info['adopted']} host-resident objects adopted")
+        log.info("accepting connections on %s after %.2f s; populating the %s host arena", path,
+                 time.monotonic() - self._started, format_size(self.store.arena.size))
+        self.notifier.status(f"serving on {path}; populating the host arena")
+        self._populater = threading.Thread(target=self._populate, name="tierstore-populate", daemon=True)
+        self._populater.start()
+
+    def _populate(self) -> None:
+        try:
+            seconds = self.store.arena.populate()
+        except TierstoreError as e:
+            if self._stop.is_set():
+                return  # stopping while populating: the arena is going away anyway
+            log.error("cannot start: %s", e)
+            self.failed = e
+            self.request_stop()
+            return
+        status = self.start_line(seconds)
         if self.store.replay_info.get("kept_aside"):
             status += f"; the journal was damaged (see the log), kept as found at {self.store.replay_info['kept_aside']}"
-        log.info(status)
+        log.info("%s", status)
         self.notifier.ready(status)
+
+    def start_line(self, populate_s: float) -> str:
+        """One line, in human units, of what the tiers are and where (the log and READY=1's STATUS)."""
+        st = self.store.stat()
+        t = st["tiers"]
+        nvme = t["nvme"]
+        gpu = (f"gpu {format_size(t['gpu']['capacity_bytes'])}" if "gpu" in t
+               else f"gpu none ({st.get('gpu_reason') or 'gpu_bytes is 0'})")
+        return (f"serving on {self.config.socket}, ready in {time.monotonic() - self._started:.1f} s: "
+                f"host {format_size(t['host']['capacity_bytes'])} (shared memfd, "
+                f"{'adopted' if self.store.arena.adopted else 'populated'} in {populate_s:.1f} s), "
+                f"nvme {format_size(nvme['capacity_bytes'])} in {', '.join(self.config.nvme_dirs)} "
+                f"(engine {nvme['engine']}, O_DIRECT {'on' if nvme.get('direct_io') else 'off'}), {gpu}; "
+                f"{self.store.replay_info['objects']} durable objects recovered, "
+                f"{self.store.replay_info['adopted']} host-resident objects adopted")
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -531,7 +576,7 @@ def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> Non
 
 
 def run(config: Config) -> int:
-    """Run a daemon in the foreground until SIGTERM/SIGINT."""
+    """Run a daemon in the foreground until SIGTERM/SIGINT (exit 1 when it cannot start)."""
     try:
         server = Server(config)
         server.start()
@@ -542,10 +587,8 @@ def run(config: Config) -> int:
         log.error("cannot start: %s", e)
         return 1
     except OSError as e:
-        if e.errno == errno.EACCES:
-            log.error("permission denied: %s; choose a --socket and --nvme-dir you can write", e)
-            return 1
-        raise
+        log.error("cannot start: %s; check --socket and --nvme-dir", e)
+        return 1
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
@@ -553,4 +596,4 @@ def run(config: Config) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.serve_forever()
-    return 0
+    return 1 if server.failed is not None else 0

@@ -54,3 +54,115 @@ def test_resolved_defaults(monkeypatch, tmp_path):
     assert cfg.socket == str(tmp_path / "run" / "tierstore" / "tierstore.sock")
     assert cfg.nvme_dirs == [str(tmp_path / "data" / "tierstore" / "nvme")]
     assert 64 << 20 <= cfg.host_bytes <= 16 << 30
+
+
+# -- one field list: flags, variables, parsing, sources ------------------------------------
+def _parser():
+    import argparse
+
+    from tierstore.config import add_config_flags
+
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    return p
+
+
+def test_every_field_has_a_flag_a_variable_and_help():
+    from dataclasses import fields
+
+    from tierstore.config import env_name, flag_name
+
+    p = _parser()
+    by_dest = {a.dest: a for a in p._actions}
+    for f in fields(Config):
+        action = by_dest[f.name]
+        assert flag_name(f.name) in action.option_strings
+        assert action.help and env_name(f.name) in action.help, f.name
+    assert flag_name("nvme_dirs") == "--nvme-dir" and flag_name("allowed_groups") == "--allowed-group"
+    assert flag_name("prefetch_max_inflight") == "--prefetch-max-inflight"
+
+
+def test_flags_parse_with_the_same_rules_as_everything_else():
+    from tierstore.config import sourced_config_from_args
+
+    args = _parser().parse_args(["--host-bytes", "1GiB", "--nvme-dir", "/a", "--nvme-dir", "/b", "--prefetch", "off",
+                                 "--high-watermark", "0.8", "--lease-wait-s", "2.5", "--policy", "lru",
+                                 "--max-message-bytes", "2MiB", "--allowed-group", "wheel"])
+    cfg, sources = sourced_config_from_args(args, env={})
+    assert (cfg.host_bytes, cfg.nvme_dirs, cfg.prefetch, cfg.high_watermark) == (1 << 30, ["/a", "/b"], False, 0.8)
+    assert (cfg.lease_wait_s, cfg.policy, cfg.max_message_bytes, cfg.allowed_groups) == (2.5, "lru", 2 << 20,
+                                                                                         ["wheel"])
+    assert sources["nvme_dirs"] == "flag --nvme-dir" and sources["io_threads"] == "default"
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"TIERSTORE_PREFETCH_MAX_INFLIGHT": "abc"}, "TIERSTORE_PREFETCH_MAX_INFLIGHT='abc': expected an integer"),
+    ({"TIERSTORE_PREFETCH_MAX_INFLIGHT": "0"}, "TIERSTORE_PREFETCH_MAX_INFLIGHT='0': must be at least 1"),
+    ({"TIERSTORE_HOST_BYTES": "8 gigs"}, "TIERSTORE_HOST_BYTES='8 gigs': expected a size such as 8GiB"),
+    ({"TIERSTORE_POLICY": "fifo"}, "TIERSTORE_POLICY='fifo': expected one of trace, lru"),
+    ({"TIERSTORE_PREFETCH": "maybe"}, "TIERSTORE_PREFETCH='maybe': expected a boolean"),
+    ({"TIERSTORE_HIGH_WATERMARK": "x"}, "TIERSTORE_HIGH_WATERMARK='x': expected a number"),
+])
+def test_a_bad_variable_is_named_in_one_line(env, needle):
+    from tierstore.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        Config.load(env=env)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_a_bad_flag_and_a_bad_toml_key_are_named(tmp_path):
+    from tierstore.config import ConfigError, sourced_config_from_args
+
+    with pytest.raises(ConfigError, match=r"^--io-threads x: expected an integer$"):
+        sourced_config_from_args(_parser().parse_args(["--io-threads", "x"]), env={})
+    toml = tmp_path / "t.toml"
+    toml.write_text('io_threads = "many"\n')
+    with pytest.raises(ConfigError, match=r"t\.toml: io_threads = 'many': expected an integer"):
+        Config.load(toml, env={})
+
+
+def test_precedence_and_sources(tmp_path):
+    from tierstore.config import sourced_config_from_args
+
+    toml = tmp_path / "t.toml"
+    toml.write_text('host_bytes = "1GiB"\nnvme_bytes = "10GiB"\nio_threads = 3\npolicy = "lru"\n')
+    env = {"TIERSTORE_NVME_BYTES": "20GiB", "TIERSTORE_IO_THREADS": "5", "TIERSTORE_CONFIG": str(toml)}
+    cfg, src = sourced_config_from_args(_parser().parse_args(["--io-threads", "7"]), env=env)
+    assert (cfg.host_bytes, cfg.nvme_bytes, cfg.io_threads, cfg.policy, cfg.lease_wait_s) == (
+        1 << 30, 20 << 30, 7, "lru", 30.0)
+    assert src["host_bytes"] == f"file {toml}" and src["nvme_bytes"] == "env TIERSTORE_NVME_BYTES"
+    assert src["io_threads"] == "flag --io-threads" and src["lease_wait_s"] == "default"
+
+
+def test_choices_are_literal_types():
+    import typing
+
+    from tierstore.config import choices
+
+    assert typing.get_origin(typing.get_type_hints(Config)["policy"]) is typing.Literal
+    assert choices("policy") == ("trace", "lru") and choices("direct_io") == ("auto", "on", "off")
+
+
+def test_host_bytes_zero_is_refused_and_auto_is_explicit():
+    from tierstore.config import ConfigError
+
+    with pytest.raises(ConfigError, match="host_bytes: 0 would leave no host tier"):
+        Config(host_bytes=0)
+    with pytest.raises(ConfigError, match="TIERSTORE_HOST_BYTES='0': 0 would leave no host tier"):
+        Config.load(env={"TIERSTORE_HOST_BYTES": "0"})
+    assert Config(host_bytes="auto").host_bytes is None
+    assert Config.load(env={"TIERSTORE_HOST_BYTES": "auto"}).host_bytes is None
+
+
+def test_default_host_size_is_stable(monkeypatch):
+    """From total memory (a quarter, at most 16 GiB), not from what happens to be free."""
+    from tierstore import config as config_mod
+
+    monkeypatch.setattr(config_mod, "total_memory_bytes", lambda: 24 << 30)
+    assert config_mod.default_host_bytes() == 6 << 30
+    monkeypatch.setattr(config_mod, "total_memory_bytes", lambda: 512 << 30)
+    assert config_mod.default_host_bytes() == 16 << 30
+    monkeypatch.setattr(config_mod, "total_memory_bytes", lambda: 128 << 20)
+    assert config_mod.default_host_bytes() == 64 << 20

@@ -1,30 +1,55 @@
 """Configuration: one dataclass, the single source of every knob.
 
-The TOML file uses the field names, environment variables are ``TIERSTORE_`` + the
-upper-cased name, command-line flags are the dashed name. Precedence, lowest first:
-embedded defaults, TOML file, environment, flags.
+Each ``Config`` field is one setting. Its name is the TOML key; ``TIERSTORE_`` + the
+upper-cased name is its environment variable; the dashed name is its flag
+(``--nvme-dir`` and ``--allowed-group`` are singular and may be repeated). Flags and
+variables are generated from the field list, and every source's text goes through one
+parser per field (``parse_setting``), so ``"8GiB"`` means the same everywhere and an
+error names the setting as it was given (``TIERSTORE_IO_THREADS='abc': expected an
+integer``). Precedence, lowest first: embedded defaults, TOML file, environment,
+flags. ``Config.load_sourced`` also says where each effective value came from.
 """
 
 from __future__ import annotations
 
 import argparse
-
 import dataclasses
 import os
 import tomllib
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
-from .units import parse_size
+from .units import format_size, parse_size
 
-__all__ = ["Config", "default_socket_path", "default_nvme_dir", "default_host_bytes", "add_config_flags",
-           "config_from_args"]
+__all__ = ["Config", "ConfigError", "ArgumentParser", "default_socket_path", "default_nvme_dir", "default_host_bytes",
+           "DEFAULT_NVME_BYTES", "add_config_flags", "config_from_args", "sourced_config_from_args",
+           "parse_setting", "env_name", "flag_name", "describe_value"]
 
-_SIZE_FIELDS = {"host_bytes", "nvme_bytes", "gpu_bytes", "gpu_slab_bytes", "io_chunk_bytes", "nvme_grow_bytes",
-                "journal_compact_bytes", "prefetch_budget_bytes", "max_message_bytes"}
-_LIST_FIELDS = {"nvme_dirs", "allowed_groups"}
 _HOST_BYTES_CAP = 16 << 30
+_HOST_BYTES_MIN = 64 << 20
+DEFAULT_NVME_BYTES = 64 << 30
+"""nvme_bytes when not set: 64 GiB, or less where the filesystem has less free (with a warning)."""
+
+_PATH_LISTS = {"nvme_dirs"}  # separated by ':' in the environment, like PATH; other lists by ','
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used. ``field`` is the Config field, ``setting`` the
+    place it came from as the user wrote it (``TIERSTORE_IO_THREADS='abc'``, ``--io-threads
+    abc``, ``FILE: io_threads = 'abc'``), ``problem`` what is wrong with it."""
+
+    def __init__(self, problem: str, *, field: str | None = None, value: Any = None,
+                 setting: str | None = None) -> None:
+        if setting:
+            message = f"{setting}: {problem}"
+        elif field:
+            message = f"{field}: {problem}" + ("" if value is None else f", got {value!r}")
+        else:
+            message = problem
+        super().__init__(message)
+        self.problem, self.field, self.value, self.setting = problem, field, value, setting
 
 
 def default_socket_path() -> str:
@@ -39,109 +64,102 @@ def default_nvme_dir() -> str:
     return str(Path(base) / "tierstore" / "nvme")
 
 
+def total_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def default_host_bytes() -> int:
-    """A quarter of the memory available now, capped at 16 GiB, at least 64 MiB."""
-    avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        avail = 0
-    size = min(avail // 4, _HOST_BYTES_CAP)
-    return max(size // (1 << 20) * (1 << 20), 64 << 20)
+    """A quarter of total memory, capped at 16 GiB, at least 64 MiB, in whole MiB.
+
+    From total, not available, memory: the same machine gets the same arena on every
+    start, whatever else happens to be running.
+    """
+    size = min(total_memory_bytes() // 4, _HOST_BYTES_CAP)
+    return max(size // (1 << 20) * (1 << 20), _HOST_BYTES_MIN)
+
+
+def _knob(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING,
+          flag: str | None = None, minimum: float | None = None) -> Any:
+    meta = {"help": help, "flag": flag, "minimum": minimum}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(kw_only=True, slots=True)
 class Config:
     """Everything a store or daemon needs to start. Sizes accept ints or "8GiB"."""
 
-    host_bytes: int = 0
-    """Capacity of the shared host arena; 0 picks a quarter of available RAM (cap 16 GiB)."""
-    nvme_dirs: list[str] = field(default_factory=list)
-    """Directories for the NVMe tier; several are striped. Empty: the user's data dir."""
-    nvme_bytes: int = 64 << 30
-    """Capacity of the NVMe tier across all directories."""
-    gpu_bytes: int = 0
-    """Capacity of the GPU tier per device; 0 disables it."""
-    gpu_slab_bytes: int = 1 << 30
-    """The GPU tier is allocated in slabs of at most this size (one CUDA IPC handle each)."""
-    policy: str = "trace"
-    """Eviction policy: ``trace`` (Belady on each client's learned access order; LRU until
-    one is learned) or ``lru``."""
-    socket: str = ""
-    """Daemon socket path; empty: ``$XDG_RUNTIME_DIR/tierstore/tierstore.sock`` or ``/run/...``."""
-    engine: str = "auto"
-    """NVMe I/O engine: ``auto`` (kvikio where CUDA works, else posix), ``posix`` or ``kvikio``."""
-    direct_io: str = "auto"
-    """O_DIRECT use: ``auto`` (probe each directory), ``on`` (fail if unsupported), ``off``."""
-    io_threads: int = 4
-    """Requests in flight on the posix engine (4 measured best on the 2-core development VM)."""
-    io_chunk_bytes: int = 4 << 20
-    """Large transfers are split into chunks of this size (multiple of 1 MiB)."""
-    nvme_grow_bytes: int = 256 << 20
-    """NVMe data files grow (fallocate) in steps of this size."""
-    high_watermark: float = 0.9
-    """Fraction of the host tier above which the background demoter starts."""
-    low_watermark: float = 0.75
-    """Fraction of the host tier the demoter brings usage down to."""
-    promote_on_get: bool = True
-    """A get of an NVMe-only object also places it in the host tier when there is room."""
-    lease_wait_s: float = 30.0
-    """How long a check-out waits for a conflicting lease to end before ``Busy``."""
-    journal_compact_bytes: int = 64 << 20
-    """The journal is rewritten once it exceeds this size and is mostly garbage."""
-    prefetch: bool = True
-    """Learn each client's access order and fetch the next objects ahead of use."""
-    prefetch_budget_bytes: int = 256 << 20
-    """Bytes the prefetcher may have in flight or resident-but-unused."""
-    prefetch_max_inflight: int = 8
-    """Prefetch reads in flight at once."""
-    allowed_groups: list[str] = field(default_factory=list)
-    """Groups (names or gids) admitted to the daemon besides its own uid and root."""
-    lease_timeout_s: float = 0.0
-    """Daemon: leases held longer than this are revoked (0 = only on disconnect)."""
-    max_clients: int = 256
-    """Daemon: connections admitted at once."""
-    max_clients_per_uid: int = 128
-    """Daemon: connections one uid may hold at once (root and the daemon's own uid are exempt)."""
-    max_message_bytes: int = 1 << 20
-    """Daemon: largest control message accepted."""
-    metrics_port: int = -1
-    """Daemon: Prometheus metrics port; -1 off, 0 any free port (reported by ``stat``)."""
-    metrics_addr: str = "127.0.0.1"
-    """Daemon: address the metrics endpoint binds (loopback unless told otherwise)."""
+    host_bytes: int | None = _knob(None, "capacity of the shared host arena, e.g. 8GiB (default: a quarter of "
+                                         "total memory, at most 16GiB; 'auto' says so explicitly)")
+    nvme_dirs: list[str] = _knob(help="NVMe tier directory; repeat to stripe over several drives (default: "
+                                      "$XDG_DATA_HOME/tierstore/nvme)", factory=list, flag="--nvme-dir")
+    nvme_bytes: int | None = _knob(None, "capacity of the NVMe tier across all directories (default: 64GiB, "
+                                         "or the free space of the filesystem if less)")
+    gpu_bytes: int = _knob(0, "capacity of the GPU tier per device; 0 disables it")
+    gpu_slab_bytes: int = _knob(1 << 30, "the GPU tier is allocated in slabs of at most this size (one CUDA "
+                                         "IPC handle each)")
+    policy: Literal["trace", "lru"] = _knob("trace", "eviction order: trace (next use in each client's learned "
+                                                     "access order; LRU until one is learned) or lru")
+    socket: str = _knob("", "daemon socket path (default: $XDG_RUNTIME_DIR/tierstore/tierstore.sock, else "
+                            "/run/tierstore/tierstore.sock)")
+    engine: Literal["auto", "posix", "kvikio"] = _knob("auto", "NVMe I/O engine: auto (kvikio where CUDA works, "
+                                                               "else posix), posix or kvikio")
+    direct_io: Literal["auto", "on", "off"] = _knob("auto", "O_DIRECT: auto (probe each directory), on (fail if "
+                                                            "unsupported) or off")
+    io_threads: int = _knob(4, "NVMe requests in flight on the posix engine", minimum=1)
+    io_chunk_bytes: int = _knob(4 << 20, "large transfers are split into chunks of this size (a multiple of "
+                                         "1MiB)")
+    nvme_grow_bytes: int = _knob(256 << 20, "NVMe data files grow (fallocate) in steps of this size")
+    high_watermark: float = _knob(0.9, "fraction of the host tier above which cold objects move to NVMe")
+    low_watermark: float = _knob(0.75, "fraction of the host tier the background demoter brings usage down to")
+    promote_on_get: bool = _knob(True, "a get of an NVMe-only object also places it in the host tier when there "
+                                       "is room")
+    lease_wait_s: float = _knob(30.0, "seconds a check-out waits for a conflicting lease before Busy", minimum=0)
+    journal_compact_bytes: int = _knob(64 << 20, "the journal is rewritten once it exceeds this size and is "
+                                                 "mostly garbage")
+    prefetch: bool = _knob(True, "learn each client's access order and fetch the next objects ahead of use")
+    prefetch_budget_bytes: int = _knob(256 << 20, "bytes the prefetcher may have in flight or resident but unused")
+    prefetch_max_inflight: int = _knob(8, "prefetch reads in flight at once", minimum=1)
+    allowed_groups: list[str] = _knob(help="admit members of this group (name or gid) besides the daemon's own "
+                                           "uid and root; repeatable", factory=list, flag="--allowed-group")
+    lease_timeout_s: float = _knob(0.0, "revoke leases held longer than this many seconds (0: only when the "
+                                        "connection ends)", minimum=0)
+    max_clients: int = _knob(256, "connections the daemon admits at once", minimum=1)
+    max_clients_per_uid: int = _knob(128, "connections one uid may hold at once (root and the daemon's own uid "
+                                          "are exempt)", minimum=1)
+    max_message_bytes: int = _knob(1 << 20, "largest control message the daemon accepts")
+    metrics_port: int = _knob(-1, "serve Prometheus metrics on this port (-1: off, 0: any free port, shown by "
+                                  "stat)", minimum=-1)
+    metrics_addr: str = _knob("127.0.0.1", "address the metrics endpoint binds")
 
     def __post_init__(self) -> None:
-        for name in _SIZE_FIELDS:
-            object.__setattr__(self, name, parse_size(getattr(self, name), field=name))
-        if isinstance(self.nvme_dirs, (str, os.PathLike)):
-            self.nvme_dirs = [str(self.nvme_dirs)]
-        self.nvme_dirs = [str(d) for d in self.nvme_dirs]
-        if self.policy not in ("lru", "trace"):
-            raise ValueError(f"policy must be 'lru' or 'trace', got {self.policy!r}")
-        if self.engine not in ("auto", "posix", "kvikio"):
-            raise ValueError(f"engine must be 'auto', 'posix' or 'kvikio', got {self.engine!r}")
-        if self.direct_io not in ("auto", "on", "off"):
-            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
-        if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if _kind(f.name) in ("list", "size") or (isinstance(value, str) and _kind(f.name) != "str"):
+                object.__setattr__(self, f.name, parse_setting(f.name, value))
+        for f in fields(self):
+            low = f.metadata.get("minimum")
+            value = getattr(self, f.name)
+            if low is not None and value is not None and value < low:
+                raise ConfigError(f"must be at least {low:g}", field=f.name, value=value)
+        if self.host_bytes == 0:
+            raise ConfigError("0 would leave no host tier, which every object passes through; give a size such "
+                              "as 8GiB, or leave it unset (auto: a quarter of total memory, at most 16GiB)",
+                              field="host_bytes")
+        if self.host_bytes is not None and self.host_bytes < (1 << 20):
+            raise ConfigError("must be at least 1MiB", field="host_bytes", value=self.host_bytes)
         if self.io_chunk_bytes < (1 << 20) or self.io_chunk_bytes % (1 << 20):
-            raise ValueError(f"io_chunk_bytes must be a positive multiple of 1 MiB, got {self.io_chunk_bytes}")
+            raise ConfigError("must be a positive multiple of 1 MiB", field="io_chunk_bytes",
+                              value=self.io_chunk_bytes)
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
-        if self.lease_wait_s < 0 or self.lease_timeout_s < 0:
-            raise ValueError("lease_wait_s and lease_timeout_s must be >= 0")
-        if self.prefetch_max_inflight < 1:
-            raise ValueError("prefetch_max_inflight must be >= 1")
-        if self.max_clients < 1 or self.max_clients_per_uid < 1:
-            raise ValueError("max_clients and max_clients_per_uid must be >= 1")
+            raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1",
+                              field="low_watermark", value=self.low_watermark)
 
     # -- resolution of embedded defaults -------------------------------------------------
     def resolved(self) -> "Config":
-        """A copy with the machine-dependent defaults (0 / empty) filled in."""
+        """A copy with the machine-dependent defaults filled in (``nvme_bytes`` stays
+        unset until the start-up checks have seen the filesystem: ``tierstore.preflight``)."""
         return dataclasses.replace(
             self,
             host_bytes=self.host_bytes or default_host_bytes(),
@@ -158,80 +176,206 @@ class Config:
     def load(cls, path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
              overrides: Mapping[str, Any] | None = None) -> "Config":
         """Defaults < TOML file ``path`` (or ``$TIERSTORE_CONFIG``) < environment < overrides."""
+        return cls.load_sourced(path, env=env, overrides=overrides)[0]
+
+    @classmethod
+    def load_sourced(cls, path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
+                     overrides: Mapping[str, Any] | None = None,
+                     override_source: Mapping[str, str] | None = None) -> tuple["Config", dict[str, str]]:
+        """``load``, and where each field's value came from: ``default``, ``file PATH``,
+        ``env TIERSTORE_X`` or (``override_source``, default ``argument``) the flag."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
-        path = path or env.get("TIERSTORE_CONFIG") or None
+        sources = dict.fromkeys(cls.field_names(), "default")
+        given: dict[str, str] = {}  # field -> the setting as written, for errors found after parsing
+        if not path and env.get("TIERSTORE_CONFIG"):
+            path = env["TIERSTORE_CONFIG"]
         if path:
-            try:
-                with open(path, "rb") as f:
-                    data = tomllib.load(f)
-            except FileNotFoundError:
-                raise ValueError(f"config file {path} does not exist") from None
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-            data = data.get("tierstore", data)
-            unknown = set(data) - set(cls.field_names())
-            if unknown:
-                raise ValueError(f"config file {path}: unknown keys {sorted(unknown)}; "
-                                 f"valid keys are {cls.field_names()}")
-            values.update(data)
+            for name, value in _read_toml(path).items():
+                given[name], sources[name] = f"{path}: {name} = {value!r}", f"file {path}"
+                values[name] = _parse_from(name, value, given[name])
         for name in cls.field_names():
-            raw = env.get("TIERSTORE_" + name.upper())
+            raw = env.get(env_name(name))
             if raw is not None and raw != "":
-                values[name] = _from_env(name, raw)
-        for k, v in (overrides or {}).items():
-            if v is not None:
-                values[k] = v
-        return cls(**values)
+                given[name], sources[name] = f"{env_name(name)}={raw!r}", f"env {env_name(name)}"
+                values[name] = _parse_from(name, raw, given[name])
+        for name, value in (overrides or {}).items():
+            if value is not None:
+                sources[name] = (override_source or {}).get(name, "argument")
+                shown = " ".join(map(str, value)) if isinstance(value, list) else value
+                given[name] = f"{sources[name].removeprefix('flag ')} {shown}"
+                values[name] = _parse_from(name, value, given[name])
+        try:
+            return cls(**values), sources
+        except ConfigError as e:
+            if e.field in given:
+                raise ConfigError(e.problem, field=e.field, setting=given[e.field]) from None
+            raise
 
 
-def _from_env(name: str, raw: str) -> Any:
-    types = {f.name: f.type for f in fields(Config)}
-    t = types[name]
-    if name in _LIST_FIELDS:
-        return [p for p in raw.split(os.pathsep if name == "nvme_dirs" else ",") if p]
-    if name in _SIZE_FIELDS:
-        return raw
-    if t in ("int", int):
-        return int(raw)
-    if t in ("float", float):
-        return float(raw)
-    if t in ("bool", bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
+def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; check --config or TIERSTORE_CONFIG") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    data = data.get("tierstore", data)
+    unknown = sorted(set(data) - set(Config.field_names()))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown keys {unknown}; valid keys are the settings listed by "
+                          "`tierstore config`")
+    return data
+
+
+# -- one parser per field, whatever the source --------------------------------------------
+_HINTS: dict[str, Any] | None = None
+
+
+def _hints() -> dict[str, Any]:
+    global _HINTS
+    if _HINTS is None:
+        _HINTS = typing.get_type_hints(Config)
+    return _HINTS
+
+
+def _kind(name: str) -> str:
+    """``size``, ``int``, ``float``, ``bool``, ``choice``, ``list`` or ``str``."""
+    t = _hints()[name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) is Literal:
+        return "choice"
+    if t is list or typing.get_origin(t) is list:
+        return "list"
+    base = args[0] if args and typing.get_origin(t) is not list else t
+    if base is int:
+        return "size" if name.endswith("_bytes") else "int"
+    return {float: "float", bool: "bool"}.get(base, "str")
+
+
+def choices(name: str) -> tuple[str, ...]:
+    return typing.get_args(_hints()[name]) if _kind(name) == "choice" else ()
+
+
+def env_name(name: str) -> str:
+    return "TIERSTORE_" + name.upper()
+
+
+def flag_name(name: str) -> str:
+    f = next(f for f in fields(Config) if f.name == name)
+    return f.metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def parse_setting(name: str, value: Any) -> Any:
+    """Turn ``value`` (text from a flag or variable, or a TOML / Python value) into the
+    type of field ``name``; ``ConfigError`` (naming nothing but the problem) otherwise."""
+    kind = _kind(name)
+    if kind == "size":
+        if value is None and name in ("host_bytes", "nvme_bytes"):
+            return None
+        if isinstance(value, str) and value.strip().lower() == "auto" and name in ("host_bytes", "nvme_bytes"):
+            return None
+        try:
+            return parse_size(value, field=name)
+        except ValueError:
+            raise ConfigError("expected a size such as 8GiB, 512MiB or 1048576", field=name, value=value) from None
+    if kind == "list":
+        if isinstance(value, (str, os.PathLike)):
+            sep = os.pathsep if name in _PATH_LISTS else ","
+            return [p.strip() for p in str(value).split(sep) if p.strip()]
+        if isinstance(value, (list, tuple)):
+            return [str(v) for v in value]
+        raise ConfigError("expected a list", field=name, value=value)
+    if kind == "choice":
+        if value not in choices(name):
+            raise ConfigError(f"expected one of {', '.join(choices(name))}", field=name, value=value)
+        return value
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
             return True
-        if raw.lower() in ("0", "false", "no", "off"):
+        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"TIERSTORE_{name.upper()}: expected a boolean, got {raw!r}")
-    return raw
+        raise ConfigError("expected a boolean (true/false, yes/no, on/off, 1/0)", field=name, value=value)
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError("expected an integer", field=name, value=value)
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError("expected an integer", field=name, value=value) from None
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError("expected a number", field=name, value=value)
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError("expected a number", field=name, value=value) from None
+    if not isinstance(value, str):
+        raise ConfigError("expected a string", field=name, value=value)
+    return value
 
 
-def add_config_flags(p: "argparse.ArgumentParser") -> None:
-    """The dashed-name flags of the daemon's configuration."""
-    g = p.add_argument_group("configuration (overrides the TOML file and TIERSTORE_* variables)")
-    g.add_argument("--config", help="TOML config file (default: $TIERSTORE_CONFIG)")
-    g.add_argument("--host-bytes", help="host arena size, e.g. 8GiB (default: 1/4 of free RAM, cap 16GiB)")
-    g.add_argument("--nvme-dir", action="append", dest="nvme_dirs", help="NVMe directory (repeat to stripe)")
-    g.add_argument("--nvme-bytes", help="NVMe tier capacity, e.g. 200GiB")
-    g.add_argument("--gpu-bytes", help="GPU tier capacity per device")
-    g.add_argument("--gpu-slab-bytes", help="GPU tier slab size (one CUDA IPC handle each; default 1GiB)")
-    g.add_argument("--socket", help="socket path (default: $XDG_RUNTIME_DIR/tierstore/tierstore.sock)")
-    g.add_argument("--policy", choices=["lru", "trace"])
-    g.add_argument("--prefetch", type=lambda v: v.lower() in ("1", "true", "yes", "on"), metavar="BOOL")
-    g.add_argument("--prefetch-budget-bytes")
-    g.add_argument("--engine", choices=["auto", "posix", "kvikio"])
-    g.add_argument("--direct-io", choices=["auto", "on", "off"])
-    g.add_argument("--io-threads", type=int)
-    g.add_argument("--io-chunk-bytes")
-    g.add_argument("--allowed-group", action="append", dest="allowed_groups", help="admit this group too")
-    g.add_argument("--lease-timeout-s", type=float)
-    g.add_argument("--max-clients", type=int)
-    g.add_argument("--max-clients-per-uid", type=int)
-    g.add_argument("--max-message-bytes", help="largest control message accepted")
-    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
-    g.add_argument("--metrics-addr", help="address for the metrics endpoint (default 127.0.0.1)")
+def _parse_from(name: str, value: Any, setting: str) -> Any:
+    try:
+        return parse_setting(name, value)
+    except ConfigError as e:
+        raise ConfigError(e.problem, field=name, setting=setting) from None
 
 
-def config_from_args(args: "argparse.Namespace") -> Config:
+def describe_value(name: str, value: Any) -> str:
+    """A value as people read it: sizes in binary units, lists joined."""
+    if value is None:
+        return "auto"
+    if _kind(name) == "size" and isinstance(value, int):
+        return format_size(value) if value >= 1024 else f"{value} B"
+    if isinstance(value, list):
+        return ", ".join(value) if value else "(none)"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+# -- flags --------------------------------------------------------------------------------
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors that say where the help is (no usage block)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``Config`` field, with its help; values are parsed by ``parse_setting``
+    after argparse, so a bad value is reported as ``--flag VALUE: problem``."""
+    g = p.add_argument_group("configuration (flags override TIERSTORE_* variables, which override the TOML file)")
+    g.add_argument("--config", metavar="FILE", help="TOML file of settings (default: $TIERSTORE_CONFIG)")
+    for f in fields(Config):
+        kind = _kind(f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata["help"]
+        if kind not in ("list",) and default not in (None, "", []) and "default" not in help_text:
+            help_text += f" (default: {describe_value(f.name, default)})"
+        kw: dict[str, Any] = {"dest": f.name, "help": help_text + f"; env {env_name(f.name)}"}
+        if kind == "list":
+            kw.update(action="append", metavar="DIR" if f.name in _PATH_LISTS else "GROUP")
+        elif kind == "choice":
+            kw.update(metavar="{" + ",".join(choices(f.name)) + "}")
+        else:
+            kw.update(metavar={"size": "SIZE", "int": "N", "float": "X", "bool": "BOOL"}.get(kind, "TEXT"))
+        g.add_argument(flag_name(f.name), **kw)
+
+
+def sourced_config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None
+                             ) -> tuple[Config, dict[str, str]]:
     names = set(Config.field_names())
     overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    return Config.load(getattr(args, "config", None), overrides=overrides)
+    where = {k: f"flag {flag_name(k)}" for k in overrides}
+    return Config.load_sourced(getattr(args, "config", None), env=env, overrides=overrides, override_source=where)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return sourced_config_from_args(args)[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "TierstoreError",
     "InvalidArgument",
+    "InvalidKey",
     "NotFound",
     "StaleHandle",
     "KeyExists",
@@ -46,6 +47,16 @@ class ReadOnlyView(InvalidArgument):
     """A write through the tensor of an ``r`` check-out (read-only memory)."""
 
     code = "ReadOnlyView"
+
+
+class InvalidKey(InvalidArgument, KeyError):
+    """A key tierstore cannot store: not a str, empty, too long, not UTF-8, or with
+    control characters (they would break listings). A ``ValueError`` and a ``KeyError``."""
+
+    code = "InvalidKey"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
 
 
 class NotFound(TierstoreError, KeyError):
@@ -126,7 +137,7 @@ class Closed(TierstoreError):
 _BY_CODE: dict[str, type[TierstoreError]] = {
     cls.code: cls
     for cls in (
-        TierstoreError, InvalidArgument, NotFound, StaleHandle, KeyExists, CapacityExceeded,
+        TierstoreError, InvalidArgument, InvalidKey, NotFound, StaleHandle, KeyExists, CapacityExceeded,
         NoSpace, ChecksumMismatch, StorageError, Busy, PermissionDenied, ProtocolError,
         DaemonUnavailable, Closed, ReadOnlyView,
     )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidKey
 from .nvme import Extent
 from .tensors import TensorSpec
 
@@ -128,19 +129,26 @@ class ObjectMeta:
                    nvme_valid=True, extra=dict(r.get("extra") or {}), home=r.get("home"))
 
 
+_BAD_KEY_CHARS = frozenset({"Cc", "Cs", "Zl", "Zp"})
+"""Controls (newline, tab, NUL, DEL, C1), lone surrogates (not UTF-8) and line/paragraph
+separators: characters that break a listing or cannot be encoded."""
+
+
 def validate_key(key: Any) -> str | None:
     if key is None:
         return None
     if not isinstance(key, str):
-        raise InvalidArgument(f"a key is a str, not {type(key).__name__}")
+        raise InvalidKey(f"a key is a str, not {type(key).__name__}")
     if not key or len(key.encode("utf-8", "surrogatepass")) > 1024:
-        raise InvalidArgument("a key must be 1 to 1024 bytes long")
-    if "\0" in key:
-        raise InvalidArgument("a key may not contain NUL")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument("a key must be valid UTF-8") from None
+        raise InvalidKey("a key must be 1 to 1024 bytes long")
+    if not key.isprintable():  # fast path: most keys are printable
+        bad = next((ch for ch in key if unicodedata.category(ch) in _BAD_KEY_CHARS), None)
+        if bad is not None:
+            what = {"\0": "NUL", "\n": "a newline", "\r": "a carriage return", "\t": "a tab"}.get(bad) or \
+                ("a lone surrogate, not UTF-8" if unicodedata.category(bad) == "Cs" else
+                 unicodedata.name(bad, "a control character"))
+            raise InvalidKey(f"key {key[:80]!r} contains {what} (U+{ord(bad):04X}), "
+                             "which would break listings; use printable characters (e.g. '/' as a separator)")
     return key
 
 

@@ -49,7 +49,8 @@ from .prefetch import Prefetcher
 from .puts import Puts
 from .recovery import Recovery
 from .tensors import aligned_empty, cuda_source, from_bytes, out_bytes, to_bytes
-from .units import PAGE, align_up
+from .preflight import check_start
+from .units import PAGE, align_up, format_size
 
 __all__ = ["Store", "Lease", "Reservation", "LeaseInfo", "WouldBlock"]
 
@@ -123,15 +124,20 @@ class Store(Leasing, Puts, Movement, Recovery):
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
 
     def __init__(self, config: Config | None = None, *, namespace: str = "default",
-                 inherited_fds: dict[str, int] | None = None, gpu_backend: Any = None, **overrides: Any) -> None:
-        """``inherited_fds`` (``{"arena": fd, "index": fd}``, from systemd's fd store) hands
+                 inherited_fds: dict[str, int] | None = None, gpu_backend: Any = None,
+                 populate_host: bool = True, **overrides: Any) -> None:
+        """Start-up checks (``tierstore.preflight``: directories, their locks, free disk,
+        memory) come first, so a start that cannot work fails in milliseconds, before the
+        host arena is mapped. ``populate_host=False`` leaves populating the arena's pages
+        to ``self.arena.populate()`` (the daemon does it while already serving).
+        ``inherited_fds`` (``{"arena": fd, "index": fd}``, from systemd's fd store) hands
         back the host arena and its index of a previous daemon: its host-resident objects,
         volatile ones included, are adopted instead of lost. ``gpu_backend``: the CUDA
         calls of the GPU tier (default: ``tierstore.gpu.detect_backend()``)."""
         cfg = config or Config()
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
-        self.config = cfg = cfg.resolved()
+        self.config = cfg = check_start(cfg.resolved())
         self.namespace = validate_namespace(namespace)
         self._started = time.monotonic()
         self._cv = threading.Condition(threading.Lock())
@@ -158,7 +164,7 @@ class Store(Leasing, Puts, Movement, Recovery):
         try:
             inherited = inherited_fds or {}
             adopt = "arena" in inherited and "index" in inherited
-            self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None)
+            self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None, populate=populate_host)
             self.hostlog = HostIndexLog(inherited["index"] if adopt else None)
             # small blocks (staging areas, scalars, biases) from the top, big ones from the bottom
             self.host = ExtentAllocator(self.arena.size, small_bytes=SMALL_BLOCK_BYTES)
@@ -191,9 +197,9 @@ class Store(Leasing, Puts, Movement, Recovery):
         self._demoter_wake = threading.Event()
         self._demoter = threading.Thread(target=self._demote_loop, name="tierstore-demoter", daemon=True)
         self._demoter.start()
-        log.info("store open: host %d B, nvme %d B in %s, engine %s (%s); %d durable objects recovered",
-                 self.arena.size, self.nvme.capacity_bytes, cfg.nvme_dirs, self.engine.name,
-                 self.engine.reason, len(self._objects))
+        log.info("store open: host %s, nvme %s in %s, engine %s (%s); %d durable objects recovered",
+                 format_size(self.arena.size), format_size(self.nvme.capacity_bytes), ", ".join(cfg.nvme_dirs),
+                 self.engine.name, self.engine.reason, len(self._objects))
 
     # ------------------------------------------------------------------ public API
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,

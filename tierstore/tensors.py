@@ -74,6 +74,9 @@ def to_bytes(obj: Any) -> tuple[np.ndarray, TensorSpec]:
     if torch is None or not isinstance(obj, torch.Tensor):
         raise InvalidArgument(f"expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
     t = obj.detach()
+    if t.device.type == "meta":
+        raise InvalidArgument(f"cannot store a meta tensor (shape {tuple(t.shape)}, {t.dtype}): it has no data; "
+                              "materialize it first, e.g. torch.empty_like(t, device='cpu') or module.to_empty()")
     if t.layout != torch.strided:
         raise InvalidArgument(f"cannot store a tensor with layout {t.layout}; call .to_dense() first")
     if t.is_quantized:

@@ -1,0 +1,101 @@
+"""The daemon's start: checks that can refuse it come first and take milliseconds, the
+arena is populated while the socket already accepts, and one log line says what the
+tiers are and where."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tierstore import Config, InvalidArgument
+
+
+def _daemon(tmp_path, *flags, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", str(tmp_path / "s" / "t.sock"),
+                           *flags], capture_output=True, text=True, timeout=60, env=e)
+
+
+def _one_error_line(r):
+    lines = [ln for ln in r.stderr.splitlines() if " ERROR " in ln]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_an_unusable_nvme_dir_is_refused_before_the_arena_exists(tmp_path):
+    r = _daemon(tmp_path, "--nvme-dir", "/proc/nonexistent", "--host-bytes", "64MiB")
+    line = _one_error_line(r)
+    assert r.returncode == 1 and "cannot create NVMe directory /proc/nonexistent" in line and "--nvme-dir" in line
+    assert "host arena" not in r.stderr  # nothing was mapped before the refusal
+
+
+def test_a_locked_nvme_dir_is_refused_before_the_arena_exists(daemon, tmp_path):
+    r = _daemon(tmp_path, "--nvme-dir", daemon.nvme, "--host-bytes", "64MiB")
+    line = _one_error_line(r)
+    assert r.returncode == 1 and f"is in use by pid {daemon.proc.pid}" in line
+    assert "host arena" not in r.stderr
+
+
+def test_a_bad_variable_stops_the_daemon_with_one_line_naming_it(tmp_path):
+    r = _daemon(tmp_path, "--nvme-dir", str(tmp_path / "n"), env={"TIERSTORE_PREFETCH_MAX_INFLIGHT": "abc"})
+    line = _one_error_line(r)
+    assert r.returncode == 2 and "TIERSTORE_PREFETCH_MAX_INFLIGHT='abc': expected an integer" in line
+
+
+def test_a_bad_flag_value_is_one_line(tmp_path):
+    r = _daemon(tmp_path, "--policy", "fifo")
+    assert r.returncode == 2 and "--policy fifo: expected one of trace, lru" in _one_error_line(r)
+    r = _daemon(tmp_path, "--no-such-flag")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--help" in r.stderr, r.stderr
+
+
+def test_the_start_line_names_every_tier_in_human_units(daemon):
+    ready = daemon.wait_for("READY=1")
+    log = daemon.log.read_text()
+    assert "host 64.0 MiB (shared memfd, populated in" in ready
+    assert f"nvme 1.0 GiB in {daemon.nvme} (engine posix" in ready and "gpu none (" in ready
+    assert "accepting connections on" in log and "settings: " in log and "(flag --host-bytes)" in log
+    # the socket accepted before the arena was populated, and READY=1 came after
+    assert log.index("accepting connections on") < log.index("host arena: 64.0 MiB")
+
+
+def test_an_unset_nvme_size_shrinks_to_the_free_space_and_says_so(tmpfs, caplog):
+    from tierstore.preflight import check_start
+
+    with caplog.at_level(logging.WARNING, "tierstore.preflight"):
+        cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB").resolved())
+    assert 0 < cfg.nvme_bytes <= 24 << 20 and "has room for less than the default 64.0 GiB" in caplog.text
+
+
+def test_a_set_nvme_size_beyond_the_free_space_is_a_warning_with_the_usable_size(tmpfs, caplog):
+    from tierstore.preflight import check_start
+
+    with caplog.at_level(logging.WARNING, "tierstore.preflight"):
+        cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB", nvme_bytes="10TiB").resolved())
+    assert cfg.nvme_bytes == 10 << 40
+    assert "nvme_bytes is 10.0 TiB but the filesystem of" in caplog.text and "lower nvme_bytes to at most 24.0 MiB" \
+        in caplog.text
+
+
+def test_a_file_where_the_nvme_dir_should_be_is_refused(tmp_path):
+    from tierstore.preflight import check_start
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InvalidArgument, match="exists and is not a directory"):
+        check_start(Config(nvme_dirs=[str(tmp_path / "f")], host_bytes="16MiB").resolved())
+
+
+def test_arena_populates_later_when_asked(tmp_path):
+    from tierstore.arena import Arena
+
+    a = Arena(8 << 20, populate=False)
+    try:
+        assert not a.populated
+        a.array[:4096] = 7  # touching before populate is correct, only slower
+        a.populate()
+        assert a.populated and a.array[0] == 7 and "MADV_POPULATE_WRITE" in a.populate_how
+    finally:
+        a.close()

@@ -1,0 +1,142 @@
+"""Start-up checks: everything that can refuse a start, before anything slow happens.
+
+A store (and so the daemon) checks, in milliseconds and in this order: each NVMe
+directory exists or can be created and is writable; no other store or daemon holds it
+(its lock file); each filesystem has room for its part of the NVMe tier (an unset ``nvme_bytes``
+shrinks to fit, a set one that does not fit is logged as a warning with the size that
+would); the host arena fits in memory. Only then is the arena mapped, which takes seconds for large
+arenas. A check that fails raises ``InvalidArgument`` with one line saying what to
+change. This module decides nothing about placement; it only reads the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+
+from .config import DEFAULT_NVME_BYTES, Config, total_memory_bytes
+from .errors import InvalidArgument
+from .units import PAGE, format_size
+
+__all__ = ["check_start", "check_dir", "nvme_room"]
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "lock"  # the NVMe tier's lock (tierstore.nvme.LOCK_FILE; not imported: numpy-free here)
+DATA_FILE = "data.bin"
+_MIN_AUTO_NVME_BYTES = 16 << 20
+_AUTO_NVME_SHARE = 0.9
+"""An unset nvme_bytes takes at most this share of a filesystem's room, leaving some for
+the journal and for whatever else lives there."""
+
+
+def check_start(cfg: Config) -> Config:
+    """Check a resolved config against the machine; return it with ``nvme_bytes`` set
+    (64 GiB, or less with a warning where the filesystems have less room)."""
+    for d in cfg.nvme_dirs:
+        check_dir(d)
+    for d in cfg.nvme_dirs:
+        _check_unlocked(d)
+    room = nvme_room(cfg.nvme_dirs)
+    n = len(cfg.nvme_dirs)
+    if cfg.nvme_bytes is None:
+        per_dir = min(int(r * _AUTO_NVME_SHARE) // k for r, k, _ in room)
+        size = min(DEFAULT_NVME_BYTES // n, per_dir) // (1 << 20) * (1 << 20) * n
+        if size < _MIN_AUTO_NVME_BYTES:
+            raise InvalidArgument(f"the NVMe directory {_where(room)} has only {format_size(min(r for r, _, _ in room))} "
+                                  "free; free space there or choose another --nvme-dir")
+        if size < DEFAULT_NVME_BYTES // PAGE * PAGE:
+            log.warning("nvme_bytes is not set and %s has room for less than the default %s: using %s "
+                        "(set nvme_bytes to choose)", _where(room), format_size(DEFAULT_NVME_BYTES),
+                        format_size(size))
+        cfg = dataclasses.replace(cfg, nvme_bytes=size)
+    else:
+        per_dir = cfg.nvme_bytes // n
+        for r, k, dirs in room:
+            if per_dir * k > r:
+                # a warning, not a refusal: free space changes while the daemon runs anyway, and
+                # a full filesystem costs the request that met it (NoSpace), never the store
+                usable = min(rr // kk for rr, kk, _ in room) * n
+                log.warning("nvme_bytes is %s but the filesystem of %s has room for %s (free space plus the "
+                            "tier's own files): puts fail with NoSpace beyond that; lower nvme_bytes to at most "
+                            "%s or free space there", format_size(cfg.nvme_bytes), ", ".join(dirs),
+                            format_size(r), format_size(usable))
+    ram = total_memory_bytes()
+    if cfg.host_bytes > ram:
+        raise InvalidArgument(f"host_bytes is {format_size(cfg.host_bytes)} but this machine has "
+                              f"{format_size(ram)} of memory; lower host_bytes")
+    avail = _mem_available()
+    if avail is not None and cfg.host_bytes > avail:
+        log.warning("host_bytes is %s but only %s of memory is available now; the arena will push other "
+                    "memory out (or meet the OOM killer)", format_size(cfg.host_bytes), format_size(avail))
+    return cfg
+
+
+def nvme_room(dirs: list[str]) -> list[tuple[int, int, list[str]]]:
+    """Per filesystem: (room in bytes, how many of ``dirs`` are on it, which). Room is
+    the free space an unprivileged writer may use plus what the tier's data files there
+    already occupy (they are reused)."""
+    by_dev: dict[int, list[str]] = {}
+    for d in dirs:
+        by_dev.setdefault(os.stat(d).st_dev, []).append(d)
+    out = []
+    for dev_dirs in by_dev.values():
+        st = os.statvfs(dev_dirs[0])
+        room = st.f_bavail * st.f_frsize
+        for d in dev_dirs:
+            try:
+                room += os.stat(os.path.join(d, DATA_FILE)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        out.append((room, len(dev_dirs), dev_dirs))
+    return out
+
+
+def _where(room: list[tuple[int, int, list[str]]]) -> str:
+    return ", ".join(d for _, _, dirs in room for d in dirs)
+
+
+def check_dir(d: str, *, mode: int = 0o700, what: str = "NVMe directory", flag: str = "--nvme-dir") -> None:
+    """Create ``d`` if needed and check that this uid may write in it; one-line errors."""
+    try:
+        os.makedirs(d, mode=mode, exist_ok=True)
+    except FileExistsError:
+        raise InvalidArgument(f"{what} {d} exists and is not a directory; choose another {flag}") from None
+    except OSError as e:
+        raise InvalidArgument(f"cannot create {what} {d}: {e.strerror}; choose a directory you can write "
+                              f"({flag})") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise InvalidArgument(f"{what} {d} is not writable by uid {os.geteuid()}; fix its owner or choose "
+                              f"another {flag}")
+
+
+def _check_unlocked(d: str) -> None:
+    """Fail now if another store holds ``d`` (the NVMe tier takes the lock for real later)."""
+    path = os.path.join(d, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise InvalidArgument(f"cannot open {path}: {e.strerror}; choose a directory you can write") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        raise InvalidArgument(f"NVMe directory {d} is in use by pid {other}; stop that store/daemon or "
+                              "configure another directory") from None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
