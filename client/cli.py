@@ -138,9 +138,9 @@ def _client_command(args: argparse.Namespace) -> int:
     if args.cmd == "restore":
         ns = args.namespace
         if ns is None:
-            from tierstore.snapshot import open_snapshot
+            from tierstore.snapshot import snapshot_namespace
 
-            ns = dict(open_snapshot(args.src).attrs).get("namespace") or "default"
+            ns = snapshot_namespace(args.src)  # the daemon refuses it if this uid may not enter it
         with connect(args.socket, ns) as c:
             r = c.restore(args.src, overwrite=args.overwrite)
         print(f"restored {r['objects']} objects, {format_size(r['bytes'])} into {ns} in {r['seconds']:.1f} s")

@@ -21,9 +21,11 @@ object's CRC32C; a corrupted object makes it take back everything it had put (wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import tempfile
 import shutil
 import sys
 import time
@@ -35,11 +37,12 @@ import numpy as np
 
 from ._version import __version__
 from .checksum import crc32c
-from .errors import ChecksumMismatch, InvalidArgument, KeyExists
+from .errors import ChecksumMismatch, InvalidArgument, KeyExists, StorageError, TierstoreError
+from .index import validate_key, validate_namespace
 from .tensors import TensorSpec, aligned_empty, from_bytes, to_bytes
 from .units import PAGE
 
-__all__ = ["snapshot", "restore", "open_snapshot", "SMALL_BYTES"]
+__all__ = ["snapshot", "restore", "open_snapshot", "snapshot_namespace", "SMALL_BYTES"]
 
 SMALL_BYTES = 1 << 20
 _PACK_BYTES = 64 << 20
@@ -49,10 +52,21 @@ _NUMPY_NAMES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
+_RESERVED = {"", ".", "..", "zarr.json", "c"}
+"""Names a key segment may not take as they are: path tricks, and the names Zarr gives
+to a node's metadata and an array's chunk directory."""
+_MAX_SEGMENT = 200
+"""Longer escaped segments (a filesystem allows 255 bytes) are shortened, keeping a
+hash of the whole: ``PREFIX~hHASH``."""
+
+
 def _escape_segment(seg: str) -> str:
     out = _SAFE.sub(lambda m: "".join(f"~{b:02x}" for b in m.group().encode()), seg)
-    if out in ("", ".", "..") or out.startswith("__"):
+    if out in _RESERVED or out.startswith("__"):
         out = "~" + out.encode().hex()
+    if len(out) > _MAX_SEGMENT:
+        # escaping writes "~" only before two hex digits: no other name holds "~h"
+        out = out[:_MAX_SEGMENT - 66] + "~h" + hashlib.sha256(seg.encode()).hexdigest()
     return out
 
 
@@ -134,8 +148,7 @@ class _LocalWriter:
     per chunk and one filesystem sync at the end. Read back with plain zarr."""
 
     def __init__(self, root: str) -> None:
-        self.root = root
-        os.makedirs(root)
+        self.root = root  # created (mkdtemp) by the caller: private and new
         self._groups: set[str] = set()
         self._group("")
         # chunk files are written by a few threads (O_DIRECT where the buffer allows),
@@ -244,10 +257,9 @@ def snapshot(source: Any, dest: str, *, namespace: str, prefix: str = "",
     local = _is_local(dest)
     path = dest[len("file://"):] if dest.startswith("file://") else dest
     is_zip = local and path.endswith(".zip")
-    if local and os.path.exists(path):
+    if local and os.path.lexists(path):
         raise InvalidArgument(f"{path} already exists; choose a new destination or remove it")
-    tmp = f"{path}.partial-{os.getpid()}" if local else None
-    work = tmp if not is_zip else tmp + ".d"
+    work = _private_dir(path) if local else None  # unpredictable, new, ours: nothing planted is followed
     writer = _LocalWriter(work) if local else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
     prog = _Progress(len(entries), sum(e["nbytes"] for e in entries), "snapshot", progress)
     index: list[dict[str, Any]] = []
@@ -292,19 +304,22 @@ def snapshot(source: Any, dest: str, *, namespace: str, prefix: str = "",
         # written last: a snapshot without it is incomplete and restore refuses it
         writer.finish({"tierstore_version": __version__, "namespace": namespace, "objects": index,
                        "complete": True})
-    except BaseException:
+    except BaseException as e:
         if local:
             writer.abort()
             shutil.rmtree(work, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise StorageError(f"snapshot to {path} failed: {e.strerror or e} ({e.filename}); "
+                               "nothing was written at the destination") from None
         raise
     finally:
         prog.done()
     if local:
-        if is_zip:
-            _zip_dir(work, tmp)
-            shutil.rmtree(work)
-        os.replace(tmp, path)
-        _fsync_parent(path)
+        try:
+            _publish(work, path, is_zip)
+        except OSError as e:
+            raise StorageError(f"snapshot to {path} could not be put in place: {e.strerror or e}; "
+                               "nothing was written at the destination") from None
     return {"objects": len(index), "bytes": prog.bytes, "seconds": time.monotonic() - prog.t0, "dest": dest}
 
 
@@ -317,15 +332,53 @@ def _chunks(shape: list[int] | tuple[int, ...], item: int) -> tuple[int, ...]:
     return (first, *shape[1:])
 
 
-def _zip_dir(src: str, dst: str) -> None:
+def _private_dir(path: str) -> str:
+    """A new directory beside ``path`` with a name nobody can predict (mkdtemp: created
+    exclusively, mode 0700), so a name planted in a shared directory is never followed."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        return tempfile.mkdtemp(prefix=os.path.basename(path) + ".partial-", dir=parent)
+    except OSError as e:
+        raise StorageError(f"cannot write a snapshot in {parent}: {e.strerror}") from None
+
+
+def _umask_mode(mode: int) -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mode & ~mask
+
+
+def _publish(work: str, path: str, is_zip: bool) -> None:
+    """Put a finished snapshot (the directory ``work``) at ``path``: renamed into place,
+    or packed into a zip created exclusively beside it (mkstemp) and linked into place;
+    neither replaces anything that appeared at ``path`` meanwhile."""
+    if not is_zip:
+        os.chmod(work, _umask_mode(0o777))
+        os.rename(work, path)  # (fails onto anything but an empty directory: nothing is followed)
+        _fsync_parent(path)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".partial-", suffix=".zip",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _zip_dir(work, f)
+            os.fchmod(f.fileno(), _umask_mode(0o666))
+        os.link(tmp, path)  # EEXIST rather than replace: whatever appeared at DEST stays as it was
+    finally:
+        os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
+    _fsync_parent(path)
+
+
+def _zip_dir(src: str, dst: Any) -> None:
     """Pack a finished snapshot directory into an uncompressed zip (a Zarr ZipStore)."""
     with zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
         for dirpath, _, files in os.walk(src):
             for f in sorted(files):
                 full = os.path.join(dirpath, f)
                 z.write(full, os.path.relpath(full, src))
-    with open(dst, "rb+") as f:
-        os.fsync(f.fileno())
+    dst.flush()
+    os.fsync(dst.fileno())
 
 
 def _fsync_parent(path: str) -> None:
@@ -351,35 +404,57 @@ def open_snapshot(src: str) -> Any:
     return zarr.open_group(store, mode="r")
 
 
-def restore(target: Any, src: str, *, overwrite: bool = False, progress: bool | None = None,
-            key_exists: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """Put every object of the snapshot ``src`` into ``target`` (a Store or Client).
+def snapshot_namespace(src: str) -> str:
+    """The namespace a snapshot says it was taken from (checked), for a restore that names
+    none; the daemon still decides whether the caller may enter it."""
+    _, attrs = _open_complete(src)
+    ns = attrs.get("namespace")
+    try:
+        return validate_namespace(ns)
+    except InvalidArgument:
+        raise InvalidArgument(f"{src} names no valid namespace ({str(ns)[:80]!r}); pass --namespace") from None
 
-    Refuses an incomplete snapshot, a corrupted object (named in the error) and,
-    unless ``overwrite``, keys the namespace already has — all before writing.
-    """
+
+def _open_complete(src: str) -> tuple[Any, dict[str, Any]]:
     try:
         root = open_snapshot(src)
+        attrs = dict(root.attrs)
     except InvalidArgument:
         raise
     except Exception as e:  # not a Zarr store at all
         raise InvalidArgument(f"{src} is not a readable snapshot: {type(e).__name__}: {e}") from None
-    attrs = dict(root.attrs)
-    if not attrs.get("complete"):
+    if attrs.get("complete") is not True:
         raise InvalidArgument(f"{src} is an incomplete snapshot (interrupted?); it cannot be restored")
-    index = attrs["objects"]
+    return root, attrs
+
+
+def restore(target: Any, src: str, *, overwrite: bool = False, progress: bool | None = None,
+            key_exists: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Put every object of the snapshot ``src`` into ``target`` (a Store or Client; its
+    namespace is the target, whatever the snapshot's attributes say).
+
+    Nothing in the snapshot is trusted: every entry is checked (a valid key, a known
+    dtype, ``nbytes`` that agrees with shape and dtype, paths that stay inside the
+    snapshot, chunk files that exist and hold the bytes, CRC32C) before the first
+    write. Refuses an incomplete snapshot and, unless ``overwrite``, keys the namespace
+    already has. Every refusal is an ``InvalidArgument`` (or ``ChecksumMismatch``) naming
+    the entry.
+    """
+    root, attrs = _open_complete(src)
+    local_dir = _local_dir(src)
+    index = _checked_index(attrs, src, local_dir)
     if not overwrite:
         have = set(target.keys())
         clash = [e["key"] for e in index if e["key"] in have]
         if clash:
             raise KeyExists(f"the namespace already has {len(clash)} of these keys (e.g. {clash[0]!r}); "
                             "pass --overwrite to replace them")
-    local_dir = _local_dir(src)
     packs: dict[int, Any] = {}
-    if overwrite:
-        # replacing objects cannot be undone: verify everything before the first write
-        for e in index:
-            _read(root, e, packs, local_dir)
+    # every object's bytes read and verified before the first write (a refusal after a
+    # partial restore, or after replacing objects, could not be undone)
+    for e in index:
+        _read_checked(root, e, packs, local_dir, src)
+    packs.clear()
     prog = _Progress(len(index), sum(e["nbytes"] for e in index), "restore", progress)
     done: list[Any] = []
     # arrays are read a few objects ahead on worker threads, overlapping disk reads with puts
@@ -388,20 +463,21 @@ def restore(target: Any, src: str, *, overwrite: bool = False, progress: bool | 
 
     def fetch(i: int) -> None:
         if i < len(index) and i not in ahead and "pack" not in index[i]:
-            ahead[i] = pool.submit(_read, root, index[i], {}, local_dir)
+            ahead[i] = pool.submit(_read_checked, root, index[i], {}, local_dir, src)
 
     try:
         for i in range(6):
             fetch(i)
         for i, e in enumerate(index):
             fetch(i + 6)
-            u8 = ahead.pop(i).result() if i in ahead else _read(root, e, packs, local_dir)
+            u8 = ahead.pop(i).result() if i in ahead else _read_checked(root, e, packs, local_dir, src)
             spec = TensorSpec(e["kind"], e["dtype"], tuple(e["shape"]), e["nbytes"])
             done.append(target.put(_tensor(u8, spec, owned="pack" not in e), key=e["key"], replace=overwrite,
                                    durable=bool(e.get("durable"))))
             prog.update(e["nbytes"])
-    except ChecksumMismatch:
-        if not overwrite:  # refuse the whole snapshot: take back what this restore put
+    except (ChecksumMismatch, InvalidArgument):
+        # changed since it was verified: refuse the whole snapshot, take back what this restore put
+        if not overwrite:
             for h in done:
                 target.free(h)
         raise
@@ -414,33 +490,131 @@ def restore(target: Any, src: str, *, overwrite: bool = False, progress: bool | 
             "namespace": attrs.get("namespace")}
 
 
+_FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}
+
+
+def _checked_index(attrs: dict[str, Any], src: str, local_dir: str | None) -> list[dict[str, Any]]:
+    """The snapshot's index, every entry checked against itself (not yet against the bytes)."""
+    index = attrs.get("objects")
+    if not isinstance(index, list):
+        raise InvalidArgument(f"{src} is not a valid snapshot: it has no list of objects; nothing was restored")
+    seen: set[str] = set()
+    for i, e in enumerate(index):
+        try:
+            _check_entry(e, seen, local_dir)
+        except InvalidArgument as err:
+            key = e.get("key") if isinstance(e, dict) else None
+            raise InvalidArgument(f"{src} is not a valid snapshot: entry {i}"
+                                  f"{f' ({key!r})' if isinstance(key, str) else ''}: {err.message}; "
+                                  "nothing was restored") from None
+    return index
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _check_entry(e: Any, seen: set[str], local_dir: str | None) -> None:
+    if not isinstance(e, dict):
+        raise InvalidArgument("not a map")
+    key = e.get("key")
+    if not isinstance(key, str):
+        raise InvalidArgument("no key")
+    validate_key(key)
+    if key in seen:
+        raise InvalidArgument("a second entry for the same key")
+    seen.add(key)
+    kind, dtype = e.get("kind"), e.get("dtype")
+    if kind not in ("torch", "numpy") or not isinstance(dtype, str):
+        raise InvalidArgument(f"kind {str(kind)[:20]!r} / dtype {str(dtype)[:20]!r} is not a tensor type")
+    if (kind == "numpy" and dtype not in _NUMPY_NAMES) or (dtype.startswith("float8") and dtype not in _FLOAT8):
+        raise InvalidArgument(f"unknown {kind} dtype {dtype[:20]!r}")
+    item = _itemsize(dtype)
+    shape, nbytes = e.get("shape"), e.get("nbytes")
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(_is_int(d) for d in shape)):
+        raise InvalidArgument("shape is not a list of sizes")
+    want = item
+    for d in shape:
+        want *= d
+    if nbytes != want:
+        raise InvalidArgument(f"nbytes {str(nbytes)[:20]} disagrees with shape {shape} of {dtype} ({want} bytes)")
+    if not _is_int(e.get("crc32c")) or e["crc32c"] >= 1 << 32:
+        raise InvalidArgument("no CRC32C")
+    if "durable" in e and not isinstance(e["durable"], bool):
+        raise InvalidArgument("durable is not a bool")
+    if nbytes == 0:
+        return
+    if "pack" in e:
+        if not (_is_int(e["pack"]) and _is_int(e.get("offset"))) or "array" in e:
+            raise InvalidArgument("bad pack location")
+        return
+    path = e.get("array")
+    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path or "\0" in path \
+            or any(p in ("", ".", "..") for p in path.split("/")):
+        raise InvalidArgument(f"array path {str(path)[:80]!r} does not stay inside the snapshot")
+    if local_dir is not None:
+        _inside(local_dir, path)
+
+
+def _inside(local_dir: str, rel: str) -> str:
+    """``local_dir/rel``, refused if it (symbolic links resolved) leaves the snapshot."""
+    full = os.path.join(local_dir, rel)
+    base = os.path.realpath(local_dir)
+    if not os.path.realpath(full).startswith(base + os.sep):
+        raise InvalidArgument(f"{rel[:80]!r} leads outside the snapshot")
+    return full
+
+
+def _read_checked(root: Any, e: dict[str, Any], packs: dict[int, Any], local_dir: str | None,
+                  src: str) -> np.ndarray:
+    """``_read``, every failure a one-line typed error naming the object."""
+    try:
+        return _read(root, e, packs, local_dir)
+    except TierstoreError:
+        raise
+    except Exception as err:  # a missing file, unreadable metadata: the snapshot is damaged
+        raise InvalidArgument(f"{src}: the bytes of {e['key']!r} cannot be read ({type(err).__name__}: "
+                              f"{str(err)[:200]}); the snapshot is damaged and was not restored") from None
+
+
 def _local_dir(src: str) -> str | None:
     path = src[len("file://"):] if src.startswith("file://") else src
     return path if _is_local(src) and os.path.isdir(path) else None
 
 
-def _read_array(root: Any, path: str, local_dir: str | None) -> np.ndarray:
+def _read_array(root: Any, path: str, local_dir: str | None, limit: int) -> np.ndarray:
     """An array's bytes (C order, padding dropped): straight from the chunk files of a
-    local directory in tierstore's own layout, through zarr otherwise."""
+    local directory in tierstore's own layout, through zarr otherwise. An array of more
+    than ``limit`` bytes is refused before anything is allocated for it."""
     if local_dir is not None:
-        meta_path = os.path.join(local_dir, path, "zarr.json")
-        with open(meta_path) as f:
+        with open(_inside(local_dir, path + "/zarr.json")) as f:
             meta = json.load(f)
+        grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        shape = meta.get("shape")
         if meta.get("codecs") == [{"name": "bytes", "configuration": {"endian": "little"}}] and \
-                meta["chunk_grid"]["configuration"]["chunk_shape"][1:] == meta["shape"][1:]:
-            shape, chunk0 = meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"][0]
-            item = np.dtype(meta["data_type"]).itemsize
+                isinstance(shape, list) and shape and all(_is_int(d) for d in shape) and \
+                isinstance(grid, list) and len(grid) == len(shape) and _is_int(grid[0], 1) and grid[1:] == shape[1:]:
+            chunk0 = grid[0]
+            item = np.dtype(str(meta["data_type"])).itemsize
             total = int(np.prod(shape)) * item
-            out = aligned_empty(total)
+            if total > limit:
+                raise InvalidArgument(f"array {path!r} holds {total} bytes, its entry {limit}")
             per = chunk0 * (total // shape[0]) if shape[0] else 0
             zeros = ["/".join("0" for _ in shape[1:])] if len(shape) > 1 else []
-            for k in range(max(1, -(-shape[0] // chunk0))):
+            files = [_inside(local_dir, "/".join([path, "c", str(k), *zeros]))
+                     for k in range(max(1, -(-shape[0] // chunk0)))]
+            if any(os.stat(p).st_size < min(per, total - k * per) for k, p in enumerate(files)):
+                raise ChecksumMismatch(f"a chunk of {path} is truncated")
+            out = aligned_empty(total)
+            for k, p in enumerate(files):
                 n = min(per, total - k * per)
-                got = _read_chunk_file(os.path.join(local_dir, path, "c", str(k), *zeros), out[k * per:k * per + n])
-                if got != n:
+                if _read_chunk_file(p, out[k * per:k * per + n]) != n:
                     raise ChecksumMismatch(f"chunk {k} of {path} is truncated")
             return out
-    return np.ascontiguousarray(root[path][...]).reshape(-1).view(np.uint8)
+    arr = root[path]
+    if int(np.prod(arr.shape)) * arr.dtype.itemsize > limit:
+        raise InvalidArgument(f"array {path!r} holds more bytes than its entry says")
+    return np.ascontiguousarray(arr[...]).reshape(-1).view(np.uint8)
 
 
 def _read_chunk_file(path: str, dst: np.ndarray) -> int:
@@ -478,10 +652,10 @@ def _read(root: Any, e: dict[str, Any], packs: dict[int, Any], local_dir: str | 
         arr = packs.get(e["pack"])
         if arr is None:
             packs.clear()  # one pack (<= 64 MiB) in memory at a time; the index is in pack order
-            arr = packs[e["pack"]] = _read_array(root, f"_packs/{e['pack']}", local_dir)
+            arr = packs[e["pack"]] = _read_array(root, f"_packs/{e['pack']}", local_dir, _PACK_BYTES)
         u8 = arr[e["offset"]:e["offset"] + e["nbytes"]]
     else:
-        u8 = _read_array(root, e["array"], local_dir)[:e["nbytes"]]
+        u8 = _read_array(root, e["array"], local_dir, e["nbytes"])[:e["nbytes"]]
     if u8.nbytes != e["nbytes"] or crc32c(u8) != e["crc32c"]:
         raise ChecksumMismatch(f"object {e['key']!r} in the snapshot is corrupted (CRC32C mismatch); "
                                "the snapshot was not restored")

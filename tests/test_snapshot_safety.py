@@ -1,0 +1,258 @@
+"""Snapshots safe in shared directories, for every valid key; restores that trust
+nothing in the snapshot they read."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from tierstore import ChecksumMismatch, InvalidArgument, TierstoreError
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+
+
+@pytest.mark.parametrize("suffix", [".zip", ".zarr"])
+def test_a_link_planted_at_the_old_temporary_name_is_not_followed(make_store, tmp_path, suffix):
+    s = make_store()
+    s.put(torch.randn(300_000), key="big")
+    s.put(torch.ones(5), key="small")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    dest = shared / f"ckpt{suffix}"
+    planted = [f"{dest}.partial-{os.getpid() + k}" for k in range(-2, 3)]
+    for p in planted:  # where the next snapshots used to write
+        os.symlink(victim, p)
+        os.symlink(victim, p + ".d")
+    s.snapshot(str(dest))
+    assert victim.read_bytes() == b"precious"
+    assert not dest.is_symlink() and (dest.is_file() if suffix == ".zip" else dest.is_dir())
+    assert all(os.path.islink(p) and os.readlink(p) == str(victim) for p in planted)
+    left = set(os.listdir(shared)) - {os.path.basename(p) for p in planted} - {p.split("/")[-1] + ".d" for p in planted}
+    assert left == {dest.name}  # no temporary left behind
+    s2 = make_store(nvme_dirs=[str(tmp_path / "n2")])
+    s2.restore(str(dest), namespace="copy")
+    assert torch.equal(s2.get(s2.lookup("big", namespace="copy"), namespace="copy"), s.get(s.lookup("big")))
+
+
+@needs_root
+def test_a_link_planted_by_another_uid_is_not_followed(make_store, request):
+    """The attacker is another user with write access to the shared directory."""
+    import pwd
+
+    import pathlib
+    import tempfile
+
+    s = make_store()
+    s.put(torch.ones(10), key="x")
+    base = pathlib.Path(tempfile.mkdtemp(prefix="tierstore-test-", dir="/tmp"))  # reachable by other uids
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    base.chmod(0o755)
+    shared = base / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    victim = base / "victim"
+    victim.write_bytes(b"precious")
+    dest = shared / "ckpt.zip"
+    nobody = pwd.getpwnam("nobody")
+    pid = os.fork()
+    if pid == 0:  # the attacker: plants links at every name the next snapshots could take
+        try:
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            for pid in {os.getppid() + k for k in range(-50, 50)}:
+                os.symlink(victim, f"{dest}.partial-{pid}")
+                os.symlink(victim, f"{dest}.partial-{pid}.d")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] == 0
+    s.snapshot(str(dest))
+    assert victim.read_bytes() == b"precious"
+    assert not dest.is_symlink() and dest.stat().st_uid == os.geteuid()
+    assert [n for n in os.listdir(shared) if not os.path.islink(shared / n)] == ["ckpt.zip"]
+
+
+HARD_KEYS = ["a/zarr.json", "zarr.json", "zarr.json/x", "c", "a/c/zarr.json", "a" * 300, "é" * 50,
+             "é" * 50 + "/" + "b" * 250, "~" * 300, "x/" + "%" * 333]
+
+
+@pytest.mark.parametrize("suffix", [".zarr", ".zip"])
+def test_every_valid_key_can_be_snapshotted(make_store, tmp_path, suffix):
+    s = make_store(host_bytes="64MiB")
+    data = {}
+    for i, k in enumerate(HARD_KEYS):
+        t = torch.full((300_000,), float(i))  # >= 1 MiB: an array of its own at the key's path
+        s.put(t, key=k)
+        data[k] = t
+    s.put(torch.ones(3), key="a" * 1000)  # small: packed
+    data["a" * 1000] = torch.ones(3)
+    dest = str(tmp_path / f"snap{suffix}")
+    s.snapshot(dest)
+    root = zarr.open_group(zarr.storage.ZipStore(dest, mode="r") if suffix == ".zip" else dest, mode="r")
+    assert sorted(e["key"] for e in root.attrs["objects"]) == sorted(data)  # the true keys
+    s2 = make_store(host_bytes="64MiB", nvme_dirs=[str(tmp_path / "n2")])
+    s2.restore(dest, namespace="copy")
+    for k, t in data.items():
+        assert torch.equal(s2.get(s2.lookup(k, namespace="copy"), namespace="copy"), t), k
+
+
+def test_a_snapshot_error_is_typed_and_leaves_nothing(make_store, tmp_path):
+    s = make_store()
+    s.put(torch.ones(10), key="x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "sub").write_text("a file, not a directory")
+    with pytest.raises(TierstoreError, match="snapshot"):
+        s.snapshot(str(ro / "sub" / "snap.zarr"))
+
+
+# ---------------------------------------------------------------- crafted snapshots
+def _snap(make_store, tmp_path, n_small=2, big=True):
+    s = make_store()
+    for i in range(n_small):
+        s.put(torch.full((10,), float(i)), key=f"s{i}")
+    if big:
+        s.put(torch.randn(300_000), key="big")
+    dest = tmp_path / "snap.zarr"
+    s.snapshot(str(dest))
+    return s, dest
+
+
+def _edit(dest, fn):
+    meta = json.loads((dest / "zarr.json").read_text())
+    fn(meta["attributes"])
+    (dest / "zarr.json").write_text(json.dumps(meta))
+
+
+def _entry(attrs, key):
+    return next(e for e in attrs["objects"] if e["key"] == key)
+
+
+@pytest.mark.parametrize("path", ["../../outside/arr", "/etc/arr", "a/../../x", "big/./~data", ""])
+def test_array_paths_outside_the_snapshot_are_refused(make_store, tmp_path, path):
+    s, dest = _snap(make_store, tmp_path)
+    out = tmp_path / "outside" / "arr"
+    shutil.copytree(dest / "big" / "~data", out)  # a valid array an attacker placed outside
+    _edit(dest, lambda a: _entry(a, "big").update(array=path))
+    with pytest.raises(InvalidArgument, match="inside the snapshot|outside the snapshot"):
+        s.restore(str(dest), namespace="r")
+    assert s.keys(namespace="r") == []
+
+
+def test_a_symlink_inside_the_snapshot_leading_outside_is_refused(make_store, tmp_path):
+    s, dest = _snap(make_store, tmp_path)
+    shutil.copytree(dest / "big" / "~data", tmp_path / "outside")
+    shutil.rmtree(dest / "big" / "~data")
+    os.symlink(tmp_path / "outside", dest / "big" / "~data")
+    with pytest.raises(InvalidArgument, match="outside the snapshot"):
+        s.restore(str(dest), namespace="r")
+    assert s.keys(namespace="r") == []
+
+
+@pytest.mark.parametrize("change", [{"nbytes": 0}, {"nbytes": 8}, {"shape": [100, 100]}, {"dtype": "object"},
+                                    {"kind": "pickle"}, {"key": None}, {"key": 5}, {"crc32c": "x"},
+                                    {"shape": [-1]}, {"pack": "0"}, {"dtype": "float8_bogus"}])
+def test_entries_that_disagree_with_themselves_are_refused(make_store, tmp_path, change):
+    s, dest = _snap(make_store, tmp_path, big=False)
+    _edit(dest, lambda a: _entry(a, "s1").update(change))
+    with pytest.raises(InvalidArgument, match="not a valid snapshot: entry 1"):
+        s.restore(str(dest), namespace="r")
+    assert s.keys(namespace="r") == []
+
+
+def test_zero_bytes_with_a_shape_does_not_restore_memory(make_store, tmp_path):
+    s, dest = _snap(make_store, tmp_path, big=False)
+
+    def empty(a):
+        e = _entry(a, "s0")
+        e.update(shape=[25_000], nbytes=0, crc32c=0)
+        e.pop("pack")
+        e.pop("offset")
+    _edit(dest, empty)
+    with pytest.raises(InvalidArgument, match="disagrees with shape"):
+        s.restore(str(dest), namespace="r")
+
+
+def test_a_bad_entry_after_good_ones_restores_nothing(make_store, tmp_path):
+    s, dest = _snap(make_store, tmp_path, n_small=5)
+    _edit(dest, lambda a: a["objects"].append({"key": "late", "kind": "torch", "dtype": "float32", "shape": [4],
+                                               "nbytes": 16, "crc32c": 0, "array": "../x"}))
+    with pytest.raises(InvalidArgument, match="entry 6"):
+        s.restore(str(dest), namespace="r")
+    assert s.keys(namespace="r") == []
+
+
+def test_a_missing_or_truncated_chunk_file_is_a_clear_error(make_store, tmp_path):
+    s, dest = _snap(make_store, tmp_path)
+    chunk = dest / "big" / "~data" / "c" / "0"
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:100])
+    with pytest.raises(ChecksumMismatch, match="truncated"):
+        s.restore(str(dest), namespace="r")
+    chunk.unlink()
+    with pytest.raises(InvalidArgument, match="'big' cannot be read.*FileNotFoundError"):
+        s.restore(str(dest), namespace="r")
+    assert s.keys(namespace="r") == []
+
+
+def test_an_array_larger_than_its_entry_is_refused_before_allocating(make_store, tmp_path):
+    s, dest = _snap(make_store, tmp_path)
+    meta_path = dest / "big" / "~data" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"] = [1 << 40]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(InvalidArgument, match="holds .* bytes"):
+        s.restore(str(dest), namespace="r")
+
+
+def test_the_snapshot_namespace_does_not_redirect_a_restore(make_store, tmp_path):
+    from tierstore.snapshot import snapshot_namespace
+
+    s, dest = _snap(make_store, tmp_path, big=False)
+    _edit(dest, lambda a: a.update(namespace="victim"))
+    s.restore(str(dest), namespace="mine")  # the namespace given is the target
+    assert s.keys(namespace="victim") == [] and len(s.keys(namespace="mine")) == 2
+    for bad in ("../etc", "", 5, None):
+        _edit(dest, lambda a: a.update(namespace=bad))
+        with pytest.raises(InvalidArgument, match="pass --namespace"):
+            snapshot_namespace(str(dest))
+
+
+@needs_root
+def test_a_restore_into_the_snapshots_namespace_needs_the_right_to_enter_it(daemon_factory, tmp_path):
+    import grp
+    import pwd
+
+    group = grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name
+    d = daemon_factory("--allowed-group", group, public=True)
+    with d.client("root-job") as c:
+        c.put(torch.ones(4), key="secret")
+        c.snapshot(str(d.base / "snap.zarr"))
+    for dirpath, dirs, files in os.walk(d.base / "snap.zarr"):
+        os.chmod(dirpath, 0o755)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), 0o644)
+    code = r"""
+import os, sys, pwd
+from tierstore.client import cli
+import tierstore.client.cli_support, tierstore.snapshot, tierstore.client.client, zarr, numpy
+import tierstore.errors, tierstore.tensors, tierstore.arena
+pw = pwd.getpwnam("nobody")
+os.setgroups([]); os.setgid(pw.pw_gid); os.setuid(pw.pw_uid)
+os.environ["TIERSTORE_SOCKET"] = sys.argv[1]
+sys.exit(cli.main(["restore", sys.argv[2], "--overwrite"]))
+"""
+    r = subprocess.run([sys.executable, "-c", code, d.socket, str(d.base / "snap.zarr")], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "HOME": "/tmp"})
+    assert r.returncode == 1 and "PermissionDenied" in r.stderr and "belongs to uid 0" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1  # one line
+    with d.client("root-job") as c:
+        assert c.keys() == ["secret"] and torch.equal(c.get(c.lookup("secret")), torch.ones(4))
