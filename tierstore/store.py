@@ -469,6 +469,7 @@ class Store(Leasing, Puts, Movement, Recovery):
                     "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
                              "free_bytes": self.nvme.free_bytes, "objects": nvme_objs,
                              "engine": self.engine.name, "engine_reason": self.engine.reason,
+                             "device_io": getattr(self.engine, "device_reason", "posix engine: host buffers only"),
                              "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "drives": self.nvme.describe()},
