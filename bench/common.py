@@ -63,8 +63,45 @@ def print_table(headers: list[str], rows: list[list[object]]) -> None:
 
 
 def emit_json(obj: dict) -> None:
-    """The last line of stdout: one JSON object for machines."""
+    """The last line of stdout: one JSON object for machines (also kept by ``partial``)."""
     print(json.dumps(obj, default=float), flush=True)
+    partial(obj)
+
+
+PARTIAL_ENV = "TIERSTORE_BENCH_PARTIAL"
+"""Where ``partial`` appends its JSON lines (unset: nowhere). bench/gpu_check.sh points it
+into $OUT, so a run killed at its time limit still leaves what it measured."""
+
+
+def partial(obj: dict) -> None:
+    """Append one measurement, as a JSON line, to the file named by $TIERSTORE_BENCH_PARTIAL."""
+    path = os.environ.get(PARTIAL_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(obj, default=float) + "\n")
+
+
+def pwrite_all(fd: int, buf, offset: int) -> int:
+    """Write all of ``buf`` at ``offset``: one ``pwritev`` moves at most 0x7ffff000 bytes on
+    Linux (and may move less), so loop on what each call returns."""
+    return _all(os.pwritev, fd, buf, offset)
+
+
+def pread_all(fd: int, buf, offset: int) -> int:
+    """Fill all of ``buf`` from ``offset`` (looping as ``pwrite_all`` does); an end of file
+    before it is full is an error."""
+    return _all(os.preadv, fd, buf, offset)
+
+
+def _all(io, fd: int, buf, offset: int) -> int:
+    mv = memoryview(buf).cast("B")
+    done = 0
+    while done < len(mv):
+        n = io(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{io.__name__} moved {done} of {len(mv)} bytes at offset {offset}, then {n}")
+        done += n
+    return done
 
 
 def size_label(n: int) -> str:
@@ -165,7 +202,7 @@ def disk_gbps(directory: str, nbytes: int = 64 << 20) -> tuple[float, float]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     chunk = 4 << 20
     try:
-        os.pwritev(fd, [m], 0)
+        pwrite_all(fd, m, 0)
         os.fsync(fd)
         t0 = time.perf_counter()
         for off in range(0, nbytes, chunk):

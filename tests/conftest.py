@@ -88,6 +88,10 @@ def run_py(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
 
 
+_NOTIFY_POLL_S = 0.2
+"""How often a wait for the daemon's notify message checks that the daemon is still running."""
+
+
 class DaemonProc:
     """A real daemon process on a socket in tmp_path, ready when it says READY=1."""
 
@@ -103,7 +107,7 @@ class DaemonProc:
         self.notify_path = str(base / "notify.sock")
         self.notify = _s.socket(_s.AF_UNIX, _s.SOCK_DGRAM)
         self.notify.bind(self.notify_path)
-        self.notify.settimeout(60)
+        self.notify.settimeout(_NOTIFY_POLL_S)
         self.messages: list[str] = []
         self.fdstore: dict[str, int] = {}
         self.proc = None
@@ -121,17 +125,33 @@ class DaemonProc:
             self.wait_for("READY=1")
         return self
 
-    def wait_for(self, needle):
-        """Block until the daemon sends a notify datagram containing ``needle`` (no sleeps)."""
+    def wait_for(self, needle, timeout_s=60.0):
+        """Block until the daemon sends a notify datagram containing ``needle`` (no sleeps).
+        A daemon that exits first fails the wait at once, with its exit status and log."""
+        import socket as _s
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        # the process to watch: ours if it runs now (a relaunch by other means is not ours to watch)
+        watch = self.proc if self.proc is not None and self.proc.poll() is None else None
+        exited = False
         while True:
             if any(needle in m for m in self.messages):
                 return [m for m in self.messages if needle in m][0]
             try:
-                import socket as _s
-
+                # short receive timeouts: between them, see whether the process is still there
                 raw, fds, _, _ = _s.recv_fds(self.notify, 4096, 8)
             except TimeoutError:
-                raise AssertionError(f"daemon never sent {needle!r}; log:\n{self.log.read_text()[-3000:]}")
+                if watch is not None and watch.poll() is not None:
+                    if exited:  # what it sent before it exited has been read
+                        raise AssertionError(f"daemon exited with status {watch.returncode} before sending "
+                                             f"{needle!r}; log:\n{self.log.read_text()[-3000:]}") from None
+                    exited = True
+                    continue
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"daemon never sent {needle!r} in {timeout_s:.0f} s; "
+                                         f"log:\n{self.log.read_text()[-3000:]}") from None
+                continue
             msg = raw.decode()
             if fds and "FDNAME=" in msg:  # FDSTORE=1: keep the fd, as systemd would
                 name = msg.split("FDNAME=")[1].split()[0]
