@@ -107,12 +107,11 @@ def _client_command(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "ls":
         with connect(args.socket, args.namespace) as c:
-            rows = c.ls(prefix=args.prefix)
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
+            if args.json:
+                print(json.dumps(c.ls(prefix=args.prefix), indent=2))
+                return 0
             print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} {'TIERS':12} FLAGS")
-            for r in rows:
+            for r in c.iter_ls(prefix=args.prefix):  # a page at a time: any number of objects
                 flags = [f for f in ("durable", "ephemeral") if r.get(f)]
                 print(f"{str(r['key']):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
                       f"{format_size(r['nbytes']):>10} {','.join(r['residency']):12} {','.join(flags)}")

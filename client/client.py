@@ -15,7 +15,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -368,10 +368,44 @@ class Client:
         return None if h is None else Handle.parse(h)
 
     def keys(self, prefix: str = "") -> list[str]:
-        return self._conn.request("keys", prefix=prefix)
+        """Every key in this namespace starting with ``prefix``, sorted (fetched in pages)."""
+        return list(self.iter_keys(prefix))
 
     def ls(self, prefix: str = "") -> list[dict[str, Any]]:
-        return self._conn.request("ls", prefix=prefix)
+        """``info`` of every keyed object starting with ``prefix``, by key (fetched in pages)."""
+        return list(self.iter_ls(prefix))
+
+    def iter_keys(self, prefix: str = "", *, page: int | None = None) -> Iterator[str]:
+        """The keys starting with ``prefix`` in key order, fetched a page (``page`` keys at
+        most; default: the daemon's page) at a time, so millions need not be in memory at once.
+        A key put or freed during the walk may or may not be seen; none is seen twice."""
+        return self._pages("keys", "keys", prefix, page)
+
+    def iter_ls(self, prefix: str = "", *, page: int | None = None) -> Iterator[dict[str, Any]]:
+        """``ls`` a page at a time, as ``iter_keys``."""
+        return self._pages("ls", "objects", prefix, page)
+
+    def _pages(self, op: str, name: str, prefix: str, page: int | None) -> Iterator[Any]:
+        after = None
+        while True:
+            fields: dict[str, Any] = {"prefix": prefix, "after": after, "page": True}
+            if page is not None:
+                fields["limit"] = page
+            r = self._conn.request(op, **fields)
+            yield from r[name]
+            after = r["next"]
+            if after is None:
+                return
+
+    def iter_namespaces(self) -> Iterator[tuple[str, dict[str, int]]]:
+        """(namespace, {"objects", "bytes"}) of every namespace with objects, by name, a page at a time."""
+        after = None
+        while True:
+            r = self._conn.request("namespaces", after=after)
+            yield from r["namespaces"].items()
+            after = r["next"]
+            if after is None:
+                return
 
     def info(self, handle: Handle | int | str) -> dict[str, Any]:
         return self._conn.request("info", handle=_wire(handle))
@@ -391,7 +425,13 @@ class Client:
 
     def stat(self, *, ops: bool = False) -> dict[str, Any]:
         """The daemon's state (see DESIGN.md); ``ops=True`` adds per-op counts and latency histograms."""
-        return self._conn.request("stat", ops=ops)
+        st = self._conn.request("stat", ops=ops)
+        after = st.pop("namespaces_next", None)
+        while after is not None:  # the table of namespaces comes a page at a time
+            r = self._conn.request("namespaces", after=after)
+            st["namespaces"].update(r["namespaces"])
+            after = r["next"]
+        return st
 
     def ping(self) -> None:
         self._conn.request("ping")

@@ -49,11 +49,13 @@ class Connection:
         self._recv_lock = threading.Lock()  # held by the thread currently reading replies for everybody
         self._cv = threading.Condition()
         self._closed: BaseException | None = None
+        self._frags: list[bytes] = []  # a fragmented reply so far (touched only by the reading thread)
 
     # ------------------------------------------------------------------ handshake
     def hello(self, namespace: str) -> tuple[dict[str, Any], int]:
         """First exchange: returns the daemon's reply and the arena fd it passed."""
-        self.sock.send(encode({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": namespace}))
+        self.sock.send(encode({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": namespace,
+                               "fragments": True}))
         try:
             data, fds, _flags, _ = socket.recv_fds(self.sock, MAX_REPLY_BYTES, 4)
         except socket.timeout:
@@ -143,6 +145,14 @@ class Connection:
                                                     "(stopped or restarted); reconnect"), want)
         try:
             reply = _unpack(data)
+            if "frag" in reply:  # one piece of a reply too big for one packet
+                if not isinstance(reply["frag"], bytes):
+                    raise ProtocolError("malformed reply fragment from the daemon")
+                self._frags.append(reply["frag"])
+                if reply.get("more"):
+                    return None
+                data, self._frags = b"".join(self._frags), []
+                reply = _unpack(data)
         except ProtocolError as e:
             return self._fail_all(e, want)
         rid = reply.get("id")

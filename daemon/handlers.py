@@ -15,7 +15,7 @@ from tierstore.errors import InvalidArgument, ProtocolError
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.batch import MAX_EACH
 from tierstore.leases import MAX_BATCH
-from tierstore.protocol import PROTOCOL_VERSION, field
+from tierstore.protocol import PAGE_BYTES, PROTOCOL_VERSION, field
 from tierstore.store import Store, WouldBlock
 from tierstore.tensors import TensorSpec
 
@@ -35,11 +35,17 @@ _MAX_NBYTES = 1 << 50
 _MAX_DIMS = 64
 
 _INLINE_STAT_OBJECTS = 20_000
+"""Above this many objects a ``stat`` runs on a worker thread, not the event loop."""
+_INLINE_LIST = 4096
+"""An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker thread."""
+PAGE_KEYS = 4096
+PAGE_LS = 1024
+PAGE_NAMESPACES = 1024
+"""Most entries in one page of ``keys``, ``ls``, ``namespaces`` (and at most about PAGE_BYTES)."""
 
 _PROGRESS = object()
 """Key, in a request dict, of a batch check-out's leases taken so far: kept from the event
 loop's attempt to the thread pool's (a client's msgpack map cannot hold this key)."""
-"""Above this many objects a ``stat`` runs on a worker thread, not the event loop."""
 
 
 def _handle(msg: dict[str, Any], name: str = "handle") -> Handle:
@@ -79,7 +85,8 @@ class Handlers:
             "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
             "checkout_many": self.checkout_many, "checkout_each": self.checkout_each,
             "release_many": self.release_many,
-            "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "info": self.info,
+            "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "namespaces": self.namespaces,
+            "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
             "scratch": self.scratch, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
             "client_info": self.client_info,
@@ -95,6 +102,7 @@ class Handlers:
         # a namespace is claimed by its first put, so `tierstore stat` claims nothing
         self.store.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
+        sess.fragments = field(msg, "fragments", bool, False)
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source", "unused", "each"]}
@@ -236,11 +244,43 @@ class Handlers:
         h = self.store.lookup(field(msg, "key", str), namespace=sess.namespace)
         return None if h is None else int(h)
 
+    # A listing with ``page: true`` answers one page, ``{"keys"|"objects": [...], "next": cursor}``:
+    # the entries after the key ``after``, at most ``limit`` and about PAGE_BYTES; ``next``
+    # (the last key, or nil at the end) is the next request's ``after``. Each page costs
+    # O(log n + page) on the event loop. Without ``page``: the whole list, as one reply.
+    def _page_args(self, msg: dict[str, Any], most: int) -> tuple[str, str | None, int]:
+        return (field(msg, "prefix", str, ""), field(msg, "after", str, None),
+                field(msg, "limit", int, most, min_value=1, max_value=most))
+
+    def _whole_list(self, sess: "Session", nowait: bool) -> None:
+        if nowait and self.store._keys.count(sess.namespace) > _INLINE_LIST:
+            raise WouldBlock()  # an unpaged listing of a big namespace would hold up the event loop
+
     def keys(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        return self.store.keys(field(msg, "prefix", str, ""), namespace=sess.namespace)
+        if not field(msg, "page", bool, False):
+            self._whole_list(sess, nowait)
+            return self.store.keys(field(msg, "prefix", str, ""), namespace=sess.namespace)
+        prefix, after, limit = self._page_args(msg, PAGE_KEYS)
+        keys, size = [], 0
+        for k, _ in self.store.key_page(prefix, after, limit, namespace=sess.namespace):
+            keys.append(k)
+            size += len(k) + 5
+            if size >= PAGE_BYTES:
+                break
+        return {"keys": keys, "next": keys[-1] if keys and (len(keys) == limit or size >= PAGE_BYTES) else None}
 
     def ls(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        return self.store.ls(field(msg, "prefix", str, ""), namespace=sess.namespace)
+        if not field(msg, "page", bool, False):
+            self._whole_list(sess, nowait)
+            return self.store.ls(field(msg, "prefix", str, ""), namespace=sess.namespace)
+        prefix, after, limit = self._page_args(msg, PAGE_LS)
+        rows = self.store.ls_page(prefix, after, limit, namespace=sess.namespace)
+        return {"objects": rows, "next": rows[-1]["key"] if len(rows) == limit else None}
+
+    def namespaces(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        """One page of the per-namespace table of ``stat``, in name order after ``after``."""
+        after = field(msg, "after", str, None)
+        return namespace_page(self.store.stat_namespaces(), after)
 
     def info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         return self.store.info(_handle(msg), namespace=sess.namespace)
@@ -261,6 +301,10 @@ class Handlers:
             raise WouldBlock()  # counting many objects would hold up the event loop
         st = self.store.stat()
         st.update(self._server_stats())
+        # the table of namespaces is one page: the rest through ``namespaces`` from "namespaces_next"
+        table = st["namespaces"]
+        page = namespace_page(table, None)
+        st["namespaces"], st["namespaces_total"], st["namespaces_next"] = page["namespaces"], len(table), page["next"]
         if not field(msg, "ops", bool, False):  # the latency histograms only when asked for
             st.pop("ops", None)
         return st
@@ -269,3 +313,10 @@ class Handlers:
         return {}
 
 
+
+
+def namespace_page(table: dict[str, Any], after: str | None) -> dict[str, Any]:
+    """Up to PAGE_NAMESPACES entries of ``table`` in name order after ``after``, and the cursor."""
+    names = sorted(n for n in table if after is None or n > after)
+    page = names[:PAGE_NAMESPACES]
+    return {"namespaces": {n: table[n] for n in page}, "next": page[-1] if len(names) > len(page) else None}

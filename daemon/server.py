@@ -5,7 +5,10 @@ One event-loop thread owns every socket. A request that can finish without waiti
 anything that may wait or touch the disk goes to a worker pool, and its reply comes
 back through a queue plus a wake-up pipe. So the loop never blocks on disk I/O, a
 lock held across an fsync, or a slow client (replies that do not fit in the socket
-buffer wait in a per-connection outbox).
+buffer wait in a per-connection outbox, bounded in bytes: a client that stops reading
+is disconnected, not allowed to grow the daemon). A reply bigger than one packet
+travels as fragments (see protocol.py); a reply that cannot be sent is logged and
+answered with an error, never dropped with the connection.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 from tierstore.config import Config
 from tierstore.errors import PermissionDenied, ProtocolError, TierstoreError
 from tierstore.preflight import check_dir
-from tierstore.protocol import MAX_REPLY_BYTES, OPS, decode, reply_err, reply_ok
+from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
 from tierstore.store import Store, WouldBlock
 from tierstore.units import format_size
 
@@ -44,7 +47,10 @@ log = logging.getLogger(__name__)
 _MSG_TRUNC = int(socket.MSG_TRUNC)  # a plain int: IntFlag arithmetic costs microseconds per message
 
 _HELLO_TIMEOUT_S = 10.0
-_OUTBOX_LIMIT = 4096
+_OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
+"""Bytes of replies one connection may leave unread before it is disconnected."""
+_READ_BUDGET_S = 0.002
+"""Time one connection's requests may hold the event loop before the others get their turn."""
 _MAX_REQUEST_ID = (1 << 63) - 1
 
 
@@ -64,6 +70,12 @@ class Session:
     hello_pending: bool = False
     opened: float = field(default_factory=time.monotonic)
     outbox: deque = field(default_factory=deque)
+    """(packet, fds, request id) not yet sent, in order."""
+    outbox_bytes: int = 0
+    writing: bool = False
+    """Registered for EVENT_WRITE (the outbox waits for room in the socket)."""
+    fragments: bool = False
+    """The client joins fragmented replies (said so in hello)."""
     inflight: int = 0
     closed: bool = False
     requests: int = 0
@@ -332,10 +344,12 @@ class Server:
             if not admitted(cred, self.allowed_gids):
                 reason = PermissionDenied(f"uid {cred.uid} may not use this daemon; ask its operator to add one "
                                           "of your groups to allowed_groups")
-            elif len(self._sessions) >= self.config.max_clients:
-                reason = TierstoreError(f"the daemon already serves {self.config.max_clients} connections "
-                                        "(max_clients); close idle clients or raise the limit")
-            elif (cred.uid not in (0, os.geteuid())
+            elif len(self._sessions) >= self._room_for(cred.uid):
+                reason = TierstoreError(f"the daemon already serves {len(self._sessions)} connections "
+                                        f"(max_clients {self.config.max_clients}, the last "
+                                        f"{_root_reserve(self.config.max_clients)} kept for root); "
+                                        "close idle clients or raise the limit")
+            elif (cred.uid != 0
                   and sum(1 for x in self._sessions.values() if x.cred.uid == cred.uid)
                   >= self.config.max_clients_per_uid):
                 reason = TierstoreError(f"uid {cred.uid} already holds {self.config.max_clients_per_uid} "
@@ -362,9 +376,17 @@ class Server:
             self._sel.register(conn, selectors.EVENT_READ, ("sess", sess))
             log.debug("session %d: pid %d uid %d connected", sess.cid, cred.pid, cred.uid)
 
+    def _room_for(self, uid: int) -> int:
+        """Connections at once beyond which ``uid`` is refused: root may use the last few,
+        so a full daemon can still be inspected and stopped."""
+        return self.config.max_clients - (0 if uid == 0 else _root_reserve(self.config.max_clients))
+
     def _read(self, sess: Session) -> None:
         limit = self.config.max_message_bytes
+        deadline = time.perf_counter() + _READ_BUDGET_S
         for _ in range(64):  # bounded, so one chatty client cannot starve the others
+            if time.perf_counter() > deadline:
+                return  # the rest waits in the socket; the selector reports it again
             try:
                 data, _anc, flags, _ = sess.sock.recvmsg(limit + 1)
             except BlockingIOError:
@@ -393,7 +415,7 @@ class Server:
             self._fatal(sess, ProtocolError("every request needs an integer 'id' in [0, 2**63)"))
             return
         op = msg.get("op")
-        if not isinstance(op, str) or op not in OPS:
+        if not isinstance(op, str) or op not in self.handlers.table:
             self._reply_error(sess, rid, ProtocolError(f"unknown op {str(op)[:40]!r}"))
             return
         if sess.namespace is None and op != "hello":
@@ -426,9 +448,9 @@ class Server:
         self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
             sess.hello_pending = False
-            self._send(sess, reply_ok(rid, result), [self.store.arena.fd])
+            self._send(sess, reply_ok(rid, result), [self.store.arena.fd], rid)
             return
-        self._send(sess, reply_ok(rid, result))
+        self._send(sess, reply_ok(rid, result), rid=rid)
 
     def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str, t0: float) -> None:
         try:
@@ -442,13 +464,13 @@ class Server:
         if sess.closed:
             # the client went away while this ran: whatever it acquired is released now
             self.store.release_owner(sess)
-        self._done.put((sess, out, time.perf_counter() - t0))
+        self._done.put((sess, rid, out, time.perf_counter() - t0))
         self._wake()
 
     def _drain_done(self) -> None:
         while True:
             try:
-                sess, (blob, op, code), seconds = self._done.get_nowait()
+                sess, rid, (blob, op, code), seconds = self._done.get_nowait()
             except queue.Empty:
                 return
             self.latency.observe(op, seconds)
@@ -460,12 +482,12 @@ class Server:
             if sess.closed:
                 continue
             fds = [self.store.arena.fd] if op == "hello" and code is None else None
-            self._send(sess, blob, fds)
+            self._send(sess, blob, fds, rid)
 
     # ------------------------------------------------------------------ replies
     def _reply_error(self, sess: Session, rid: int | None, e: TierstoreError) -> None:
         self._count_error(e.code)
-        self._send(sess, reply_err(rid, e))
+        self._send(sess, reply_err(rid, e), rid=rid)
 
     def _fatal(self, sess: Session, e: TierstoreError, rid: int | None = None) -> None:
         log.warning("session %d (pid %d): %s", sess.cid, sess.cred.pid, e.message)
@@ -476,46 +498,66 @@ class Server:
             pass
         self._close(sess)
 
-    def _send(self, sess: Session, blob: bytes, fds: list[int] | None = None) -> None:
+    def _send(self, sess: Session, blob: bytes, fds: list[int] | None = None, rid: int | None = None) -> None:
         if sess.closed:
             return
         if len(blob) > MAX_REPLY_BYTES:
-            blob = reply_err(None, TierstoreError("reply too large; narrow the request (e.g. a key prefix)"))
-        if sess.outbox:
-            self._queue(sess, blob, fds)
-            return
-        try:
-            _send_packet(sess.sock, blob, fds)
-        except BlockingIOError:
-            self._queue(sess, blob, fds)
-        except OSError:
+            log.warning("session %d (pid %d): a reply of %d bytes exceeds %d; answered with an error",
+                        sess.cid, sess.cred.pid, len(blob), MAX_REPLY_BYTES)
+            self._count_error("TierstoreError")
+            blob = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes is too large; list in pages "
+                                                 "(keys/ls with 'after') or narrow the request"))
+        if len(blob) > PACKET_BYTES and sess.fragments and not fds:
+            for frag in fragments(blob):
+                sess.outbox.append((frag, None, rid))
+                sess.outbox_bytes += len(frag)
+        else:
+            sess.outbox.append((blob, fds, rid))
+            sess.outbox_bytes += len(blob)
+        self._flush(sess)
+        if not sess.closed and sess.outbox_bytes > _OUTBOX_BYTES:
+            log.warning("session %d (pid %d) does not read its replies (%d bytes unread); closing it",
+                        sess.cid, sess.cred.pid, sess.outbox_bytes)
             self._close(sess)
-
-    def _queue(self, sess: Session, blob: bytes, fds: list[int] | None) -> None:
-        if len(sess.outbox) >= _OUTBOX_LIMIT:
-            log.warning("session %d does not read its replies; closing", sess.cid)
-            self._close(sess)
-            return
-        sess.outbox.append((blob, fds))
-        self._sel.modify(sess.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sess", sess))
 
     def _flush(self, sess: Session) -> None:
-        while sess.outbox:
-            blob, fds = sess.outbox[0]
+        out = sess.outbox
+        while out:
+            blob, fds, rid = out[0]
             try:
                 _send_packet(sess.sock, blob, fds)
             except BlockingIOError:
+                if not sess.writing:
+                    sess.writing = True
+                    self._sel.modify(sess.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sess", sess))
                 return
-            except OSError:
+            except OSError as e:
+                if e.errno in (errno.EMSGSIZE, errno.ENOBUFS) and rid is not None and len(blob) > PACKET_BYTES:
+                    # too big for one message on this socket (a client that takes no fragments)
+                    log.warning("session %d (pid %d): a reply of %d bytes does not fit one message (%s); "
+                                "answered with an error", sess.cid, sess.cred.pid, len(blob), e.strerror)
+                    self._count_error("TierstoreError")
+                    err = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes does not fit one message; "
+                                                        "list in pages (keys/ls with 'after')"))
+                    out[0] = (err, None, None)
+                    sess.outbox_bytes += len(err) - len(blob)
+                    continue
+                log.info("session %d (pid %d): sending a reply failed (%s); closing", sess.cid, sess.cred.pid,
+                         e.strerror or e)
                 self._close(sess)
                 return
-            sess.outbox.popleft()
-        self._sel.modify(sess.sock, selectors.EVENT_READ, ("sess", sess))
+            out.popleft()
+            sess.outbox_bytes -= len(blob)
+        if sess.writing:
+            sess.writing = False
+            self._sel.modify(sess.sock, selectors.EVENT_READ, ("sess", sess))
 
     def _close(self, sess: Session, sync: bool = False) -> None:
         if sess.closed:
             return
         sess.closed = True
+        sess.outbox.clear()
+        sess.outbox_bytes = 0
         self._sessions.pop(sess.cid, None)
         try:
             self._sel.unregister(sess.sock)
@@ -565,6 +607,11 @@ class Server:
         st = self.store.stat()
         st.update(self._server_stats())
         return st
+
+
+def _root_reserve(max_clients: int) -> int:
+    """Connections kept for root once all others are taken."""
+    return min(8, max_clients // 16)
 
 
 def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> None:

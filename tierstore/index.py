@@ -1,16 +1,21 @@
-"""Object index records: handles and per-object metadata. Bookkeeping only."""
+"""Object index records: handles, per-object metadata, the key index and the object table. Bookkeeping only."""
 
 from __future__ import annotations
 
 import unicodedata
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from sortedcontainers import SortedDict
 
 from .errors import InvalidArgument, InvalidKey
 from .nvme import Extent
 from .tensors import TensorSpec
 
-__all__ = ["Handle", "ObjectMeta", "validate_key", "validate_namespace"]
+__all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "validate_key", "validate_namespace"]
+
+_MISSING = object()
 
 _ID_BITS = 48
 _GEN_MASK = 0xFFFF
@@ -158,3 +163,131 @@ def validate_namespace(ns: Any) -> str:
     if "\0" in ns or any(p in ("", ".", "..") for p in ns.split("/")):
         raise InvalidArgument(f"invalid namespace {ns!r}: use names like 'job-42' or 'job-42/rank3'")
     return ns
+
+
+class KeyIndex:
+    """Key -> object id, one sorted map per namespace.
+
+    Addressed like the dict it replaces (``(namespace, key)`` tuples), but a scan of one
+    namespace costs O(log n + what it returns) in that namespace alone: nothing another
+    namespace holds is walked, and a page that starts after a cursor starts there.
+    """
+
+    __slots__ = ("_ns", "_n")
+
+    def __init__(self, items: Any = ()) -> None:
+        self._ns: dict[str, SortedDict] = {}
+        self._n = 0
+        for k, oid in (items.items() if isinstance(items, dict) else items):
+            self[k] = oid
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, k: tuple[str, str]) -> bool:
+        d = self._ns.get(k[0])
+        return d is not None and k[1] in d
+
+    def __getitem__(self, k: tuple[str, str]) -> int:
+        return self._ns[k[0]][k[1]]
+
+    def get(self, k: tuple[str, str], default: Any = None) -> Any:
+        d = self._ns.get(k[0])
+        return default if d is None else d.get(k[1], default)
+
+    def __setitem__(self, k: tuple[str, str], oid: int) -> None:
+        d = self._ns.get(k[0])
+        if d is None:
+            d = self._ns[k[0]] = SortedDict()
+        n = len(d)
+        d[k[1]] = oid
+        self._n += len(d) - n
+
+    def __delitem__(self, k: tuple[str, str]) -> None:
+        d = self._ns[k[0]]
+        del d[k[1]]
+        self._n -= 1
+        if not d:
+            del self._ns[k[0]]
+
+    def pop(self, k: tuple[str, str], *default: Any) -> Any:
+        d = self._ns.get(k[0])
+        if d is None or k[1] not in d:
+            if default:
+                return default[0]
+            raise KeyError(k)
+        oid = d[k[1]]
+        del self[k]
+        return oid
+
+    def count(self, namespace: str) -> int:
+        d = self._ns.get(namespace)
+        return 0 if d is None else len(d)
+
+    def scan(self, namespace: str, prefix: str = "", after: str | None = None,
+             limit: int | None = None) -> list[tuple[str, int]]:
+        """``(key, id)`` of the namespace's keys that start with ``prefix`` and sort after
+        ``after`` (exclusive; None: from the first), in key order, at most ``limit``."""
+        d = self._ns.get(namespace)
+        if d is None:
+            return []
+        if after is None or after < prefix:
+            it = d.irange(minimum=prefix or None)
+        else:
+            it = d.irange(minimum=after, inclusive=(False, True))
+        out = []
+        for k in it:
+            if not k.startswith(prefix) or (limit is not None and len(out) >= limit):
+                break
+            out.append((k, d[k]))
+        return out
+
+
+class ObjectTable(dict):
+    """Object id -> ObjectMeta, keeping per-namespace object and byte counts as it changes
+    (so ``stat`` costs O(namespaces), not O(objects)) and, for a bounded number of recently
+    removed ids, the namespace each belonged to (a freed handle is stale in its own
+    namespace and simply not found in any other)."""
+
+    GONE_KEPT = 1 << 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.namespaces: dict[str, list[int]] = {}
+        """namespace -> [objects, bytes]"""
+        self._gone: OrderedDict[int, str] = OrderedDict()
+
+    def __setitem__(self, oid: int, meta: ObjectMeta) -> None:
+        old = dict.get(self, oid)
+        if old is not None:
+            self._count(old, -1)
+        dict.__setitem__(self, oid, meta)
+        self._count(meta, 1)
+
+    def pop(self, oid: int, *default: Any) -> Any:
+        meta = dict.pop(self, oid, _MISSING)
+        if meta is _MISSING:
+            if default:
+                return default[0]
+            raise KeyError(oid)
+        self._count(meta, -1)
+        self._gone[oid] = meta.namespace
+        if len(self._gone) > self.GONE_KEPT:
+            self._gone.popitem(last=False)
+        return meta
+
+    def __delitem__(self, oid: int) -> None:
+        self.pop(oid)
+
+    def gone_namespace(self, oid: int) -> str | None:
+        """The namespace of a recently removed id (None: not remembered)."""
+        return self._gone.get(oid)
+
+    def _count(self, meta: ObjectMeta, sign: int) -> None:
+        c = self.namespaces.get(meta.namespace)
+        if c is None:
+            c = self.namespaces[meta.namespace] = [0, 0]
+        c[0] += sign
+        c[1] += sign * meta.spec.nbytes
+        if c[0] <= 0:
+            del self.namespaces[meta.namespace]

@@ -6,6 +6,12 @@ integer ``id`` and a string ``op``; every reply carries the same ``id`` and eith
 ``ok`` (the result) or ``err`` (``{code, message}``). The first request on a
 connection must be ``hello``; its reply carries the host arena's memfd via
 ``SCM_RIGHTS``. Tensor bytes never travel on the socket.
+
+A reply larger than ``PACKET_BYTES`` travels as consecutive fragment packets
+(``{"frag": bytes, "more": bool}``; the client joins them and decodes the whole), for
+clients that said ``fragments: true`` in hello: one SEQPACKET message can be no bigger
+than the socket's send buffer. Listings are paged besides (``keys``/``ls`` with
+``after``, ``namespaces``), so no caller needs a reply of unbounded size.
 """
 
 from __future__ import annotations
@@ -16,17 +22,22 @@ import msgpack
 
 from .errors import InvalidArgument, ProtocolError, TierstoreError
 
-__all__ = ["PROTOCOL_VERSION", "OPS", "encode", "decode", "reply_ok", "reply_err", "field", "MAX_REPLY_BYTES"]
+__all__ = ["PROTOCOL_VERSION", "OPS", "encode", "decode", "reply_ok", "reply_err", "field", "MAX_REPLY_BYTES",
+           "PACKET_BYTES", "PAGE_BYTES", "fragments"]
 
 PROTOCOL_VERSION = 1
 MAX_REPLY_BYTES = 16 << 20
-"""Replies (a large ``ls`` or ``stat``) may be bigger than requests; SEQPACKET allows it."""
+"""The largest reply the daemon builds (fragmented on the wire); larger: an error reply."""
+PACKET_BYTES = 64 << 10
+"""The largest single packet the daemon sends: well under any socket send buffer."""
+PAGE_BYTES = 256 << 10
+"""About how much one page of a listing (``keys``, ``ls``, ``namespaces``) holds."""
 
 OPS = frozenset({
     "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "checkout_many", "checkout_each",
     "release",
     "release_many", "free", "lookup",
-    "keys", "ls", "info", "prefetch", "step", "stat", "ping", "scratch", "put_staged", "gpu_attach", "client_info",
+    "keys", "ls", "namespaces", "info", "prefetch", "step", "stat", "ping", "scratch", "put_staged", "gpu_attach", "client_info",
 })
 
 
@@ -49,6 +60,12 @@ def decode(data: bytes, max_bytes: int) -> dict[str, Any]:
 
 def reply_ok(rid: int, result: Any) -> bytes:
     return encode({"id": rid, "ok": result})
+
+
+def fragments(blob: bytes, size: int = PACKET_BYTES) -> list[bytes]:
+    """A reply too big for one packet as fragment packets, in order."""
+    n = len(blob)
+    return [encode({"frag": blob[i:i + size], "more": i + size < n}) for i in range(0, n, size)]
 
 
 def reply_err(rid: int | None, err: TierstoreError) -> bytes:

@@ -38,7 +38,7 @@ from .engine import select_engine
 from .gpu import GpuTier, detect_backend
 from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists, NotFound,
                      StaleHandle, TierstoreError)
-from .index import Handle, ObjectMeta, validate_key, validate_namespace
+from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, validate_key, validate_namespace
 from .hostindex import HostIndexLog
 from .journal import Journal
 from .nvme import NvmeTier
@@ -142,8 +142,8 @@ class Store(Leasing, Puts, Movement, Recovery):
         self._started = time.monotonic()
         self._cv = threading.Condition(threading.Lock())
         self._closed = False
-        self._objects: dict[int, ObjectMeta] = {}
-        self._keys: dict[tuple[str, str], int] = {}
+        self._objects = ObjectTable()
+        self._key_index = KeyIndex()
         self._ns_owner: dict[str, int] = {}
         self._reservations: dict[int, Reservation] = {}
         self._scratch: dict[Any, tuple[int, int]] = {}
@@ -354,37 +354,55 @@ class Store(Leasing, Puts, Movement, Recovery):
             oid = self._keys.get((self._ns(namespace), key))
             return None if oid is None else self._objects[oid].handle
 
+    @property
+    def _keys(self) -> KeyIndex:
+        """(namespace, key) -> object id (a ``KeyIndex``: sorted per namespace)."""
+        return self._key_index
+
+    @_keys.setter
+    def _keys(self, value: Any) -> None:  # journal replay rebuilds it as a plain dict
+        self._key_index = value if isinstance(value, KeyIndex) else KeyIndex(value)
+
     def keys(self, prefix: str = "", *, namespace: str | None = None) -> list[str]:
-        if not isinstance(prefix, str):
-            raise InvalidArgument("prefix must be a str")
+        return [k for k, _ in self.key_page(prefix, namespace=namespace)]
+
+    def key_page(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
+                 namespace: str | None = None) -> list[tuple[str, Handle]]:
+        """``(key, handle)`` of the namespace's keys starting with ``prefix``, in key order,
+        after the key ``after`` (exclusive), at most ``limit``: one page of a listing, in
+        O(log n + limit) of this namespace alone."""
+        if not isinstance(prefix, str) or not (after is None or isinstance(after, str)):
+            raise InvalidArgument("prefix and after must be str")
         ns = self._ns(namespace)
         with self._cv:
-            return sorted(k for (n, k) in self._keys if n == ns and k.startswith(prefix))
+            return [(k, self._objects[oid].handle) for k, oid in self._keys.scan(ns, prefix, after, limit)]
 
     def info(self, handle: Handle | int | str, *, namespace: str | None = None) -> dict[str, Any]:
         """Metadata of one object: key, dtype, shape, nbytes, residency, leases, durability."""
         h = Handle.parse(handle)
         with self._cv:
-            m = self._get_meta(h, self._ns(namespace))
-            return {"handle": str(m.handle), "key": m.key, "namespace": m.namespace, "kind": m.spec.kind,
+            return self._info(self._get_meta(h, self._ns(namespace)))
+
+    @staticmethod
+    def _info(m: ObjectMeta) -> dict[str, Any]:
+        return {"handle": str(m.handle), "key": m.key, "namespace": m.namespace, "kind": m.spec.kind,
                     "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes,
                     "residency": m.residency(), "dirty": (m.host_valid or m.gpu_loc is not None) and not m.nvme_valid,
-                    "readers": m.readers, "writer": m.writer, "durable": m.durable,
-                    "ephemeral": m.ephemeral is not None}
+                "readers": m.readers, "writer": m.writer, "durable": m.durable,
+                "ephemeral": m.ephemeral is not None}
 
     def ls(self, prefix: str = "", *, namespace: str | None = None) -> list[dict[str, Any]]:
         """``info`` of every keyed object in the namespace whose key starts with ``prefix``."""
+        return self.ls_page(prefix, namespace=namespace)
+
+    def ls_page(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
+                namespace: str | None = None) -> list[dict[str, Any]]:
+        """One page of ``ls``: as ``key_page``, with each object's ``info``."""
+        if not isinstance(prefix, str) or not (after is None or isinstance(after, str)):
+            raise InvalidArgument("prefix and after must be str")
         ns = self._ns(namespace)
         with self._cv:
-            hs = sorted((k, self._objects[oid].handle) for (n, k), oid in self._keys.items()
-                        if n == ns and k.startswith(prefix))
-        out = []
-        for _, h in hs:
-            try:
-                out.append(self.info(h, namespace=ns))
-            except NotFound:  # freed meanwhile
-                continue
-        return out
+            return [self._info(self._objects[oid]) for _, oid in self._keys.scan(ns, prefix, after, limit)]
 
     def snapshot(self, dest: str, *, prefix: str = "", namespace: str | None = None,
                  progress: bool | None = None) -> dict[str, Any]:
@@ -444,21 +462,21 @@ class Store(Leasing, Puts, Movement, Recovery):
         meta = self._objects.get(oid)
         return meta.nbytes if meta is not None else 0
 
+    def stat_namespaces(self) -> dict[str, dict[str, int]]:
+        """Objects and bytes per namespace, from counters kept as objects come and go: O(namespaces)."""
+        with self._cv:
+            return {ns: {"objects": c[0], "bytes": c[1]} for ns, c in self._objects.namespaces.items()}
+
     def stat(self) -> dict[str, Any]:
         with self._cv:
             metas = list(self._objects.values())
         # counted outside the lock (one pass, O(objects)): a put or a move racing with it
         # shows up in this stat or the next, and nothing else waits for the count
         host_objs = nvme_objs = 0
-        namespaces: dict[str, dict[str, int]] = {}
         for m in metas:
             host_objs += m.host_valid
             nvme_objs += m.nvme_valid
-            d = namespaces.get(m.namespace)
-            if d is None:
-                d = namespaces[m.namespace] = {"objects": 0, "bytes": 0}
-            d["objects"] += 1
-            d["bytes"] += m.spec.nbytes
+        namespaces = self.stat_namespaces()
         with self._cv:
             return {
                 "tiers": {
@@ -555,14 +573,16 @@ class Store(Leasing, Puts, Movement, Recovery):
     def _get_meta(self, h: Handle, ns: str) -> ObjectMeta:
         self._check_open()
         meta = self._objects.get(h.id)
+        # nothing outside the caller's namespace is told apart from nothing at all: an id
+        # another namespace holds (or held) is NotFound, whatever its generation
         if meta is None or meta.freeing:
-            if h.id < self._next_id:
+            if (meta.namespace if meta is not None else self._objects.gone_namespace(h.id)) == ns:
                 raise StaleHandle(f"handle {h} names a freed object; look the key up again")
-            raise NotFound(f"no object with handle {h}")
-        if meta.gen != h.gen:
-            raise StaleHandle(f"handle {h} is stale (the object now has generation {meta.gen})")
+            raise NotFound(f"no object with handle {h} in namespace {ns!r}")
         if meta.namespace != ns:
             raise NotFound(f"no object with handle {h} in namespace {ns!r}")
+        if meta.gen != h.gen:
+            raise StaleHandle(f"handle {h} is stale (the object now has generation {meta.gen})")
         return meta
 
     def _bind(self, meta: ObjectMeta, replace: bool) -> ObjectMeta | None:

@@ -1,0 +1,237 @@
+"""The daemon at scale: listings of any size, bounded per-connection memory, index scans
+confined to one namespace, no cross-namespace handle oracle, connection caps with room
+for root. Real daemon processes, real client processes, real sockets."""
+
+import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import torch
+
+from tierstore import NotFound, StaleHandle
+from tierstore.index import KeyIndex
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+
+
+def _fill(c, n, prefix="layer", pad=40):
+    x = torch.zeros(4)
+    keys = [f"{prefix}{i:05d}/" + "x" * pad for i in range(n)]
+    for f in [c.put_async(x, key=k) for k in keys]:
+        f.result()
+    return keys
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tierstore.client.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _raw(sock_path, namespace, fragments):
+    """A bare protocol client: hello (taking fragments or not), nothing else."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sock_path)
+    s.settimeout(30)
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": namespace, "fragments": fragments}))
+    _data, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
+    for fd in fds:
+        os.close(fd)
+    return s
+
+
+def test_a_namespace_of_5000_objects_lists_and_snapshots(daemon, tmp_path):
+    """keys()/ls() of 5 000 objects (~250 KB of keys, ~1.3 MB of ls: more than one socket
+    message could ever hold), `tierstore ls` and `tierstore snapshot` through the daemon."""
+    with daemon.client("big") as c:
+        keys = _fill(c, 5000)
+        assert c.keys() == keys
+        rows = c.ls()
+        assert [r["key"] for r in rows] == keys and all(r["nbytes"] == 16 for r in rows)
+        assert list(c.iter_keys(page=7)) == keys  # a small page: many round trips, none twice
+        assert [r["key"] for r in c.iter_ls("layer049", page=3)] == [k for k in keys if k.startswith("layer049")]
+        assert c.keys("layer04999") == keys[-1:] and c.keys("nope") == []
+    r = _cli("ls", "--socket", daemon.socket, "--namespace", "big")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 5001 and keys[-1][:40] in r.stdout
+    r = _cli("snapshot", "--socket", daemon.socket, "big", str(tmp_path / "snap"))
+    assert r.returncode == 0, r.stderr
+    assert "5000 objects" in r.stdout, r.stdout
+
+
+def test_a_reply_too_big_for_one_message_is_an_error_not_a_closed_connection(daemon):
+    """A client that takes no fragments and asks for an unpaged listing bigger than one
+    socket message gets an error reply, logged, and keeps its connection."""
+    with daemon.client("wide") as c:
+        _fill(c, 6000, pad=60)
+    s = _raw(daemon.socket, "wide", fragments=False)
+    s.send(msgpack.packb({"id": 1, "op": "keys", "prefix": ""}))
+    reply = msgpack.unpackb(s.recv(1 << 24))
+    assert reply["id"] == 1 and "err" in reply and "pages" in reply["err"]["message"], reply
+    s.send(msgpack.packb({"id": 2, "op": "ping"}))
+    assert msgpack.unpackb(s.recv(1 << 20)) == {"id": 2, "ok": {}}
+    s.close()
+    assert "does not fit one message" in daemon.log.read_text()
+
+
+def test_stat_with_many_long_named_namespaces(daemon):
+    """1 200 namespaces of 200-character names: stat() and `tierstore stat --json` list them all."""
+    names = [f"{i:04d}-" + "n" * 195 for i in range(1200)]
+    code = r"""
+import sys, torch
+from tierstore.client import Client
+for ns in sys.argv[2:]:
+    with Client.connect(socket=sys.argv[1], namespace=ns) as c:
+        c.put(torch.zeros(1), key="k")
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code, daemon.socket, *names[i::4]]) for i in range(4)]
+    assert all(p.wait(timeout=600) == 0 for p in procs)
+    with daemon.client("watcher") as c:
+        st = c.stat()
+        assert sorted(st["namespaces"]) == names and st["namespaces_total"] == 1200
+        assert all(v == {"objects": 1, "bytes": 4} for v in st["namespaces"].values())
+        assert dict(c.iter_namespaces()) == st["namespaces"]
+    r = _cli("stat", "--socket", daemon.socket, "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["namespaces"]) == 1200
+
+
+def _mem_kib(pid, field="VmRSS"):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+_FLOOD = r"""
+import os, socket, sys, msgpack
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": "flood", "fragments": True}))
+_, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
+s.send(msgpack.packb({"id": 1, "op": "lookup", "key": "held"}))
+h = msgpack.unpackb(s.recv(1 << 20))["ok"]
+s.send(msgpack.packb({"id": 2, "op": "checkout", "handle": h, "mode": "rw"}))
+assert "ok" in msgpack.unpackb(s.recv(1 << 20))
+print("holding", flush=True)
+sent = 0
+try:
+    for i in range(3, 6003):  # never reads another reply
+        s.send(msgpack.packb({"id": i, "op": "keys", "prefix": ""}))
+        sent += 1
+except OSError as e:
+    print("closed by the daemon after", sent, "requests:", e, flush=True)
+    sys.exit(0)
+print("never closed", flush=True)
+"""
+
+
+def test_a_client_that_stops_reading_is_disconnected_and_memory_stays_bounded(daemon):
+    """6 000 unread ~100 KB replies would be 600 MB; the daemon holds at most its outbox
+    limit, disconnects the reader with a log line, releases its lease, and serves others."""
+    with daemon.client("flood") as c:
+        _fill(c, 1500, pad=50)
+        c.put(torch.zeros(4), key="held")
+    rss0 = _mem_kib(daemon.proc.pid)
+    with open(f"/proc/{daemon.proc.pid}/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS (VmHWM) starts again from here
+    flood = subprocess.Popen([sys.executable, "-c", _FLOOD, daemon.socket], stdout=subprocess.PIPE, text=True)
+    assert flood.stdout.readline().startswith("holding")
+    with daemon.client("other") as other:
+        other.ping()
+        out = flood.communicate(timeout=300)[0]
+        assert "closed by the daemon" in out, out
+        other.put(torch.ones(2), key="x")
+        assert other.keys() == ["x"]
+    grown_mib = (_mem_kib(daemon.proc.pid, "VmHWM") - rss0) / 1024
+    assert grown_mib < 150, f"daemon grew by {grown_mib:.0f} MiB at its peak"
+    assert "does not read its replies" in daemon.log.read_text()
+    with daemon.client("flood") as c:  # the lease ended with the connection
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with c.checkout(c.lookup("held"), "rw", timeout_s=1):
+                    break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def test_a_handle_from_another_namespace_is_not_found(daemon):
+    """Live, replaced or freed, an id of another namespace is NotFound; never "stale
+    (the object now has generation G)", which would tell that the id exists."""
+    with daemon.client("a") as a, daemon.client("b") as b:
+        live = a.put(torch.ones(2), key="k")
+        gone = a.put(torch.ones(2), key="f")
+        a.free(gone)
+        other_gen = type(live)(live.id, live.gen + 1)
+        for h in (live, other_gen, gone):
+            for call in (b.get, b.info, b.free):
+                with pytest.raises(NotFound) as e:
+                    call(h)
+                assert type(e.value) is NotFound and "generation" not in str(e.value), (h, e.value)
+        with pytest.raises(StaleHandle):  # in its own namespace a freed handle is stale
+            a.get(gone)
+        with pytest.raises(StaleHandle, match="generation"):
+            a.get(other_gen)
+
+
+_HOLD = r"""
+import os, sys
+uid, n = int(sys.argv[3]), int(sys.argv[4])
+from tierstore.client import Client
+from tierstore import TierstoreError
+import tierstore.errors, tierstore.tensors, tierstore.arena, numpy, msgpack
+os.setgroups([]); os.setgid(int(sys.argv[5])); os.setuid(uid)
+cs = []
+try:
+    for _ in range(n):
+        cs.append(Client.connect(socket=sys.argv[1], namespace=sys.argv[2]))
+    print("admitted", len(cs), flush=True)
+except TierstoreError as e:
+    print("admitted", len(cs), "refused:", e, flush=True)
+sys.stdin.read()  # hold them until told
+"""
+
+
+@needs_root
+def test_connection_caps_leave_room_for_root_and_other_uids(daemon_factory):
+    import grp
+
+    nobody = pwd.getpwnam("nobody")
+    group = grp.getgrgid(nobody.pw_gid).gr_name
+    d = daemon_factory("--allowed-group", group, "--max-clients", "32", "--max-clients-per-uid", "16", public=True)
+    held = []
+
+    def hold(uid, ns, n):
+        p = subprocess.Popen([sys.executable, "-c", _HOLD, d.socket, ns, str(uid), str(n), str(nobody.pw_gid)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HOME": "/tmp"})
+        held.append(p)
+        return p.stdout.readline()
+
+    try:
+        line = hold(nobody.pw_uid, "n1", 20)
+        assert line.startswith("admitted 16 refused") and "max_clients_per_uid" in line, line
+        line = hold(nobody.pw_uid - 1, "n2", 20)  # another uid still gets in, up to the root reserve
+        assert line.startswith("admitted 14 refused") and "kept for root" in line, line
+        with d.client(), d.client() as c:  # root: the last two
+            c.ping()
+    finally:
+        for p in held:
+            p.stdin.close()
+            p.wait(timeout=60)
+
+
+def test_key_index_pages_one_namespace_in_order():
+    ki = KeyIndex({("a", "x2"): 2, ("a", "x1"): 1, ("a", "y"): 3, ("b", "x0"): 4})
+    assert ki.scan("a") == [("x1", 1), ("x2", 2), ("y", 3)]
+    assert ki.scan("a", "x") == [("x1", 1), ("x2", 2)]
+    assert ki.scan("a", "x", after="x1") == [("x2", 2)]
+    assert ki.scan("a", "x", after="a") == [("x1", 1), ("x2", 2)]  # a cursor before the prefix
+    assert ki.scan("a", "", after="x1", limit=1) == [("x2", 1 + 1)]
+    assert ki.scan("c") == [] and len(ki) == 4 and ki.count("a") == 3
+    del ki[("b", "x0")]
+    assert ki.count("b") == 0 and ("b", "x0") not in ki and ki.pop(("b", "x0"), None) is None
