@@ -98,3 +98,78 @@ def test_pipeline_stages_with_offloaded_parameters_and_optimizer_equal_plain(dae
     """Two pipeline stages, 4 microbatches: each stage's parameters and optimizer state in
     its rank's namespace; per-microbatch losses and parameters equal plain every step."""
     assert_ranks_ok(torchrun(2, "dist_parallel.py", schedule, daemon.socket, "pp-job", "params"), 2, schedule)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _errors(outs):
+    """The lines of the ranks' output that say what failed."""
+    return "\n".join(line for o in outs for line in o.splitlines() if "Error" in line or " ok" in line)[-4000:]
+
+
+def _two_nodes(daemons, *args, node0_stdout=None):
+    """Start both nodes' torchrun (2 ranks each), each with its own node's daemon socket."""
+    port = _free_port()
+    procs = []
+    for node, d in enumerate(daemons):
+        env = dict(os.environ, TIERSTORE_SOCKET=d.socket)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
+               os.path.join(HERE, "dist_nodes.py"), *map(str, args)]
+        out = node0_stdout if node == 0 and node0_stdout is not None else subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_two_nodes_train_with_their_own_daemons_equal_plain(daemon_factory):
+    """Two simulated nodes, a daemon each (separate sockets and NVMe directories), torchrun
+    --nnodes 2 with a localhost rendezvous, 2 ranks per node: each rank's state is in its
+    own node's daemon and the job ends equal to plain AdamW."""
+    daemons = [daemon_factory(name="node0-"), daemon_factory(name="node1-")]
+    procs = _two_nodes(daemons, "nodes-job", 3)
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), _errors(out)
+    for node, d in enumerate(daemons):
+        for rank in (2 * node, 2 * node + 1):
+            assert f"rank {rank} nodes ok from 0" in out[node], out[node][-2000:]
+        with d.client(f"nodes-job/rank{2 * node}") as c:  # each node's daemon holds its own ranks only
+            own = {ns for ns in c.stat()["namespaces"] if ns.startswith("nodes-job/")}
+            assert own == {f"nodes-job/rank{2 * node + r}" for r in range(2)}, own
+
+
+@pytest.mark.slow
+def test_two_nodes_train_with_their_own_daemons_and_resume_after_one_daemon_is_killed(daemon_factory, tmp_path):
+    """Two simulated nodes (a daemon each, separate sockets and NVMe directories; torchrun
+    --nnodes 2 with a localhost rendezvous, 2 ranks per node) train data-parallel with
+    durable offloaded state; node 1's daemon is SIGKILLed after step 3 while the job waits,
+    the job fails, the daemon restarts on the same directory, and the relaunched job resumes
+    at step 3 on every rank and ends equal to plain AdamW."""
+    daemons = [daemon_factory(name="node0-"), daemon_factory(name="node1-")]
+    gate = tmp_path / "gate"
+    node0, node1 = _two_nodes(daemons, "nodes-job", 6, 3, gate)
+    for line in node0.stdout:
+        if line.strip() == "gate":
+            break
+    else:
+        node1.kill()
+        raise AssertionError("the job never reached the gate: " + node1.communicate()[0][-3000:])
+    daemons[1].kill()  # SIGKILL while every rank waits between steps 3 and 4
+    gate.touch()
+    out = [p.communicate(timeout=300)[0] for p in (node0, node1)]
+    assert node1.returncode != 0 and "DaemonUnavailable" in out[1], out[1][-3000:]
+    assert node0.returncode != 0
+    daemons[1].start()
+    procs = _two_nodes(daemons, "nodes-job", 6)
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), _errors(out)
+    for rank in range(4):
+        assert f"rank {rank} nodes ok from 3" in out[rank // 2], out[rank // 2][-2000:]
+    for node, d in enumerate(daemons):
+        with d.client(f"nodes-job/rank{2 * node}") as c:
+            assert {f"nodes-job/rank{2 * node + r}" for r in range(2)} <= set(c.stat()["namespaces"])
