@@ -52,11 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     sn.add_argument("namespace")
     sn.add_argument("dest")
     sn.add_argument("--prefix", default="", help="only keys starting with this")
+    sn.add_argument("--sharded", action="store_true", help="NAMESPACE is a job: every JOB/... namespace on this "
+                    "node goes to DEST (a shared directory), one Zarr store each, with an index")
+    sn.add_argument("--node", help="this node's name in a sharded snapshot's index (default: the host name)")
     rs = sub.add_parser("restore", help="import a snapshot into a namespace")
     _socket_flag(rs)
     rs.add_argument("src")
     rs.add_argument("--namespace", help="target namespace (default: the one the snapshot was taken from)")
     rs.add_argument("--overwrite", action="store_true", help="replace keys the namespace already has")
+    rs.add_argument("--sharded", action="store_true", help="SRC is a sharded snapshot: restore the namespaces its "
+                    "index places on this node")
+    rs.add_argument("--node", help="this node's name in the sharded snapshot's index (default: the host name)")
     return p
 
 
@@ -128,6 +134,21 @@ def _client_command(args: argparse.Namespace) -> int:
                 c.free(h)
                 print(f"freed {k}")
         return rc
+    if args.cmd in ("snapshot", "restore") and args.sharded:
+        from . import sharded
+
+        def ns_client(ns):
+            return connect(args.socket, ns)
+        if args.cmd == "snapshot":
+            doc = sharded.snapshot_job(ns_client, args.namespace, args.dest, node=args.node)
+            for ns, e in doc["namespaces"].items():
+                print(f"{ns}: {e['objects']} objects, {format_size(e['bytes'])} -> {e['store']}")
+            print(f"node {doc['node']}: {len(doc['namespaces'])} namespaces of {doc['job']} -> {args.dest}")
+        else:
+            done = sharded.restore_job(ns_client, args.src, node=args.node, overwrite=args.overwrite)
+            for ns, r in done.items():
+                print(f"restored {r['objects']} objects, {format_size(r['bytes'])} into {ns}")
+        return 0
     if args.cmd == "snapshot":
         with connect(args.socket, args.namespace) as c:
             r = c.snapshot(args.dest, prefix=args.prefix)

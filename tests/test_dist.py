@@ -173,3 +173,54 @@ def test_two_nodes_train_with_their_own_daemons_and_resume_after_one_daemon_is_k
     for node, d in enumerate(daemons):
         with d.client(f"nodes-job/rank{2 * node}") as c:
             assert {f"nodes-job/rank{2 * node + r}" for r in range(2)} <= set(c.stat()["namespaces"])
+
+
+def test_sharded_snapshot_of_two_nodes_has_a_store_per_rank_and_an_index_and_restores_the_layout(
+        daemon_factory, tmp_path):
+    """`tierstore snapshot --sharded` on each of two nodes writes one Zarr store per rank
+    namespace into a shared directory and an index fragment per node; the merged index says
+    which rank is in which store on which node; `tierstore restore --sharded` on fresh
+    daemons puts every rank's objects back into the same namespace on the same node."""
+    import torch
+
+    from tierstore.client.sharded import read_index
+    from tierstore.snapshot import open_snapshot
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "tierstore.client.cli", *map(str, args)], capture_output=True,
+                           text=True, timeout=120)
+        return r
+
+    nodes = [daemon_factory(name="snap-node0-"), daemon_factory(name="snap-node1-")]
+    want = {}
+    for rank in range(4):
+        with nodes[rank // 2].client(f"job7/rank{rank}") as c:
+            for key, t in {f"opt/0.{rank}/exp_avg@0": torch.full((5, 3), float(rank)),
+                           f"params/w{rank}": torch.arange(7 + rank, dtype=torch.int64)}.items():
+                c.put(t, key=key, durable=True)
+                want[(rank, key)] = t
+    with nodes[0].client("other-job/rank0") as c:
+        c.put(torch.ones(2), key="not/this/job")
+    dest = tmp_path / "shared"
+    for n, d in enumerate(nodes):
+        r = cli("snapshot", "--sharded", "--node", f"node{n}", "--socket", d.socket, "job7", dest)
+        assert r.returncode == 0, r.stderr
+        assert f"node node{n}: 2 namespaces of job7" in r.stdout
+    index = read_index(str(dest))
+    assert index["job"] == "job7" and index["ranks"] == {r: f"job7/rank{r}" for r in range(4)}
+    for rank in range(4):
+        e = index["namespaces"][f"job7/rank{rank}"]
+        assert (e["node"], e["store"], e["objects"], e["prefixes"]) == (f"node{rank // 2}", f"rank{rank}.zarr", 2,
+                                                                        ["opt/", "params/"])
+        assert dict(open_snapshot(str(dest / e["store"])).attrs)["namespace"] == f"job7/rank{rank}"
+    fresh = [daemon_factory(name="snap-fresh0-"), daemon_factory(name="snap-fresh1-")]
+    r = cli("restore", "--sharded", "--node", "node9", "--socket", fresh[0].socket, dest)
+    assert r.returncode != 0 and "nothing for node 'node9'" in r.stderr
+    for n, d in enumerate(fresh):
+        r = cli("restore", "--sharded", "--node", f"node{n}", "--socket", d.socket, dest)
+        assert r.returncode == 0, r.stderr
+    for (rank, key), t in want.items():
+        with fresh[rank // 2].client(f"job7/rank{rank}") as c:
+            assert torch.equal(c.get(c.lookup(key)), t), (rank, key)
+        with fresh[1 - rank // 2].client(f"job7/rank{rank}") as c:
+            assert c.lookup(key) is None  # each rank only on its own node

@@ -1,0 +1,139 @@
+"""Sharded snapshots of a distributed job: every node exports the namespaces of the job's
+ranks it holds (``JOB/rank{r}``) to a shared directory, one Zarr store per namespace, and
+writes an index fragment naming them; together the fragments say which rank's state is in
+which store and on which node it lived. A restore puts each node's ranks back, into the
+same namespaces on the node named the same.
+
+This module only arranges per-namespace snapshots (``Client.snapshot`` / ``restore``) and
+the index; nothing here crosses nodes except files in the shared directory. Layout::
+
+    DEST/rank0.zarr, DEST/rank1.zarr, ...      one Zarr v3 store per namespace
+    DEST/index/NODE.json                       {"job", "node", "namespaces": {NS: entry}}
+
+Each node writes only its own fragment (atomically, so a reader sees a whole one or none),
+so nodes need no coordination; ``read_index`` merges them and refuses a namespace that two
+fragments claim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket as _socket
+import tempfile
+from typing import Any, Callable
+
+from tierstore.errors import InvalidArgument, NotFound
+
+__all__ = ["snapshot_job", "restore_job", "read_index", "INDEX_DIR"]
+
+INDEX_DIR = "index"
+_FORMAT = 1
+_RANK = re.compile(r"rank(\d+)$")
+
+
+def _node_name(node: str | None) -> str:
+    name = node or _socket.gethostname()
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name):
+        raise InvalidArgument(f"node name {name!r} is not a plain file name; pass --node with letters, digits, . _ -")
+    return name
+
+
+def _store_name(job: str, namespace: str) -> str:
+    """The Zarr store of a namespace: its part after ``JOB/``, made a plain file name."""
+    rest = namespace[len(job) + 1:]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", rest) + ".zarr"
+
+
+def _write_json_atomic(path: str, doc: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".partial-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())  # whole on disk before it gets its name
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)  # the rename itself survives a crash
+    finally:
+        os.close(dfd)
+
+
+def snapshot_job(connect: Callable[[str], Any], job: str, dest: str, *, node: str | None = None,
+                 progress: bool | None = False) -> dict[str, Any]:
+    """Snapshot every namespace ``JOB/...`` of this node's daemon into ``dest`` (a shared
+    directory), one Zarr store each, and write this node's index fragment. ``connect(ns)``
+    gives a client in namespace ``ns`` (closed by a ``with``). Returns the fragment."""
+    job = job.rstrip("/")
+    name = _node_name(node)
+    with connect(job) as c:
+        namespaces = sorted(ns for ns in c.stat()["namespaces"] if ns.startswith(job + "/"))
+    if not namespaces:
+        raise NotFound(f"this node's daemon has no namespace under {job + '/'!r}; is the job name right?")
+    os.makedirs(os.path.join(dest, INDEX_DIR), exist_ok=True)
+    entries: dict[str, Any] = {}
+    for ns in namespaces:
+        store = _store_name(job, ns)
+        with connect(ns) as c:
+            r = c.snapshot(os.path.join(dest, store), progress=progress)
+            keys = c.keys(prefix="")
+        m = _RANK.search(ns)
+        entries[ns] = {"store": store, "rank": int(m.group(1)) if m else None, "objects": r["objects"],
+                       "bytes": r["bytes"], "prefixes": sorted({k.split("/", 1)[0] + "/" for k in keys if "/" in k})}
+    doc = {"format": _FORMAT, "job": job, "node": name, "namespaces": entries}
+    _write_json_atomic(os.path.join(dest, INDEX_DIR, name + ".json"), doc)
+    return doc
+
+
+def read_index(dest: str) -> dict[str, Any]:
+    """The merged index of a sharded snapshot: ``{"job", "namespaces": {NS: entry + "node"},
+    "ranks": {rank: NS}}``."""
+    d = os.path.join(dest, INDEX_DIR)
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
+    except FileNotFoundError:
+        raise NotFound(f"{dest} has no {INDEX_DIR}/ directory; is it a sharded snapshot (tierstore snapshot "
+                       "--sharded)?") from None
+    job, merged, ranks = None, {}, {}
+    for n in names:
+        with open(os.path.join(d, n)) as f:
+            doc = json.load(f)
+        if doc.get("format") != _FORMAT:
+            raise InvalidArgument(f"{os.path.join(d, n)} is index format {doc.get('format')!r}; this tierstore "
+                                  f"reads format {_FORMAT}")
+        if job is not None and doc["job"] != job:
+            raise InvalidArgument(f"{dest} holds fragments of two jobs, {job!r} and {doc['job']!r}")
+        job = doc["job"]
+        for ns, e in doc["namespaces"].items():
+            if ns in merged:
+                raise InvalidArgument(f"namespace {ns!r} is claimed by nodes {merged[ns]['node']!r} and "
+                                      f"{doc['node']!r}; remove the stale fragment from {d}")
+            merged[ns] = dict(e, node=doc["node"])
+            if e.get("rank") is not None:
+                ranks[e["rank"]] = ns
+    if job is None:
+        raise NotFound(f"{d} holds no index fragment; was the snapshot finished on any node?")
+    return {"job": job, "namespaces": merged, "ranks": dict(sorted(ranks.items()))}
+
+
+def restore_job(connect: Callable[[str], Any], src: str, *, node: str | None = None, overwrite: bool = False,
+                progress: bool | None = False) -> dict[str, Any]:
+    """Restore the namespaces the index places on ``node`` (this host's name by default)
+    into this node's daemon, each from its own store. Returns ``{namespace: result}``."""
+    name = _node_name(node)
+    index = read_index(src)
+    mine = {ns: e for ns, e in index["namespaces"].items() if e["node"] == name}
+    if not mine:
+        nodes = sorted({e["node"] for e in index["namespaces"].values()})
+        raise NotFound(f"the snapshot in {src} has nothing for node {name!r} (it has {', '.join(nodes)}); "
+                       "pass --node with one of those")
+    done = {}
+    for ns, e in sorted(mine.items()):
+        with connect(ns) as c:
+            done[ns] = c.restore(os.path.join(src, e["store"]), overwrite=overwrite, progress=progress)
+    return done
