@@ -423,6 +423,12 @@ class Client:
     def step(self) -> None:
         self._conn.request("step")
 
+    def report_activations(self, counters: dict[str, Any]) -> None:
+        """Tell the daemon this process's activation-offload counters, for ``stat`` and the
+        metrics (no reply awaited; a daemon that predates them is not told)."""
+        if "activations" in self.server.get("features", ()):
+            self._conn.submit("client_info", activations=counters).add_done_callback(_log_hint_error)
+
     def stat(self, *, ops: bool = False) -> dict[str, Any]:
         """The daemon's state (see DESIGN.md); ``ops=True`` adds per-op counts and latency histograms."""
         st = self._conn.request("stat", ops=ops)

@@ -66,6 +66,12 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     for t in p.get("traces", []):
         lines.append(f"    trace client {t['client']} stream {t['stream']}: {t['state']}, {t['length']} accesses/step, "
                      f"{t['steps']} steps, relearned {t['relearned']}x")
+    a = st.get("activations", {})
+    if a.get("clients"):
+        lines.append(f"  activations ({a['clients']} clients): in flight {format_size(a['bytes_in_flight'])} "
+                     f"(peak {format_size(a['peak_bytes_in_flight'])})  held {format_size(a['held_bytes'])}  "
+                     f"backward stall {a['backward_stall_s']:.3f} s  forward stall {a['forward_stall_s']:.3f} s  "
+                     f"put {format_size(a['offloaded_bytes'])}  fetched {format_size(a['fetched_bytes'])}")
     ns = st.get("namespaces", {})
     lines.append(f"  namespaces ({len(ns)}):")
     for name in sorted(ns):

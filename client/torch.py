@@ -3,14 +3,17 @@
 ``offload_optimizer`` wraps a ``torch.optim`` optimizer so its per-parameter state
 (and fp32 master weights) lives in the store (``optimizer``, with its GPU path in
 ``optimizer_gpu``); ``offload_parameters`` keeps a module's parameters in the store
-and brings each submodule's in just before it runs (``params``). Both work with a
-daemon ``Client`` or an in-process ``tierstore.Store``: they use only put / get /
-checkout / lookup / keys / prefetch / free / step.
+and brings each submodule's in just before it runs (``params``);
+``offload_activations`` keeps the tensors autograd saves for backward in the store
+between forward and backward (``activations``). All work with a daemon ``Client`` or
+an in-process ``tierstore.Store``: they use only put / get / checkout / lookup / keys /
+prefetch / free / step.
 """
 
 from __future__ import annotations
 
+from .activations import ActivationOffload, ActivationStats, offload_activations
 from .optimizer import DEFAULT_BUCKET_BYTES, OffloadedOptimizer, offload_optimizer, offloaded
 from .params import offload_parameters
 
-__all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["ActivationOffload", "ActivationStats", "offload_activations", "OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters", "DEFAULT_BUCKET_BYTES"]

@@ -34,6 +34,11 @@ ITEMSIZE = {
 _MAX_NBYTES = 1 << 50
 _MAX_DIMS = 64
 
+ACTIVATION_FIELDS = frozenset({
+    "bytes_in_flight", "peak_bytes_in_flight", "held_bytes", "peak_held_bytes", "offloaded_bytes",
+    "fetched_bytes", "hits", "late", "misses", "backward_stall_s", "forward_stall_s"})
+"""The activation-offload counters a client may report (``client_info``); ``stat`` sums them."""
+
 _INLINE_STAT_OBJECTS = 20_000
 """Above this many objects a ``stat`` runs on a worker thread, not the event loop."""
 _INLINE_LIST = 4096
@@ -105,13 +110,18 @@ class Handlers:
         sess.fragments = field(msg, "fragments", bool, False)
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source", "unused", "each"]}
+                "gpu_reason": self.store.gpu_reason, "features": ["ephemeral", "batch", "source", "unused", "each", "activations"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
-        arena is page-locked, and why not."""
-        sess.pinned = field(msg, "pinned", bool)
-        sess.pinned_reason = field(msg, "pinned_reason", str, "")[:300]
+        arena is page-locked, and why not; its activation-offload counters."""
+        if "pinned" in msg:
+            sess.pinned = field(msg, "pinned", bool)
+            sess.pinned_reason = field(msg, "pinned_reason", str, "")[:300]
+        acts = field(msg, "activations", dict, None)
+        if acts is not None:
+            sess.activations = {k: float(v) for k, v in acts.items()
+                                if k in ACTIVATION_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
         return {}
 
     def gpu_attach(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

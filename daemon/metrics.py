@@ -89,6 +89,22 @@ def _collector(stat: Callable[[], dict[str, Any]]) -> Any:
                 m = CounterMetricFamily(name, key)
                 m.add_metric([], p[key])
                 yield m
+            a = st.get("activations", {})
+            for name, key, help_ in (
+                    ("tierstore_activation_bytes_in_flight", "bytes_in_flight",
+                     "Activation bytes in the pool (saved in forward, not yet freed by backward)"),
+                    ("tierstore_activation_held_bytes", "held_bytes",
+                     "Activation bytes clients hold in memory for offload (awaiting a put, or fetched back)"),
+                    ("tierstore_activation_backward_stall_seconds", "backward_stall_s",
+                     "Time backward waited for offloaded activations"),
+                    ("tierstore_activation_forward_stall_seconds", "forward_stall_s",
+                     "Time forward waited for activation puts"),
+                    ("tierstore_activation_offloaded_bytes", "offloaded_bytes", "Activation bytes put"),
+                    ("tierstore_activation_fetched_bytes", "fetched_bytes", "Activation bytes fetched back")):
+                # sums over the connected clients that report: gauges (a client that goes takes its share)
+                m = g(name, help_ + "; summed over connected clients")
+                m.add_metric([], a.get(key, 0))
+                yield m
             for name, val, help_ in (("tierstore_clients", st.get("clients", 0), "Connected clients"),
                                      ("tierstore_leases", st["leases"], "Leases held"),
                                      ("tierstore_uptime_seconds", st["uptime_s"], "Daemon uptime")):

@@ -37,7 +37,7 @@ from tierstore.store import Store, WouldBlock
 from tierstore.units import format_size
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
-from .handlers import Handlers
+from .handlers import ACTIVATION_FIELDS, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
 
@@ -82,6 +82,8 @@ class Session:
     pinned: bool | None = None
     """Whether the client page-locked its arena mapping (reported by it; None: not said)."""
     pinned_reason: str = ""
+    activations: dict[str, float] | None = None
+    """The client's activation-offload counters, as it last reported them (None: never)."""
 
     def __hash__(self) -> int:
         return id(self)
@@ -597,8 +599,11 @@ class Server:
     def _server_stats(self) -> dict[str, Any]:
         sessions = [{"session": s.cid, "pid": s.cred.pid, "uid": s.cred.uid, "namespace": s.namespace,
                      "requests": s.requests, "age_s": time.monotonic() - s.opened, "pinned": s.pinned,
-                     "pinned_reason": s.pinned_reason} for s in list(self._sessions.values())]
-        return {"clients": len(self._sessions), "sessions": sessions, "pid": os.getpid(), "socket": self.config.socket,
+                     "pinned_reason": s.pinned_reason,
+                     **({"activations": s.activations} if s.activations is not None else {})}
+                    for s in list(self._sessions.values())]
+        return {"clients": len(self._sessions), "sessions": sessions, "activations": _sum_activations(sessions),
+                "pid": os.getpid(), "socket": self.config.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
                 "connections_accepted": self.accepted, "connections_refused": self.refused,
                 "ops": self.latency.snapshot(), "metrics_port": self.metrics_port}
@@ -612,6 +617,17 @@ class Server:
 def _root_reserve(max_clients: int) -> int:
     """Connections kept for root once all others are taken."""
     return min(8, max_clients // 16)
+
+
+def _sum_activations(sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    """Activation-offload counters summed over the connected clients that report them."""
+    told = [s["activations"] for s in sessions if "activations" in s]
+    total: dict[str, Any] = {k: 0 for k in sorted(ACTIVATION_FIELDS)}
+    for a in told:
+        for k, v in a.items():
+            total[k] += v
+    total["clients"] = len(told)
+    return total
 
 
 def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> None:

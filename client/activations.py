@@ -1,0 +1,587 @@
+"""Activation offload: the tensors autograd saves for backward live in the tierstore
+pool between forward and backward, and come back, prefetched in reverse order, before
+backward asks for them.
+
+Built on ``torch.autograd.graph.saved_tensors_hooks``: this module sees only what
+autograd hands to the pack hook and what it asks back from the unpack hook; it knows
+nothing of modules, parameters' owners or optimizers. Mechanism only: which tensor
+goes (``_worth``), where its bytes are (``_Entry``), and two kinds of background
+worker (puts and frees; fetches).
+
+Life of a saved tensor:
+
+1. pack (forward): small tensors, parameters and leaves that require grad (and views
+   of them), tensor subclasses and conjugate/negative views stay where they are. For
+   the others the byte range of their storage they cover is queued for a put; the
+   forward goes on. A second save of the same storage range (``x`` saved by three
+   projections) shares the first one's object.
+2. put (worker): the bytes go to the pool as one ephemeral uint8 object (host tier,
+   NVMe when the host tier is full); then this process drops its reference.
+3. unpack (backward): the bytes come back from whatever holds them: the tensor itself
+   if its put has not run yet (the last ones saved, needed first), a buffer a fetch
+   already filled, or a fetch now (a stall, counted). The restored tensor has the
+   original's dtype, shape, strides and storage offset (and its alignment mod 512
+   bytes), so the gradients are bit for bit those of the same loop without offload.
+   Each unpack starts fetches of the next entries in reverse save order up to
+   ``prefetch_bytes``, and sends the pool a prefetch hint for the window after that
+   (NVMe to host).
+4. free: when autograd drops the packed handle (after the node that needed it ran, or
+   when a retained graph goes), the object is freed. Objects are ephemeral: a process
+   that dies takes its activations with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tierstore.errors import InvalidArgument, TierstoreError
+
+__all__ = ["ActivationOffload", "ActivationStats", "offload_activations"]
+
+log = logging.getLogger(__name__)
+
+_STREAM = "activations"
+"""The access-sequence tag of activation gets, apart from parameters' and optimizer states'."""
+
+_ALIGN = 512
+"""A range starts this many bytes below its tensor's first byte at most: the restored
+tensor keeps its address modulo this (CPU kernels vectorise by alignment, CUDA's
+allocator aligns to 512), so reductions split the same way and results are identical."""
+
+_REPORT_EVERY_S = 0.5
+"""At most this often (and at the end of each forward and backward) the counters go to the daemon."""
+
+
+@dataclass(slots=True)
+class ActivationStats:
+    """Counters of one ``ActivationOffload`` (``bytes`` are tensor bytes)."""
+
+    saved: int = 0
+    """Tensors autograd handed to the pack hook."""
+    kept: int = 0
+    """Of those, left where they were (small, parameters, leaves that require grad, subclasses)."""
+    kept_bytes: int = 0
+    offloaded: int = 0
+    """Objects put into the pool."""
+    offloaded_bytes: int = 0
+    deduped: int = 0
+    """Saves served by an object of an earlier save of the same storage range."""
+    cancelled: int = 0
+    """Puts not made because backward asked for the tensor first (it was still here)."""
+    fetched_bytes: int = 0
+    """Bytes read back from the pool."""
+    hits: int = 0
+    """Unpacks whose bytes were already here (prefetched, or never sent)."""
+    late: int = 0
+    """Unpacks that waited for a fetch already in flight."""
+    misses: int = 0
+    """Unpacks that had to fetch on demand."""
+    backward_stall_s: float = 0.0
+    """Time unpacks waited for bytes."""
+    forward_stall_s: float = 0.0
+    """Time packs waited for puts, ``inflight_bytes`` being reached."""
+    bytes_in_flight: int = 0
+    """Activation bytes in the pool now (put, not yet freed)."""
+    peak_bytes_in_flight: int = 0
+    held_bytes: int = 0
+    """Bytes this process holds for offloaded tensors: waiting for their put, or fetched back."""
+    peak_held_bytes: int = 0
+    put_errors: int = 0
+    """Puts that failed (the tensor then stays in memory; the error is logged)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One pool object: bytes ``[b0, b1)`` of a storage, and where they are now."""
+
+    seq: int
+    b0: int  # where the range starts in its storage (bytes; a multiple of _ALIGN)
+    nbytes: int
+    device: torch.device
+    src: torch.Tensor | None = None  # the bytes in place, until the put is done (or for good, after an error)
+    queued: bool = False  # a put is queued and has not started: cancellable
+    handle: Any = None  # the pool object, once put
+    buf: torch.Tensor | None = None  # the bytes fetched back
+    fetching: bool = False
+    error: BaseException | None = None  # a fetch failed: the unpack raises it
+    refs: int = 0  # packed handles alive
+    unread: int = 0  # packed handles not yet unpacked (while > 0, buf is kept for them)
+    hinted: bool = False
+    dead: bool = False
+    gpu_ready: Any = None  # a CUDA event after the producer's work: the put waits for it
+
+
+class _Saved:
+    """What autograd holds instead of a tensor: the entry, and the view to rebuild."""
+
+    __slots__ = ("owner", "entry", "dtype", "size", "stride", "first", "span", "unread")
+
+    def __init__(self, owner: "ActivationOffload", entry: _Entry, t: torch.Tensor, first: int, span: int) -> None:
+        self.owner, self.entry = owner, entry
+        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
+        self.first, self.span = first - entry.b0, span  # the tensor's bytes within the entry's
+        self.unread = True
+
+    def view(self, buf: torch.Tensor) -> torch.Tensor:
+        """The saved tensor over ``buf`` (the entry's bytes): same dtype, shape, strides."""
+        return buf[self.first:self.first + self.span].view(self.dtype).as_strided(self.size, self.stride)
+
+    def __del__(self) -> None:
+        # autograd drops this after the node that needed it ran (or when a retained graph goes)
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            owner._drop_ref(self)
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that keep activations in a tierstore pool; see ``offload_activations``."""
+
+    def __init__(self, store: Any, *, min_bytes: int, tier: str | None, inflight_bytes: int, prefetch_bytes: int,
+                 threads: int, wait_s: float) -> None:
+        if min_bytes < 0 or inflight_bytes <= 0 or prefetch_bytes < 0 or threads < 1 or wait_s < 0:
+            raise InvalidArgument("min_bytes and prefetch_bytes must be >= 0, inflight_bytes > 0, threads >= 1, "
+                                  "wait_s >= 0")
+        if tier not in (None, "host", "nvme"):
+            raise InvalidArgument(f"tier must be None, 'host' or 'nvme' for activations, got {tier!r}")
+        features = getattr(store, "server", {}).get("features") if hasattr(store, "server") else None
+        if features is not None and "ephemeral" not in features:
+            raise InvalidArgument("the daemon predates ephemeral objects, which activation offload needs "
+                                  "(they go with a process that dies): restart it with this version")
+        self.store = store
+        self.min_bytes, self.tier, self.wait_s = min_bytes, tier, wait_s
+        self.inflight_bytes, self.prefetch_bytes = inflight_bytes, prefetch_bytes
+        self.stats = ActivationStats()
+        self._cv = threading.Condition(threading.Lock())  # guards every entry field and the counters
+        self._seq = 0
+        self._order: list[_Entry] = []  # live entries in save order (backward reads them in reverse)
+        self._index: dict[int, int] = {}  # id(entry) -> position in _order
+        self._live = 0
+        self._pending = 0  # bytes held for puts not yet done (the forward's bound)
+        self._by_storage: dict[tuple[str, int], list[tuple[Any, int, int, _Entry]]] = {}  # (owner, version, end, entry)
+        self._hooks: list[Any] = []
+        self._closed = False
+        self._last_report = 0.0
+        self._puts: queue.SimpleQueue[tuple[str, _Entry] | None] = queue.SimpleQueue()  # puts and frees, in order
+        self._gets: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._loop, args=(q, name, run), name=f"tierstore-act-{name}{k}",
+                                          daemon=True)
+                         for q, name, run in ((self._puts, "put", self._put_or_free), (self._gets, "fetch", self._fetch))
+                         for k in range(threads)]
+        for w in self._workers:
+            w.start()
+        self._reporter = getattr(store, "report_activations", None)  # a daemon Client: counters for `stat`
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> "ActivationOffload":
+        if self._closed:
+            raise InvalidArgument("this activation offload is closed; make a new one with offload_activations()")
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.pop().__exit__(*exc)
+        self._report(force=True)  # the end of a forward: the most bytes in flight
+
+    # ------------------------------------------------------------------ pack
+    def _worth(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes go to the pool (else autograd keeps ``t`` itself)."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+            return False  # parameters, subclasses (DTensor, ...), sparse and the like stay
+        if t.is_quantized or t.is_conj() or t.is_neg() or t.numel() * t.element_size() < max(self.min_bytes, 1):
+            return False
+        base = t._base if t._base is not None else t
+        return not (base.requires_grad and base.is_leaf)  # a leaf (a weight, an input) is held anyway
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._closed or not self._worth(t):
+            with self._cv:
+                self.stats.saved += 1
+                self.stats.kept += 1
+                self.stats.kept_bytes += t.numel() * t.element_size()
+            return t
+        item = t.element_size()
+        span = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * item
+        first = t.storage_offset() * item
+        b0 = first - first % _ALIGN  # a multiple of every element size
+        owner = t._base if t._base is not None else t
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        with self._cv:
+            self.stats.saved += 1
+            entry = self._shared(key, owner, t._version, first, first + span)
+            if entry is not None:
+                self.stats.deduped += 1
+                entry.refs += 1
+                entry.unread += 1
+                return _Saved(self, entry, t, first, span)
+        with torch.no_grad():  # the storage's bytes [b0, first + span) as one flat uint8 tensor, no copy
+            src = t.detach().as_strided(((first + span - b0) // item,), (1,), b0 // item).view(torch.uint8)
+        ready = None
+        if src.is_cuda:  # the put runs on a worker: it first waits for the work producing t, on t's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(src.device))
+        self._wait_room(src.numel())
+        with self._cv:
+            self._seq += 1
+            entry = _Entry(self._seq, b0, src.numel(), src.device, src=src, queued=True, refs=1, unread=1,
+                           gpu_ready=ready)
+            self._index[id(entry)] = len(self._order)
+            self._order.append(entry)
+            self._live += 1
+            self._pending += entry.nbytes
+            self._held(entry.nbytes)
+            self._by_storage.setdefault(key, []).append((weakref.ref(owner), t._version, first + span, entry))
+        self._puts.put(("put", entry))
+        self._report()
+        return _Saved(self, entry, t, first, span)
+
+    def _shared(self, key: tuple[str, int], owner: torch.Tensor, version: int, first: int,
+                end: int) -> _Entry | None:
+        """(under _cv) A live entry of the same storage, same version, holding [first, end)."""
+        rows = self._by_storage.get(key)
+        if not rows:
+            return None
+        rows[:] = [r for r in rows if not r[3].dead and r[0]() is not None]
+        for ref, ver, e1, entry in rows:
+            # the same owner alive means the same storage (its address was not reused)
+            if ref() is owner and ver == version and entry.b0 <= first and end <= e1:
+                return entry
+        return None
+
+    def _wait_room(self, nbytes: int) -> None:
+        """Bound the bytes held for puts: wait (a forward stall) while they pass ``inflight_bytes``."""
+        with self._cv:
+            if self._pending == 0 or self._pending + nbytes <= self.inflight_bytes:
+                return
+            t0 = time.monotonic()
+            self._cv.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= self.inflight_bytes)
+            self.stats.forward_stall_s += time.monotonic() - t0
+
+    # ------------------------------------------------------------------ unpack
+    def _unpack(self, s: _Saved) -> torch.Tensor:
+        if not isinstance(s, _Saved):
+            return s  # kept in place at pack
+        e = s.entry
+        with self._cv:
+            buf = self._ready(e)
+            if buf is None:
+                t0 = time.monotonic()
+                if e.fetching:
+                    self.stats.late += 1
+                    self._cv.wait_for(lambda: not e.fetching)
+                    buf = self._ready(e)
+                if buf is None:
+                    self.stats.misses += 1
+                    e.fetching = True
+                    self._cv.release()
+                    try:
+                        self._fetch(e)  # on demand, in this thread
+                    finally:
+                        self._cv.acquire()
+                    buf = self._ready(e)
+                self.stats.backward_stall_s += time.monotonic() - t0
+            else:
+                self.stats.hits += 1
+            if e.error is not None:
+                err, e.error = e.error, None
+                raise err
+            if s.unread:
+                s.unread = False
+                e.unread -= 1
+            if e.unread <= 0 and e.buf is not None:  # every handle of it read: the tensor we return holds it now
+                self._held(-e.nbytes)
+                e.buf = None
+            hints = self._prefetch_before(e)
+        if buf.is_cuda:
+            buf.record_stream(torch.cuda.current_stream(buf.device))  # fetched on a worker's stream
+        if hints:
+            self._hint(hints)
+        self._report()
+        return s.view(buf)
+
+    def _ready(self, e: _Entry) -> torch.Tensor | None:
+        """(under _cv) The entry's bytes if this process has them; cancels a put not started."""
+        if e.src is not None:
+            if e.queued:  # backward got here before the put: no need to make it
+                e.queued = False
+                self.stats.cancelled += 1
+                self._pending -= e.nbytes
+                self._cv.notify_all()
+            return e.src
+        return e.buf
+
+    def _prefetch_before(self, e: _Entry) -> list[Any]:
+        """(under _cv) Start fetches of the entries saved before ``e`` (next in backward)
+        up to ``prefetch_bytes``; the handles of the window after that, to hint the pool
+        about (NVMe to host). Only entries not yet read: a retained graph's second
+        backward fetches on demand."""
+        i = self._index.get(id(e))
+        if i is None:
+            return []
+        ahead = hinted = 0
+        hints = []
+        for k in range(i - 1, -1, -1):
+            p = self._order[k]
+            if p.dead or p.unread <= 0:
+                continue
+            if ahead < self.prefetch_bytes:
+                ahead += p.nbytes
+                if p.src is None and p.buf is None and not p.fetching and p.handle is not None:
+                    p.fetching = True
+                    self._gets.put(p)
+            elif hinted < self.prefetch_bytes:
+                hinted += p.nbytes
+                if not p.hinted and p.handle is not None:
+                    p.hinted = True
+                    hints.append(p.handle)
+            else:
+                break
+        return hints
+
+    def _hint(self, hints: list[Any]) -> None:
+        try:
+            self.store.prefetch(hints, wait=False)
+        except TierstoreError as err:  # a hint only (an object freed meanwhile, say)
+            log.debug("activation prefetch hint failed: %s", err)
+
+    # ------------------------------------------------------------------ free
+    def _drop_ref(self, s: _Saved) -> None:
+        e = s.entry
+        with self._cv:
+            e.refs -= 1
+            if s.unread:
+                e.unread -= 1
+            if e.refs > 0 or e.dead:
+                return
+            e.dead = True
+            self._live -= 1
+            if e.queued:  # never put
+                e.queued = False
+                self._pending -= e.nbytes
+                self._cv.notify_all()
+            if e.src is not None or e.buf is not None:
+                self._held(-e.nbytes)
+            e.src = e.buf = None
+            handle, e.handle = e.handle, None
+            if handle is not None:
+                self._in_pool(-e.nbytes)
+            if self._live == 0:  # a backward is over: start the order afresh
+                self._order.clear()
+                self._index.clear()
+                self._by_storage.clear()
+            else:
+                self._index.pop(id(e), None)
+        if handle is not None:
+            if self._closed:  # no workers left
+                self._free(handle)
+            else:
+                self._puts.put(("free", handle))
+        if self._live == 0:
+            self._report(force=True)
+
+    # ------------------------------------------------------------------ workers
+    def _loop(self, jobs: queue.SimpleQueue, name: str, run: Any) -> None:
+        """A worker: ``run`` each job until the ``None`` sentinel; one failure stops nothing."""
+        while True:
+            job = jobs.get()
+            if job is None:
+                log.debug("activation %s worker stopped", name)
+                return
+            try:
+                run(job)
+            except TierstoreError as err:
+                log.warning("activation %s failed: %s", name, err)
+            except Exception:
+                log.exception("activation %s failed", name)
+
+    def _put_or_free(self, job: tuple[str, Any]) -> None:
+        kind, what = job
+        if kind == "free":
+            self._free(what)
+        else:
+            self._put(what)
+
+    def _put(self, e: _Entry) -> None:
+        with self._cv:
+            if not e.queued:
+                return  # cancelled or dropped meanwhile
+            e.queued = False
+            src = e.src
+        try:
+            if e.gpu_ready is not None:
+                e.gpu_ready.synchronize()
+            h = self.store.put(src, tier=self.tier, ephemeral=True, wait_s=self.wait_s)
+        except BaseException as err:
+            with self._cv:  # the tensor stays in memory: backward finds it there
+                self.stats.put_errors += 1
+                self._pending -= e.nbytes
+                self._cv.notify_all()
+            if isinstance(err, TierstoreError):
+                log.warning("activation of %d bytes stays in memory: %s", e.nbytes, err)
+                return
+            raise
+        with self._cv:
+            self._pending -= e.nbytes
+            self._cv.notify_all()
+            self.stats.offloaded += 1
+            self.stats.offloaded_bytes += e.nbytes
+            if e.dead:
+                free = h
+            else:
+                free = None
+                e.handle = h
+                self._in_pool(e.nbytes)
+                if e.src is not None:
+                    self._held(-e.nbytes)
+                e.src = None  # the pool has the bytes: this process lets them go
+        if free is not None:
+            self._free(free)
+
+    def _free(self, handle: Any) -> None:
+        try:
+            self.store.free(handle)
+        except TierstoreError as err:  # gone already (the store closed, say): nothing to give back
+            log.debug("freeing an activation: %s", err)
+
+    def _fetch(self, e: _Entry) -> None:
+        """Read ``e``'s bytes back (``e.fetching`` is set); wakes whoever waits for them."""
+        buf = err = None
+        with self._cv:
+            handle = None if e.dead else e.handle
+        try:
+            if handle is not None:
+                buf = self._read(handle, e)
+        except BaseException as x:
+            err = x
+        with self._cv:
+            e.fetching = False
+            if err is not None:
+                e.error = err
+            elif buf is not None and not e.dead and e.src is None:
+                e.buf = buf
+                self._held(e.nbytes)
+                self.stats.fetched_bytes += e.nbytes
+            elif handle is None and not e.dead and e.src is None and e.buf is None:
+                e.error = TierstoreError("an offloaded activation is gone from the pool before backward used it")
+            self._cv.notify_all()
+
+    def _read(self, handle: Any, e: _Entry) -> torch.Tensor:
+        if e.device.type == "cuda":
+            buf = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+            if hasattr(self.store, "_get_cuda"):  # a daemon client: side-stream copy from the pinned arena
+                self.store.get(handle, out=buf, stream=_STREAM)
+            else:  # an in-process Store reads to host memory
+                buf.copy_(self.store.get(handle, stream=_STREAM))
+            return buf
+        return self.store.get(handle, stream=_STREAM)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every put queued so far is done (benchmarks, tests); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    # ------------------------------------------------------------------ counters
+    def _held(self, delta: int) -> None:
+        st = self.stats
+        st.held_bytes += delta
+        st.peak_held_bytes = max(st.peak_held_bytes, st.held_bytes)
+
+    def _in_pool(self, delta: int) -> None:
+        st = self.stats
+        st.bytes_in_flight += delta
+        st.peak_bytes_in_flight = max(st.peak_bytes_in_flight, st.bytes_in_flight)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as a dict (consistent: taken under the lock)."""
+        with self._cv:
+            return asdict(self.stats)
+
+    def _report(self, force: bool = False) -> None:
+        """Send the counters to the daemon for ``stat`` and the metrics (no reply awaited)."""
+        if self._reporter is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_report < _REPORT_EVERY_S:
+            return
+        self._last_report = now
+        try:
+            self._reporter(self.snapshot())
+        except TierstoreError as err:  # counters only
+            log.debug("reporting activation counters failed: %s", err)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the workers (after the puts and frees queued); later saves stay in memory.
+        Objects of graphs still alive are freed as those graphs go (by the process's
+        end at the latest: they are ephemeral)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._puts.put(None)
+            self._gets.put(None)
+        for w in self._workers:
+            w.join()
+        self._report(force=True)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            for _ in self._workers:
+                self._puts.put(None)
+                self._gets.put(None)
+
+
+def offload_activations(client: Any, *, min_bytes: int = 1 << 20, tier: str | None = None,
+                        inflight_bytes: int = 256 << 20, prefetch_bytes: int = 128 << 20, threads: int = 2,
+                        wait_s: float = 0.0) -> ActivationOffload:
+    """Keep the tensors autograd saves for backward in the pool (``client``: a daemon
+    ``Client`` or an in-process ``tierstore.Store``) from forward to backward.
+
+    Use the result as a context manager around the forward; backward may run outside
+    it (and usually does)::
+
+        acts = offload_activations(client)
+        for x, y in batches:
+            with acts:
+                loss = loss_fn(model(x), y)
+            loss.backward()
+        acts.close()
+
+    Parameters
+    ----------
+    min_bytes
+        Saved tensors smaller than this stay in memory (a pool object costs a round
+        trip or two; below ~1 MiB that costs more than the memory is worth).
+    tier
+        ``None``: the host tier, NVMe when it is full; ``"host"`` or ``"nvme"`` to force one.
+    inflight_bytes
+        At most this many bytes wait in memory for their put; a forward that produces
+        them faster waits (``stats.forward_stall_s``).
+    prefetch_bytes
+        How far backward reads ahead: bytes fetched back before they are asked for
+        (and as many again hinted to the pool, NVMe to host).
+    threads
+        Worker threads per direction (puts and frees; fetches).
+    wait_s
+        How long a put may wait for room in a full pool before the tensor stays in
+        memory instead (``stats.put_errors``, logged).
+
+    Notes
+    -----
+    Parameters, leaves that require grad and views of them stay where they are (the
+    model holds them anyway), as do tensor subclasses such as ``DTensor`` and sparse
+    or quantized tensors. Two saves of the same storage range while its tensor lives
+    share one object. The counters are ``.stats`` (and ``snapshot()``); through a
+    daemon they also appear in ``tierstore stat`` under ``activations``.
+    """
+    return ActivationOffload(client, min_bytes=min_bytes, tier=tier, inflight_bytes=inflight_bytes,
+                             prefetch_bytes=prefetch_bytes, threads=threads, wait_s=wait_s)

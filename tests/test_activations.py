@@ -1,0 +1,347 @@
+"""Activation offload: saved tensors go to the pool in forward and come back in backward,
+bit for bit (loss and every gradient compared with torch.equal)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tierstore.client.torch import offload_activations, offload_optimizer, offload_parameters
+
+D, HEADS, T = 64, 4, 64
+
+
+class Block(nn.Module):
+    """A GPT block with separate q/k/v projections (the same input saved three times)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.f1, self.f2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.ln1(x)
+        q, k, v = (m(y).view(b, t, HEADS, d // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = (q @ k.transpose(-1, -2)) / (d // HEADS) ** 0.5
+        a = a.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        a = nn.functional.dropout(a, 0.1)  # a bool mask saved, and the RNG must line up
+        x = x + self.o((a @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.f2(nn.functional.gelu(self.f1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=2, ckpt=False):
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(D, 50)
+        self.ckpt = ckpt
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), idx.roll(-1, 1).flatten())
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(**kw)
+
+
+def _batch(step, b=2):
+    return torch.randint(0, 50, (b, T), generator=torch.Generator().manual_seed(step))
+
+
+def _step(model, idx, acts=None, seed=7):
+    torch.manual_seed(seed)  # dropout draws the same masks in both runs
+    if acts is None:
+        loss = model(idx)
+    else:
+        with acts:
+            loss = model(idx)
+    loss.backward()
+    return loss.detach()
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _ns_objects(store):
+    return sum(n["objects"] for n in store.stat()["namespaces"].values())
+
+
+def test_training_equals_plain_bit_for_bit_and_frees_every_object(make_store):
+    store = make_store()
+    plain, off = _model(), _model()
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_o = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    acts = offload_activations(store, min_bytes=4096)
+    for step in range(3):
+        lp = _step(plain, _batch(step))
+        lo = _step(off, _batch(step), acts)
+        assert torch.equal(lp, lo) and _same(_grads(plain), _grads(off)), f"step {step} differs"
+        opt_p.step(), opt_o.step()
+        opt_p.zero_grad(), opt_o.zero_grad()
+        assert _ns_objects(store) == 0  # each object went as backward used it
+    st = acts.snapshot()
+    assert st["offloaded"] > 0 and st["fetched_bytes"] > 0 and st["bytes_in_flight"] == 0 and st["held_bytes"] == 0
+    assert st["kept"] > 0  # parameters and small tensors stayed
+    assert st["deduped"] >= 2 * 2 * 3  # ln1's output saved by q, k and v: one object, per block and step
+    assert st["peak_bytes_in_flight"] > 0
+    acts.close()
+    assert _same(list(plain.parameters()), list(off.parameters()))
+
+
+class Save(torch.autograd.Function):
+    """Saves ``keep`` (any dtype, any view) for backward and hands back what it got there."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.save_for_backward(keep)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        Save.seen.append(keep)
+        return g * 2, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool,
+                                   torch.int64, torch.int32, torch.uint8, torch.complex64])
+def test_dtypes_views_and_strides_come_back_exactly(make_store, dtype):
+    store = make_store()
+    acts = offload_activations(store, min_bytes=1)
+    def base():  # a storage of its own per case: each is its own object, no sharing
+        return (torch.randn(40, 70) * 100).to(dtype) if dtype != torch.bool else torch.randn(40, 70) > 0
+    cases = {"whole": base(), "transposed": base().t(), "slice": base()[3:17, 5:61], "step": base()[::3, 1::2],
+             "expanded": base()[7].unsqueeze(0).expand(9, 70), "offset_row": base()[39],
+             "scalar_like": base()[5:6, 9:10]}
+    Save.seen = []
+    x = torch.randn(3, requires_grad=True)
+    with acts:
+        outs = [Save.apply(x, v) for v in cases.values()]
+    refs = [(v.clone(), v.size(), v.stride(), v.data_ptr() % 64) for v in cases.values()]
+    assert acts.flush(timeout_s=60)  # every put done: backward reads the pool
+    sum(o.sum() for o in outs).backward()
+    got = list(reversed(Save.seen))
+    assert acts.stats.offloaded == len(cases) and acts.stats.cancelled == 0
+    for (name, _), (ref, size, stride, align), g in zip(cases.items(), refs, got):
+        assert g.dtype == dtype and g.size() == size and g.stride() == stride, name
+        assert torch.equal(g, ref), name
+        assert g.data_ptr() % 64 == align, name  # same alignment: vector kernels split the same way
+    acts.close()
+    assert _ns_objects(store) == 0
+
+
+def test_the_same_storage_saved_twice_is_put_once(make_store):
+    store = make_store()
+    acts = offload_activations(store, min_bytes=1)
+    x = torch.randn(64, 64, requires_grad=True)
+    with acts:
+        h = x * 3  # one tensor
+        y = Save.apply(Save.apply(x, h), h) + Save.apply(x, h[2:30])  # twice itself, once a view inside it
+    assert acts.flush(timeout_s=60)
+    assert acts.stats.offloaded == 1 and acts.stats.deduped == 2
+    Save.seen = []
+    y.sum().backward()
+    assert torch.equal(Save.seen[0], h[2:30].detach()) and all(torch.equal(s, h.detach()) for s in Save.seen[1:])
+    acts.close()
+
+
+def test_small_tensors_and_parameters_stay_where_they_are(make_store):
+    store = make_store()
+    acts = offload_activations(store, min_bytes=64 << 10)
+    lin = nn.Linear(256, 256)  # a 256 KiB weight: above min_bytes, kept for being a parameter
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(acts._pack(t)) or t, lambda t: t):
+        lin(torch.randn(4, 256, requires_grad=True) * 1).sum()  # a 4 KiB input: kept for being small
+        big = torch.randn(1024, 512, requires_grad=True) * 1
+        (big * big).sum()
+    kept = [p for p in packed if isinstance(p, torch.Tensor)]
+    assert any(p is lin.weight or p._base is lin.weight for p in kept)  # the parameter (or a view): no object
+    assert acts.stats.kept >= 2 and acts.stats.saved == len(packed)
+    # only the 2 MiB activation went (saved twice, as both factors: one object)
+    assert sum(not isinstance(p, torch.Tensor) for p in packed) == 2 and acts.stats.deduped == 1
+    del packed
+    acts.close()
+    assert _ns_objects(store) == 0
+
+
+def test_retain_graph_and_double_backward(make_store):
+    store = make_store()
+
+    def run(acts):
+        torch.manual_seed(0)
+        w = torch.randn(32, 32, requires_grad=True)
+        x = torch.randn(16, 32)
+        if acts:
+            with acts:
+                y = torch.tanh(x @ w).sin().sum()
+        else:
+            y = torch.tanh(x @ w).sin().sum()
+        (g,) = torch.autograd.grad(y, w, create_graph=True, retain_graph=True)
+        y.backward(retain_graph=True)
+        g.square().sum().backward(retain_graph=True)  # through the saved tensors again, as a graph
+        y.backward()  # a third pass over the same saved tensors
+        return w.grad
+    acts = offload_activations(store, min_bytes=1)
+    assert torch.equal(run(None), run(acts))
+    assert acts.stats.misses + acts.stats.hits >= 6
+    acts.close()
+    assert _ns_objects(store) == 0
+
+
+def test_with_activation_checkpointing_only_the_kept_inputs_go(make_store):
+    store = make_store()
+    plain, ck, both = _model(ckpt=False), _model(ckpt=True), _model(ckpt=True)
+    a_all = offload_activations(store, min_bytes=4096)
+    a_ck = offload_activations(store, min_bytes=4096)
+    lp, lc = _step(plain, _batch(0), a_all), _step(ck, _batch(0))
+    lb = _step(both, _batch(0), a_ck)
+    assert torch.equal(lp, lc) and torch.equal(lc, lb)
+    assert _same(_grads(ck), _grads(both)) and _same(_grads(plain), _grads(both))
+    # checkpointing keeps each block's input (one per block): that is all that was offered
+    assert a_ck.stats.saved < a_all.stats.saved / 4
+    assert a_ck.stats.offloaded + a_ck.stats.cancelled >= 1
+    a_all.close(), a_ck.close()
+
+
+def test_with_gradient_accumulation_and_optimizer_and_parameter_offload(make_store):
+    store = make_store(host_bytes="64MiB")
+    plain, off = _model(ckpt=True), _model(ckpt=True)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    undo = offload_parameters(off, store, prefix="p")
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-2), store, tier="nvme", prefix="o")
+    acts = offload_activations(store, min_bytes=1024)
+    for step in range(2):
+        for micro in range(3):
+            lp = _step(plain, _batch(10 * step + micro), seed=micro)
+            lo = _step(off, _batch(10 * step + micro), acts, seed=micro)
+            assert torch.equal(lp, lo)
+        undo.materialize()
+        assert _same(_grads(plain), _grads(off))
+        opt_p.step(), opt_o.step()
+        opt_p.zero_grad(), opt_o.zero_grad()
+        undo.writeback()
+    undo()
+    assert _same(list(plain.parameters()), list(off.parameters()))
+    assert acts.stats.offloaded > 0
+    acts.close()
+
+
+def test_a_full_host_tier_sends_activations_to_nvme(make_store):
+    store = make_store(host_bytes="4MiB")
+    plain, off = _model(), _model()
+    acts = offload_activations(store, min_bytes=4096, inflight_bytes=1 << 20, prefetch_bytes=1 << 20)
+    for step in range(2):
+        lp, lo = _step(plain, _batch(step, 8)), _step(off, _batch(step, 8), acts)
+        assert torch.equal(lp, lo) and _same(_grads(plain), _grads(off))
+    assert acts.stats.peak_bytes_in_flight > 4 << 20  # more than the host tier holds
+    assert store.stat()["tiers"]["nvme"]["bytes_written"] > 0
+    assert acts.stats.put_errors == 0 and _ns_objects(store) == 0
+    acts.close()
+
+
+def test_forward_waits_when_puts_fall_behind(make_store):
+    """inflight_bytes bounds what waits in memory for a put."""
+    store = make_store()
+    acts = offload_activations(store, min_bytes=1, inflight_bytes=1 << 20, threads=1)
+    x = torch.randn(256, 1024, requires_grad=True)  # 1 MiB per saved tensor
+    with acts:
+        y = x
+        for _ in range(12):
+            y = torch.sin(y)  # saves its input
+    assert acts.stats.peak_held_bytes <= 2 * (1 << 20) + 4096
+    y.sum().backward()
+    acts.close()
+
+
+def test_through_a_daemon_and_stat_and_metrics_show_bytes_in_flight(daemon_factory):
+    from test_metrics import _scrape
+
+    daemon = daemon_factory("--metrics-port", "0")
+    with daemon.client("acts") as c:
+        plain, off = _model(), _model()
+        acts = offload_activations(c, min_bytes=4096)
+        lp = _step(plain, _batch(0))
+        torch.manual_seed(7)
+        with acts:
+            lo = off(_batch(0))
+        acts._report(force=True)
+        # the puts finish in the background: stat shows them once the report after them is in
+        st = c.stat()
+        a = st["activations"]
+        assert a["clients"] == 1 and "backward_stall_s" in a and a["peak_bytes_in_flight"] >= 0
+        assert st["namespaces"].get("acts", {}).get("objects", 0) > 0
+        m = _scrape(st["metrics_port"])
+        assert m["tierstore_activation_bytes_in_flight"] == a["bytes_in_flight"]
+        assert m["tierstore_activation_backward_stall_seconds"] == a["backward_stall_s"]
+        lo.backward()
+        assert torch.equal(lp, lo.detach()) and _same(_grads(plain), _grads(off))
+        acts.close()  # reports the last counters
+        a = c.stat()["activations"]
+        assert a["bytes_in_flight"] == 0 and a["peak_bytes_in_flight"] > 0 and a["offloaded_bytes"] > 0
+        assert c.stat()["namespaces"].get("acts", {}).get("objects", 0) == 0
+        from tierstore.client.statview import render
+
+        assert "activations (1 clients): in flight" in render(c.stat())
+
+
+_DIE = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_activations import _model, _batch
+from tierstore.client import Client
+from tierstore.client.torch import offload_activations
+c = Client.connect(socket=sys.argv[1], namespace="dies")
+acts = offload_activations(c, min_bytes=4096)
+with acts:
+    loss = _model()(_batch(0))
+assert acts.flush(timeout_s=60)
+print(acts.snapshot()["offloaded"], flush=True)
+sys.stdin.read()  # killed here, between forward and backward
+"""
+
+
+def test_a_process_that_dies_takes_its_activations_with_it(daemon):
+    p = subprocess.Popen([sys.executable, "-c", _DIE, daemon.socket, os.path.dirname(__file__)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert int(p.stdout.readline()) > 0
+        with daemon.client("dies") as c:
+            assert c.stat()["namespaces"]["dies"]["objects"] > 0
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=60)
+            deadline = time.monotonic() + 30  # a closed connection's ephemeral objects go asynchronously
+            while c.stat()["namespaces"].get("dies", {}).get("objects", 0) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert c.stat()["namespaces"].get("dies", {}).get("objects", 0) == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_fsdp2_under_torchrun(daemon):
+    script = os.path.join(os.path.dirname(__file__), "dist_activations.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        script, daemon.socket, "act-job"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} fsdp2 activations ok" in r.stdout
