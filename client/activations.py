@@ -165,6 +165,7 @@ class ActivationOffload:
         self._index: dict[int, int] = {}  # id(entry) -> position in _order
         self._live = 0
         self._pending = 0  # bytes held for puts not yet done (the forward's bound)
+        self._jobs = 0  # puts, frees and fetches queued or running (flush waits for none)
         self._by_storage: dict[tuple[str, int], list[tuple[Any, int, int, _Entry]]] = {}  # (owner, version, end, entry)
         self._hooks: list[Any] = []
         self._closed = False
@@ -240,7 +241,7 @@ class ActivationOffload:
             self._pending += entry.nbytes
             self._held(entry.nbytes)
             self._by_storage.setdefault(key, []).append((weakref.ref(owner), t._version, first + span, entry))
-        self._puts.put(("put", entry))
+        self._queue(self._puts, ("put", entry))
         self._report()
         return _Saved(self, entry, t, first, span)
 
@@ -337,6 +338,7 @@ class ActivationOffload:
                 ahead += p.nbytes
                 if p.src is None and p.buf is None and not p.fetching and p.handle is not None:
                     p.fetching = True
+                    self._jobs += 1  # (under _cv already)
                     self._gets.put(p)
             elif hinted < self.prefetch_bytes:
                 hinted += p.nbytes
@@ -384,7 +386,7 @@ class ActivationOffload:
             if self._closed:  # no workers left
                 self._free(handle)
             else:
-                self._puts.put(("free", handle))
+                self._queue(self._puts, ("free", handle))
         if self._live == 0:
             self._report(force=True)
 
@@ -402,6 +404,15 @@ class ActivationOffload:
                 log.warning("activation %s failed: %s", name, err)
             except Exception:
                 log.exception("activation %s failed", name)
+            finally:
+                with self._cv:
+                    self._jobs -= 1
+                    self._cv.notify_all()
+
+    def _queue(self, jobs: queue.SimpleQueue, job: Any) -> None:
+        with self._cv:
+            self._jobs += 1
+        jobs.put(job)
 
     def _put_or_free(self, job: tuple[str, Any]) -> None:
         kind, what = job
@@ -485,9 +496,10 @@ class ActivationOffload:
         return self.store.get(handle, stream=_STREAM)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every put queued so far is done (benchmarks, tests); False on timeout."""
+        """Wait until every put, free and fetch queued so far is done (benchmarks, tests:
+        after a backward, the pool holds none of its objects then); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+            return self._cv.wait_for(lambda: self._jobs == 0, timeout=timeout_s)
 
     # ------------------------------------------------------------------ counters
     def _held(self, delta: int) -> None:

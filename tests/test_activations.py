@@ -96,7 +96,7 @@ def test_training_equals_plain_bit_for_bit_and_frees_every_object(make_store):
         assert torch.equal(lp, lo) and _same(_grads(plain), _grads(off)), f"step {step} differs"
         opt_p.step(), opt_o.step()
         opt_p.zero_grad(), opt_o.zero_grad()
-        assert _ns_objects(store) == 0  # each object went as backward used it
+        assert acts.flush(timeout_s=60) and _ns_objects(store) == 0  # each object went as backward used it
     st = acts.snapshot()
     assert st["offloaded"] > 0 and st["fetched_bytes"] > 0 and st["bytes_in_flight"] == 0 and st["held_bytes"] == 0
     assert st["kept"] > 0  # parameters and small tensors stayed
@@ -255,7 +255,7 @@ def test_a_full_host_tier_sends_activations_to_nvme(make_store):
         assert torch.equal(lp, lo) and _same(_grads(plain), _grads(off))
     assert acts.stats.peak_bytes_in_flight > 4 << 20  # more than the host tier holds
     assert store.stat()["tiers"]["nvme"]["bytes_written"] > 0
-    assert acts.stats.put_errors == 0 and _ns_objects(store) == 0
+    assert acts.flush(timeout_s=60) and acts.stats.put_errors == 0 and _ns_objects(store) == 0
     acts.close()
 
 
