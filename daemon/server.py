@@ -9,6 +9,18 @@ buffer wait in a per-connection outbox, bounded in bytes: a client that stops re
 is disconnected, not allowed to grow the daemon). A reply bigger than one packet
 travels as fragments (see protocol.py); a reply that cannot be sent is logged and
 answered with an error, never dropped with the connection.
+
+Three pools, so that no one's wait holds up anyone else's work:
+
+- op workers run requests that touch the disk. One that finds it must wait for
+  another holder (a lease, host room, an object in flight) does not wait there: the
+  store raises ``WouldWait`` and the request moves to
+- wait threads, which may block for as long as the request's ``timeout_s`` (at
+  most ``_WAITS_PER_SESSION`` of them per connection; its further waits queue behind
+  its own). A wait ends when it is satisfied, times out, its connection goes, or the
+  daemon stops (``Store.cancel_waits``).
+- control threads run what releases memory and leases: a closed connection's
+  clean-up, lease revocation and reservation expiry. They never queue behind requests.
 """
 
 from __future__ import annotations
@@ -30,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import Config
-from tierstore.errors import PermissionDenied, ProtocolError, TierstoreError
+from tierstore.errors import Closed, PermissionDenied, ProtocolError, TierstoreError
+from tierstore.leases import WouldWait, wait_context
 from tierstore.preflight import check_dir
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
 from tierstore.store import Store, WouldBlock
@@ -51,6 +64,10 @@ _OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
 """Bytes of replies one connection may leave unread before it is disconnected."""
 _READ_BUDGET_S = 0.002
 """Time one connection's requests may hold the event loop before the others get their turn."""
+_WAIT_THREADS = 128
+"""Requests waiting for another holder at once, all connections together."""
+_WAITS_PER_SESSION = 16
+"""... and per connection: one connection's waits cannot take every wait thread."""
 _MAX_REQUEST_ID = (1 << 63) - 1
 
 
@@ -84,6 +101,10 @@ class Session:
     pinned_reason: str = ""
     activations: dict[str, float] | None = None
     """The client's activation-offload counters, as it last reported them (None: never)."""
+    waiting: int = 0
+    """Its requests on wait threads now (at most ``_WAITS_PER_SESSION``)."""
+    wait_backlog: deque = field(default_factory=deque)
+    """Its further requests that must wait, queued behind those."""
 
     def __hash__(self) -> int:
         return id(self)
@@ -101,6 +122,10 @@ class Server:
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.io_threads), thread_name_prefix="tierstore-op")
+        self._waits = ThreadPoolExecutor(max_workers=_WAIT_THREADS, thread_name_prefix="tierstore-wait")
+        self._wait_lock = threading.Lock()  # guards every session's waiting / wait_backlog
+        self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-ctl")
+        self._expiring: Any = None  # the expiry run in progress, if any (one at a time)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
@@ -255,8 +280,9 @@ class Server:
                 log.info("session %d (pid %d) sent no hello in %.0f s; closing", sess.cid, sess.cred.pid,
                          _HELLO_TIMEOUT_S)
                 self._close(sess)
-        if self.config.lease_timeout_s > 0:
-            self._pool.submit(self.store.expire_leases, self.config.lease_timeout_s)
+        if (self.config.lease_timeout_s > 0 or self.config.reservation_timeout_s > 0) and \
+                (self._expiring is None or self._expiring.done()):
+            self._expiring = self._control.submit(self._expire)
 
     def _shutdown(self) -> None:
         log.info("stopping: draining in-flight requests")
@@ -270,10 +296,14 @@ class Server:
                 pass
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        if self.store is not None:
+            self.store.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
         self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
+        self._waits.shutdown(wait=True)
         self._drain_done()
         for sess in list(self._sessions.values()):
             self._close(sess, sync=True)
+        self._control.shutdown(wait=True)
         if self.store is not None:
             self.store.close()  # drains I/O, flushes the journal
         os.close(self._wake_r)
@@ -454,20 +484,56 @@ class Server:
             return
         self._send(sess, reply_ok(rid, result), rid=rid)
 
-    def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str, t0: float) -> None:
+    def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str, t0: float,
+                      park: bool = True) -> None:
+        """Run a request off the loop: on an op worker (``park``: a wait for another holder
+        moves it to a wait thread) or on a wait thread."""
         try:
-            result = fn(sess, msg, False)
+            with wait_context(park=park, abandoned=lambda: sess.closed):
+                result = fn(sess, msg, False)
             out = (reply_ok(rid, result), op, None)
+        except WouldWait:
+            self._to_wait(sess, (fn, msg, rid, op, t0))
+            return
         except TierstoreError as e:
             out = (reply_err(rid, e), op, e.code)
         except Exception as e:
             log.exception("op %s failed", op)
             out = (reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal")
+        self._finish(sess, rid, *out, time.perf_counter() - t0)
+
+    def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
         if sess.closed:
             # the client went away while this ran: whatever it acquired is released now
             self.store.release_owner(sess)
-        self._done.put((sess, rid, out, time.perf_counter() - t0))
+        self._done.put((sess, rid, (blob, op, code), seconds))
         self._wake()
+
+    def _to_wait(self, sess: Session, job: tuple) -> None:
+        """Give a request that must wait to a wait thread (behind its connection's other
+        waits once it has ``_WAITS_PER_SESSION`` of them)."""
+        with self._wait_lock:
+            if not self._stop.is_set():
+                if sess.waiting < _WAITS_PER_SESSION:
+                    sess.waiting += 1
+                    self._waits.submit(self._wait, sess, job)
+                else:
+                    sess.wait_backlog.append(job)
+                return
+        # stopping: answer now rather than start a wait
+        _fn, _msg, rid, op, t0 = job
+        self._finish(sess, rid, reply_err(rid, Closed("the daemon is stopping; reconnect once it is back")), op,
+                     Closed.code, time.perf_counter() - t0)
+
+    def _wait(self, sess: Session, job: tuple) -> None:
+        try:
+            self._run_blocking(sess, *job, park=False)
+        finally:
+            with self._wait_lock:
+                sess.waiting -= 1
+                if sess.wait_backlog and not self._stop.is_set():
+                    sess.waiting += 1
+                    self._waits.submit(self._wait, sess, sess.wait_backlog.popleft())
 
     def _drain_done(self) -> None:
         while True:
@@ -566,13 +632,25 @@ class Server:
         except (KeyError, ValueError):
             pass
         sess.sock.close()
+        with self._wait_lock:
+            sess.wait_backlog.clear()  # nobody to answer; what they hold goes with the rest below
         log.debug("session %d closed after %d requests", sess.cid, sess.requests)
         # every lease and unfinished put of the connection ends with it, however it ended;
         # a durable rw write-back may touch the disk, so not on the loop thread
         if sync:
             self.store.release_owner(sess)
         else:
-            self._pool.submit(self._release_owner, sess)
+            self._control.submit(self._release_owner, sess)
+
+    def _expire(self) -> None:
+        """(a control thread, once a second) Revoke old leases, drop old reservations."""
+        try:
+            if self.config.lease_timeout_s > 0:
+                self.store.expire_leases(self.config.lease_timeout_s)
+            if self.config.reservation_timeout_s > 0:
+                self.store.expire_reservations(self.config.reservation_timeout_s)
+        except Exception:  # logged; the next tick tries again
+            log.exception("expiring leases and reservations failed")
 
     def _release_owner(self, sess: Session) -> None:
         leases, puts = self.store.release_owner(sess)
@@ -602,8 +680,9 @@ class Server:
                      "pinned_reason": s.pinned_reason,
                      **({"activations": s.activations} if s.activations is not None else {})}
                     for s in list(self._sessions.values())]
+        waiting = sum(s.waiting + len(s.wait_backlog) for s in list(self._sessions.values()))
         return {"clients": len(self._sessions), "sessions": sessions, "activations": _sum_activations(sessions),
-                "pid": os.getpid(), "socket": self.config.socket,
+                "waiting": waiting, "pid": os.getpid(), "socket": self.config.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
                 "connections_accepted": self.accepted, "connections_refused": self.refused,
                 "ops": self.latency.snapshot(), "metrics_port": self.metrics_port}

@@ -1,14 +1,13 @@
 """A real daemon under clients that mean it harm: each test runs hostile client
 processes against a real daemon and checks that the other clients are still served."""
 
+import contextlib
 import json
-import os
 import sys
 
 import numpy as np
 import pytest
 
-from tierstore import NotFound
 
 from conftest import run_py
 
@@ -149,3 +148,151 @@ print("written")
     with daemon.client("ro") as b:
         assert torch.equal(b.get(b.lookup("x")), torch.arange(4096, dtype=torch.float32))
         assert np.array_equal(b.get(b.lookup("y")), np.arange(4096))
+
+
+_HOLDER = """
+import signal, sys, time
+import numpy as np
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="held")
+h = c.put(np.full(1 << 20, 1, np.uint8), key="held")
+lease = c.checkout(h, "rw")
+print("holding", flush=True)
+signal.pause()
+"""
+
+_WAITERS = """
+import sys
+from tierstore.client import Client
+c = Client.connect(socket=sys.argv[1], namespace="held")
+h = int(c.lookup("held"))
+futs = [c._conn.submit("checkout", handle=h, mode="r", timeout_s=3600.0, stream="default") for _ in range(16)]
+print("waiting", flush=True)
+got = 0
+for f in futs:
+    try:
+        c._conn.wait(f)
+        got += 1
+    except Exception as e:
+        print("error", type(e).__name__, e, flush=True)
+print("leased", got, flush=True)
+"""
+
+
+def _start(code: str, *args: str):
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    return p
+
+
+@contextlib.contextmanager
+def _parked(daemon, n: int = 16):
+    """A holder of an rw lease and a client with ``n`` check-outs waiting for it (1 h
+    timeouts), both real processes; yields them once the daemon has every wait, kills
+    what is left of them at the end."""
+    import time
+
+    holder = _start(_HOLDER, daemon.socket)
+    waiters = None
+    try:
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+        waiters = _start(_WAITERS, daemon.socket)
+        assert waiters.stdout.readline().strip() == "waiting", waiters.stderr.read()
+        with daemon.client("watch") as w:
+            deadline = time.monotonic() + 30
+            while w.stat().get("waiting", n) < n:  # (a daemon without the count: the waits are in flight)
+                assert time.monotonic() < deadline, w.stat()
+                time.sleep(0.02)
+        yield holder, waiters
+    finally:
+        for p in (holder, waiters):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_lease_waiters_hold_up_no_one_and_a_killed_holders_release_goes_first(daemon):
+    """16 check-outs waiting (1 h timeouts) for an object another client holds occupy no
+    worker others need: when the holder is SIGKILLed its clean-up runs at once (the
+    waiters get their leases), and another client's durable put, NVMe get and free
+    complete promptly meanwhile and after."""
+    import signal
+    import time
+
+    with _parked(daemon) as (holder, waiters):
+        others = f"""
+import time
+import numpy as np
+from tierstore.client import Client
+c = Client.connect(socket={daemon.socket!r}, namespace="other")
+t0 = time.monotonic()
+h = c.put(np.full(1 << 20, 3, np.uint8), key="d", durable=True, replace=True)
+n = c.put(np.full(1 << 20, 4, np.uint8), key="n", tier="nvme", replace=True)
+assert (c.get(n) == 4).all() and (c.get(h) == 3).all()
+c.free(h)
+print(time.monotonic() - t0)
+"""
+        r = run_py(others, timeout=20)  # before the fix: queued behind the waits, for an hour
+        assert r.returncode == 0 and float(r.stdout) < 10, r.stderr[-2000:]
+        t0 = time.monotonic()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        out, err = waiters.communicate(timeout=20)  # the clean-up released the lease: all 16 served
+        assert "leased 16" in out and time.monotonic() - t0 < 10, (out, err[-2000:])
+        r = run_py(others, timeout=20)
+        assert r.returncode == 0 and float(r.stdout) < 10, r.stderr[-2000:]
+
+
+def test_sigterm_stops_the_daemon_promptly_with_waiters_parked(daemon):
+    """SIGTERM with 16 check-outs waiting (1 h timeouts): the waits end (the waiters get
+    an error, not a hang), the daemon drains and exits cleanly within seconds."""
+    import time
+
+    with _parked(daemon) as (_holder, waiters):
+        t0 = time.monotonic()
+        daemon.proc.terminate()
+        assert daemon.proc.wait(timeout=20) == 0
+        assert time.monotonic() - t0 < 10  # before the fix: the pool drained only as the hour-long waits ended
+        out, err = waiters.communicate(timeout=20)
+        assert "leased 0" in out, (out, err[-2000:])
+
+
+def test_an_abandoned_reservation_expires_and_others_proceed(daemon_factory):
+    """A client process reserves (two-phase put) nearly the whole host tier and goes
+    idle, connected: after ``reservation_timeout_s`` the reservation is dropped, another
+    client's get that needs the room goes through, and the idle client's late commit
+    gets ``NotFound``."""
+    d = daemon_factory(env={"TIERSTORE_RESERVATION_TIMEOUT_S": "2", "TIERSTORE_LEASE_WAIT_S": "20"})
+    with d.client("victim") as v:
+        h = v.put(np.full(16 << 20, 7, np.uint8), key="n", tier="nvme")
+        idle = _start(f"""
+import sys
+from tierstore.client import Client
+c = Client.connect(socket={d.socket!r}, namespace="idle")
+n = c.stat()["tiers"]["host"]["free_bytes"] - (1 << 20)
+r = c._conn.request("put_reserve", kind="numpy", dtype="uint8", shape=[n], nbytes=n, key="big", tier=None,
+                    durable=False, replace=False, wait_s=0.0)
+print("reserved", flush=True)
+sys.stdin.readline()  # idle until told to commit
+try:
+    c._conn.request("put_commit", rid=r["rid"])
+    print("committed", flush=True)
+except Exception as e:
+    print(type(e).__name__, e, flush=True)
+""")
+        try:
+            assert idle.stdout.readline().strip() == "reserved", idle.stderr.read()
+            assert v.stat()["tiers"]["host"]["free_bytes"] < 16 << 20  # the room is reserved
+            assert (v.get(h) == 7).all()  # waits for the room: before the fix, CapacityExceeded after 20 s
+            st = v.stat()
+            assert st["counters"]["reservations_expired"] == 1 and st["reservations"] == 0, st
+            out, err = idle.communicate("commit\n", timeout=30)
+            assert out.splitlines()[-1].startswith("NotFound") and "reservation_timeout_s" in out, (out, err[-2000:])
+            with d.client("idle") as again:
+                assert again.lookup("big") is None
+        finally:
+            if idle.poll() is None:
+                idle.kill()
+                idle.communicate()

@@ -5,18 +5,20 @@ committed in ``puts``, bytes move in ``movement``, state is recovered in ``recov
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from .batch import check_each
 from .gpu import loc_device
-from .errors import Busy, CapacityExceeded, InvalidArgument, NotFound, PermissionDenied, TierstoreError
+from .errors import Busy, CapacityExceeded, Closed, InvalidArgument, NotFound, PermissionDenied, TierstoreError
 from .index import Handle, ObjectMeta, validate_namespace
 from .tensors import TensorSpec
 from .units import PAGE, align_up
 
-__all__ = ["Leasing", "WouldBlock", "Reservation", "LeaseInfo", "LOCAL"]
+__all__ = ["Leasing", "WouldBlock", "WouldWait", "wait_context", "Reservation", "LeaseInfo", "LOCAL"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,39 @@ class WouldBlock(Exception):
     The daemon's event loop calls the store with ``nowait=True`` and, on this,
     hands the request to a worker thread instead; it never reaches a client.
     """
+
+
+class WouldWait(WouldBlock):
+    """Internal: a call made under ``wait_context(park=True)`` would wait for another
+    holder to let go (a lease, host room, an object in flight). Nothing was taken or
+    changed (but what a batch had taken: its ``progress``); the daemon's op worker hands
+    the request to a wait thread and goes on with the next."""
+
+
+@dataclass(slots=True)
+class WaitContext:
+    """How the calls of one daemon request wait (``wait_context``)."""
+
+    park: bool
+    abandoned: Callable[[], bool] | None
+
+
+_waiting = threading.local()
+
+
+@contextmanager
+def wait_context(*, park: bool, abandoned: Callable[[], bool] | None = None) -> Iterator[WaitContext]:
+    """(the daemon) The store calls this thread makes inside wait this way: ``park``: a
+    wait for another holder raises ``WouldWait`` instead (the thread is one other
+    requests need; the request runs again on a thread that may wait, its timeouts
+    counted from then); ``abandoned``: polled while waiting — once true (the requester
+    went away) the wait ends in ``Closed``."""
+    prev = getattr(_waiting, "ctx", None)
+    ctx = _waiting.ctx = WaitContext(park, abandoned)
+    try:
+        yield ctx
+    finally:
+        _waiting.ctx = prev
 
 
 @dataclass(slots=True)
@@ -44,6 +79,8 @@ class Reservation:
     gpu_loc: int | None = None
     committing: bool = False
     """A commit is under way: only it may still abort the reservation."""
+    since: float = 0.0
+    """When it was made (``time.monotonic()``): ``expire_reservations`` drops old ones."""
 
 
 @dataclass(slots=True)
@@ -75,6 +112,32 @@ MAX_BATCH = 4096
 
 class Leasing:
     """Store methods for leases and namespaces (mixed into ``Store``)."""
+
+    _waits_cancelled = False
+
+    # ------------------------------------------------------------ waiting
+    def _wait_for_others(self, remaining: float) -> None:
+        """(under _cv, ``remaining`` > 0) Wait for another holder to let go: a lease, host
+        room, an object in flight. On a daemon op worker, ``WouldWait`` instead; once the
+        daemon is stopping (``cancel_waits``) or the requester is gone, ``Closed``."""
+        ctx = getattr(_waiting, "ctx", None)
+        if ctx is not None:
+            if ctx.park:
+                raise WouldWait()
+            if ctx.abandoned is not None and ctx.abandoned():
+                raise Closed("the connection that asked went away")
+        if self._waits_cancelled:
+            raise Closed("the daemon is stopping; reconnect once it is back")
+        # a notify_all wakes it at any change; the 1 s cap re-checks the requester and the
+        # stop flag
+        self._cv.wait(min(remaining, 1.0))
+
+    def cancel_waits(self) -> None:
+        """End every wait for another holder now and from now on with ``Closed`` (the
+        daemon is stopping: SIGTERM must not wait out anyone's ``timeout_s``)."""
+        with self._cv:
+            self._waits_cancelled = True
+            self._cv.notify_all()
 
     # ------------------------------------------------------------ leases
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
@@ -137,7 +200,7 @@ class Leasing:
                     if remaining <= 0:
                         raise Busy(f"object {h} is leased in a conflicting mode (readers={meta.readers}, "
                                    f"writer={meta.writer}); check it in elsewhere or wait longer")
-                    self._cv.wait(min(remaining, 1.0))
+                    self._wait_for_others(remaining)
                     continue
             if promote:
                 read = mode != "w" or (undoable and meta.gpu_loc is not None)
@@ -193,7 +256,7 @@ class Leasing:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break  # the copy below waits (or says Busy) as a plain check-out does
-                    self._cv.wait(min(remaining, 1.0))
+                    self._wait_for_others(remaining)
             info = self.acquire(dst_h, "w", owner=owner, namespace=ns,
                                 timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
             try:

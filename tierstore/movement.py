@@ -70,7 +70,7 @@ class Movement:
                     if remaining <= 0:
                         self.counters["capacity_errors"] += 1
                         raise CapacityExceeded(full())
-                    self._cv.wait(min(remaining, 0.5))
+                    self._wait_for_others(remaining)
                     continue
             move(victim)
 

@@ -61,7 +61,8 @@ class Puts:
                               durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None,
                               ephemeral=owner if ephemeral else None)
             meta.host_off = None if off < 0 else off
-            res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace)
+            res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace,
+                              since=time.monotonic())
             self._reservations[oid] = res
             return res
 
@@ -80,7 +81,8 @@ class Puts:
             oid = self._new_id()
             meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
                               durable=False, owner_uid=owner_uid)
-            res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace, gpu_loc=loc)
+            res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace, gpu_loc=loc,
+                              since=time.monotonic())
             self._reservations[oid] = res
             return res
 
@@ -89,7 +91,8 @@ class Puts:
         with self._cv:
             res = self._reservations.get(rid)
             if res is None or res.owner != owner:
-                raise NotFound(f"no open reservation {rid} for this connection")
+                raise NotFound(f"no open reservation {rid} for this connection (one left uncommitted for "
+                               "reservation_timeout_s is dropped); put the object again")
             meta = res.meta
             if res.committing:
                 raise InvalidArgument(f"reservation {rid} is already being committed")
@@ -235,6 +238,23 @@ class Puts:
             self._cv.notify_all()
         if extents:
             self.nvme.free(extents)
+
+    def expire_reservations(self, max_age_s: float) -> int:
+        """Drop reservations older than ``max_age_s`` that no commit has taken up (a client
+        that reserved and went idle must not pin the tier for its connection's life); their
+        memory is reused at once. A late commit gets ``NotFound``. Returns how many."""
+        now = time.monotonic()
+        with self._cv:
+            old = [(r.rid, r.owner, r.meta.nbytes) for r in self._reservations.values()
+                   if now - r.since > max_age_s and not r.committing]
+        for rid, owner, nbytes in old:
+            log.warning("dropping reservation %d (%d bytes) left uncommitted for more than %.0f s", rid, nbytes,
+                        max_age_s)
+            self.abort_put(rid, owner=owner)
+        if old:
+            with self._cv:
+                self.counters["reservations_expired"] += len(old)
+        return len(old)
 
     @staticmethod
     def _check_ephemeral(ephemeral: bool, durable: bool) -> None:

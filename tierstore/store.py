@@ -156,7 +156,7 @@ class Store(Leasing, Puts, Movement, Recovery):
             ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
              "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
              "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
-             "source_handovers", "source_copies", "leases_revoked"), 0)
+             "source_handovers", "source_copies", "leases_revoked", "reservations_expired"), 0)
         self._gpu_lru: OrderedDict[int, None] = OrderedDict()
         self.gpu: GpuTier | None = None
         self.host_pinned, self.host_pinned_reason = False, "no GPU tier in this process: host memory is not page-locked"
@@ -636,7 +636,7 @@ class Store(Leasing, Puts, Movement, Recovery):
                 remaining = deadline - time.monotonic()
                 if mine or remaining <= 0:
                     raise Busy(f"object {meta.handle} is checked out; check it in before freeing it")
-                self._cv.wait(min(remaining, 1.0))
+                self._wait_for_others(remaining)
             elif meta.pins or meta.moving:
                 self._cv.wait()
             else:
@@ -685,6 +685,7 @@ class Store(Leasing, Puts, Movement, Recovery):
         h = Handle.parse(handle)
         ns = self._ns(namespace)
         late = False
+        deadline = time.monotonic() + self.config.lease_wait_s
         with self._cv:
             while True:
                 meta = self._get_meta(h, ns)
@@ -692,8 +693,10 @@ class Store(Leasing, Puts, Movement, Recovery):
                     meta.pins += 1
                     return meta, late
                 late = late or meta.prefetching
-                if not self._cv.wait(timeout=self.config.lease_wait_s):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     raise Busy(f"object {h} is checked out for writing; try again after it is checked in")
+                self._wait_for_others(remaining)
 
     def _unpin(self, meta: ObjectMeta) -> None:
         with self._cv:
