@@ -39,8 +39,9 @@ ACTIVATION_FIELDS = frozenset({
     "fetched_bytes", "hits", "late", "misses", "backward_stall_s", "forward_stall_s"})
 """The activation-offload counters a client may report (``client_info``); ``stat`` sums them."""
 
-_INLINE_STAT_OBJECTS = 20_000
-"""Above this many objects a ``stat`` runs on a worker thread, not the event loop."""
+_INLINE_STAT_NAMESPACES = 20_000
+"""Above this many namespaces a ``stat`` runs on a worker thread, not the event loop (its
+cost does not depend on the number of objects)."""
 _INLINE_LIST = 4096
 """An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker thread."""
 PAGE_KEYS = 4096
@@ -308,8 +309,8 @@ class Handlers:
         return {}
 
     def stat(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        if nowait and len(self.store._objects) > _INLINE_STAT_OBJECTS:
-            raise WouldBlock()  # counting many objects would hold up the event loop
+        if nowait and len(self.store._objects.namespaces) > _INLINE_STAT_NAMESPACES:
+            raise WouldBlock()  # sorting many namespaces would hold up the event loop
         st = self.store.stat()
         st.update(self._server_stats())
         # the table of namespaces is one page: the rest through ``namespaces`` from "namespaces_next"

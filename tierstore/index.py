@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedDict
@@ -72,11 +72,11 @@ class ObjectMeta:
     durable: bool
     host_off: int | None = None
     """Offset of the host-arena block, when one is allocated."""
-    host_valid: bool = False
-    """The host block holds the current bytes."""
+    host_valid: InitVar[bool] = False
+    """The host block holds the current bytes (a property: the object table counts them)."""
     nvme: list[Extent] | None = None
     crcs: list[int] | None = None
-    nvme_valid: bool = False
+    nvme_valid: InitVar[bool] = False
     readers: int = 0
     """Shared leases (user check-outs in mode 'r')."""
     writer: bool = False
@@ -102,6 +102,13 @@ class ObjectMeta:
     record: dict[str, Any] | None = None
     """The last journal record written for this (durable) object; compaction rewrites it."""
     extra: dict[str, Any] = field(default_factory=dict)
+    _hv: bool = field(default=False, init=False, repr=False)
+    _nv: bool = field(default=False, init=False, repr=False)
+    _table: Any = field(default=None, init=False, repr=False)
+    """The ObjectTable holding this object, which counts host- and NVMe-resident objects."""
+
+    def __post_init__(self, host_valid: bool, nvme_valid: bool) -> None:
+        self._hv, self._nv = bool(host_valid), bool(nvme_valid)
 
     @property
     def handle(self) -> Handle:
@@ -137,6 +144,35 @@ class ObjectMeta:
 _BAD_KEY_CHARS = frozenset({"Cc", "Cs", "Zl", "Zp"})
 """Controls (newline, tab, NUL, DEL, C1), lone surrogates (not UTF-8) and line/paragraph
 separators: characters that break a listing or cannot be encoded."""
+
+
+def _get_host_valid(self: ObjectMeta) -> bool:
+    return self._hv
+
+
+def _set_host_valid(self: ObjectMeta, v: bool) -> None:
+    v = bool(v)
+    if v != self._hv:
+        self._hv = v
+        if self._table is not None:
+            self._table.host_objects += 1 if v else -1
+
+
+def _get_nvme_valid(self: ObjectMeta) -> bool:
+    return self._nv
+
+
+def _set_nvme_valid(self: ObjectMeta, v: bool) -> None:
+    v = bool(v)
+    if v != self._nv:
+        self._nv = v
+        if self._table is not None:
+            self._table.nvme_objects += 1 if v else -1
+
+
+# (set after the dataclass is made: its __init__ takes them as plain arguments)
+ObjectMeta.host_valid = property(_get_host_valid, _set_host_valid, doc="The host block holds the current bytes.")
+ObjectMeta.nvme_valid = property(_get_nvme_valid, _set_nvme_valid, doc="The NVMe extents hold the current bytes.")
 
 
 def validate_key(key: Any) -> str | None:
@@ -244,8 +280,10 @@ class KeyIndex:
 
 
 class ObjectTable(dict):
-    """Object id -> ObjectMeta, keeping per-namespace object and byte counts as it changes
-    (so ``stat`` costs O(namespaces), not O(objects)) and, for a bounded number of recently
+    """Object id -> ObjectMeta, keeping per-namespace object and byte counts and the
+    numbers of host- and NVMe-resident objects as it changes (callers change an object's
+    residency under the store's lock), so ``stat`` costs O(namespaces), not O(objects),
+    and, for a bounded number of recently
     removed ids, the namespace each belonged to (a freed handle is stale in its own
     namespace and simply not found in any other)."""
 
@@ -256,6 +294,8 @@ class ObjectTable(dict):
         self.namespaces: dict[str, list[int]] = {}
         """namespace -> [objects, bytes]"""
         self._gone: OrderedDict[int, str] = OrderedDict()
+        self.host_objects = 0
+        self.nvme_objects = 0
 
     def __setitem__(self, oid: int, meta: ObjectMeta) -> None:
         old = dict.get(self, oid)
@@ -284,6 +324,9 @@ class ObjectTable(dict):
         return self._gone.get(oid)
 
     def _count(self, meta: ObjectMeta, sign: int) -> None:
+        meta._table = self if sign > 0 else None
+        self.host_objects += sign * meta._hv
+        self.nvme_objects += sign * meta._nv
         c = self.namespaces.get(meta.namespace)
         if c is None:
             c = self.namespaces[meta.namespace] = [0, 0]

@@ -61,6 +61,8 @@ SMALL_BLOCK_BYTES = 1 << 20
 
 _TIERS = (None, "host", "nvme", "gpu")
 _LOCAL = LOCAL
+_LIST_PAGE = 4096
+"""Entries a whole-namespace listing takes under the lock at a time."""
 
 
 class Lease:
@@ -364,7 +366,19 @@ class Store(Leasing, Puts, Movement, Recovery):
         self._key_index = value if isinstance(value, KeyIndex) else KeyIndex(value)
 
     def keys(self, prefix: str = "", *, namespace: str | None = None) -> list[str]:
-        return [k for k, _ in self.key_page(prefix, namespace=namespace)]
+        return [k for k, _ in self._all_pages(self.key_page, prefix, namespace, lambda e: e[0])]
+
+    @staticmethod
+    def _all_pages(page: Any, prefix: str, namespace: str | None, key_of: Any) -> list[Any]:
+        """Every entry, a page at a time: the lock is let go between pages."""
+        out: list[Any] = []
+        after = None
+        while True:
+            got = page(prefix, after, _LIST_PAGE, namespace=namespace)
+            out += got
+            if len(got) < _LIST_PAGE:
+                return out
+            after = key_of(got[-1])
 
     def key_page(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
                  namespace: str | None = None) -> list[tuple[str, Handle]]:
@@ -393,7 +407,7 @@ class Store(Leasing, Puts, Movement, Recovery):
 
     def ls(self, prefix: str = "", *, namespace: str | None = None) -> list[dict[str, Any]]:
         """``info`` of every keyed object in the namespace whose key starts with ``prefix``."""
-        return self.ls_page(prefix, namespace=namespace)
+        return self._all_pages(self.ls_page, prefix, namespace, lambda e: e["key"])
 
     def ls_page(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
                 namespace: str | None = None) -> list[dict[str, Any]]:
@@ -468,16 +482,9 @@ class Store(Leasing, Puts, Movement, Recovery):
             return {ns: {"objects": c[0], "bytes": c[1]} for ns, c in self._objects.namespaces.items()}
 
     def stat(self) -> dict[str, Any]:
-        with self._cv:
-            metas = list(self._objects.values())
-        # counted outside the lock (one pass, O(objects)): a put or a move racing with it
-        # shows up in this stat or the next, and nothing else waits for the count
-        host_objs = nvme_objs = 0
-        for m in metas:
-            host_objs += m.host_valid
-            nvme_objs += m.nvme_valid
         namespaces = self.stat_namespaces()
-        with self._cv:
+        with self._cv:  # every figure from counters kept as objects change: O(1) in objects
+            host_objs, nvme_objs = self._objects.host_objects, self._objects.nvme_objects
             return {
                 "tiers": {
                     "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
