@@ -5,6 +5,7 @@ from __future__ import annotations
 import unicodedata
 from collections import OrderedDict
 from dataclasses import InitVar, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from sortedcontainers import SortedDict
@@ -146,33 +147,23 @@ _BAD_KEY_CHARS = frozenset({"Cc", "Cs", "Zl", "Zp"})
 separators: characters that break a listing or cannot be encoded."""
 
 
-def _get_host_valid(self: ObjectMeta) -> bool:
-    return self._hv
+def _counted_flag(slot: str, counter: str, doc: str) -> property:
+    """A bool attribute whose changes keep ``counter`` of the object's ObjectTable."""
+    get = attrgetter(slot)
 
-
-def _set_host_valid(self: ObjectMeta, v: bool) -> None:
-    v = bool(v)
-    if v != self._hv:
-        self._hv = v
-        if self._table is not None:
-            self._table.host_objects += 1 if v else -1
-
-
-def _get_nvme_valid(self: ObjectMeta) -> bool:
-    return self._nv
-
-
-def _set_nvme_valid(self: ObjectMeta, v: bool) -> None:
-    v = bool(v)
-    if v != self._nv:
-        self._nv = v
-        if self._table is not None:
-            self._table.nvme_objects += 1 if v else -1
+    def set_(self: ObjectMeta, v: bool) -> None:
+        v = bool(v)
+        if v != get(self):
+            setattr(self, slot, v)
+            t = self._table
+            if t is not None:
+                setattr(t, counter, getattr(t, counter) + (1 if v else -1))
+    return property(get, set_, doc=doc)
 
 
 # (set after the dataclass is made: its __init__ takes them as plain arguments)
-ObjectMeta.host_valid = property(_get_host_valid, _set_host_valid, doc="The host block holds the current bytes.")
-ObjectMeta.nvme_valid = property(_get_nvme_valid, _set_nvme_valid, doc="The NVMe extents hold the current bytes.")
+ObjectMeta.host_valid = _counted_flag("_hv", "host_objects", "The host block holds the current bytes.")
+ObjectMeta.nvme_valid = _counted_flag("_nv", "nvme_objects", "The NVMe extents hold the current bytes.")
 
 
 def validate_key(key: Any) -> str | None:
