@@ -325,8 +325,6 @@ class Handlers:
         return {}
 
 
-
-
 def namespace_page(table: dict[str, Any], after: str | None) -> dict[str, Any]:
     """Up to PAGE_NAMESPACES entries of ``table`` in name order after ``after``, and the cursor."""
     names = sorted(n for n in table if after is None or n > after)
