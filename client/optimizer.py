@@ -1,7 +1,7 @@
 """Optimizer-state offload: a ``torch.optim`` optimizer whose per-parameter state
 (and fp32 master weights) lives in a tierstore pool.
 
-This module owns the step's order, the double-buffered versions, buckets, resume and
+This module owns the step's order, the state versions (two, crash-consistent, or one), buckets, resume and
 the state-dict format; the GPU update path is in ``optimizer_gpu``. It talks to the
 pool only through put / get / checkout / checkout_each / lookup / keys / prefetch /
 free / step, so a daemon ``Client`` and an in-process ``Store`` both work.
@@ -9,6 +9,7 @@ free / step, so a daemon ``Client`` and an in-process ``Store`` both work.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import MutableMapping
@@ -16,12 +17,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from tierstore.errors import CapacityExceeded, NotFound, StaleHandle
+from tierstore.errors import CapacityExceeded, NotFound, StaleHandle, TierstoreError
 from tierstore.units import align_up, format_size
 
+from .backward import BackwardUpdates
 from .optimizer_gpu import GpuUpdates, _GpuItem
 
-__all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded", "DEFAULT_BUCKET_BYTES", "TornState"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,23 @@ class _PoolState(MutableMapping):
         return len(self._opt._layout)
 
 
+class TornState(TierstoreError):
+    """A resume found single-version optimizer state that a process stopped updating in
+    the middle of a step (``crash_consistent=False``): it cannot continue from it."""
+
+    code = "TornState"
+
+
+class _StepWork:
+    """What the step under way has done so far; a completed step starts a new one."""
+
+    __slots__ = ("updated", "fresh")
+
+    def __init__(self) -> None:
+        self.updated: set[tuple[int, int]] = set()  # (group, index) updated in this step
+        self.fresh: set[tuple[int, int]] = set()  # among them, those whose state this step made
+
+
 class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose per-parameter state lives in a tierstore pool.
 
@@ -129,12 +148,20 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
     updates it with the wrapped optimizer's own update rule, and checks it back in.
     Small parameters go in buckets (``bucket_bytes`` of state at most): one check-out
     message, one call of the wrapped optimizer and one check-in for the bucket.
-    State is double-buffered (two versions per tensor): a step reads each parameter's
-    current version and writes the other one, and a small progress record, written
-    after the last parameter, names the step and each parameter's current version, so
-    a process killed mid-step resumes from the last completed step with nothing
-    half-updated. A parameter without a gradient in a step keeps its state as it is
-    (its current version does not change), as the wrapped optimizer would.
+    Crash-consistent state (``crash_consistent=True``, the default but for
+    ``tier="host"``) is double-buffered (two versions per tensor): a step reads each
+    parameter's current version and writes the other one, and a small progress record,
+    written after the last parameter, names the step and each parameter's current
+    version, so a process killed mid-step resumes from the last completed step with
+    nothing half-updated. Single-version state (``crash_consistent=False``) costs the
+    state's bytes once: each update is made in place, and a marker object present from a
+    step's first update to its progress record makes a resume after a process killed
+    mid-step fail with ``TornState`` instead of continuing from a half-updated state. A
+    parameter without a gradient in a step keeps its state as it is (its current
+    version does not change), as the wrapped optimizer would.
+
+    ``update_in_backward=True``: each parameter is updated as soon as its gradient is
+    final, from a post-accumulate-grad hook, while backward still runs (``backward``).
 
     Parameters that are not fp32 (bf16/fp16 training) get an fp32 master copy in the
     pool; the update runs on the master and is copied (rounded) into the parameter.
@@ -149,7 +176,8 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, store: Any, *, tier: str | None = "nvme",
                  prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
-                 resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 crash_consistent: bool | None = None, update_in_backward: bool = False) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
         if update not in ("auto", "cpu", "gpu"):
@@ -180,17 +208,26 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         self.prefix = prefix.rstrip("/")
         self.master_weights = master_weights
         self.durable = durable
+        if crash_consistent is None:
+            # host-tier bytes do not survive the daemon anyway: unless asked, they cost their size once
+            crash_consistent = durable or tier != "host"
+        self.crash_consistent = bool(crash_consistent)
+        self.versions = 2 if self.crash_consistent else 1
+        """State versions kept in the pool per state tensor: 2 (crash-consistent) or 1."""
+        self._torn_marked = False  # single-version: the torn-step marker is in the pool
         super().__init__(inner.param_groups, inner.defaults)
         # (group, index) -> {name: tag}; tag is "tensor" or the python type of a scalar
         self._layout: dict[tuple[int, int], dict[str, str]] = {}
         self._completed = 0
         self._cur: dict[tuple[int, int], int] = {}  # (group, index) -> current state version (0 or 1)
         self.state = _PoolState(self)  # type: ignore[assignment]  # the pool's, not a dict
-        if resume and self._resume():
-            return
-        self._clear_pool()
-        if initial is not None:
-            self.load_state_dict(initial)
+        self._in_step = _StepWork()
+        if not (resume and self._resume()):
+            self._clear_pool()
+            if initial is not None:
+                self.load_state_dict(initial)
+        self.backward = BackwardUpdates(self) if update_in_backward else None
+        """The update-in-backward hooks (``None`` without ``update_in_backward``)."""
 
     # ------------------------------------------------------------------ keys
     def _key(self, gi: int, pi: int, name: str, version: int) -> str:
@@ -200,6 +237,9 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
 
     def _progress_key(self) -> str:
         return f"{self.prefix}/_progress"
+
+    def _torn_key(self) -> str:
+        return f"{self.prefix}/_torn"
 
     @property
     def completed_steps(self) -> int:
@@ -226,11 +266,35 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.backward is not None:  # what backward left to do, and a check that it was right to
+            self.backward.finish()
+        done = self._in_step.updated
         work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
-                if p.grad is not None]
-        # each parameter reads its current version and writes the other; skipped ones keep theirs
+                if p.grad is not None and (gi, pi) not in done]
+        self._update_params(work)
+        self._complete_step(work)
+        return loss
+
+    def deferred(self) -> Any:
+        """A context: backward inside it leaves the update to ``step()`` (with
+        ``update_in_backward``; without, it changes nothing). For every micro-batch of
+        gradient accumulation but the last, and for a backward whose gradients are
+        clipped or unscaled before ``step()``."""
+        return self.backward.deferred() if self.backward is not None else contextlib.nullcontext()
+
+    def _write_version(self, read: int) -> int:
+        """The version an update that reads version ``read`` writes: the other one, or (single
+        version) the same, in place."""
+        return 1 - read if self.versions == 2 else read
+
+    def _update_params(self, work: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Update the parameters ``work`` names, in that order, each read from its current
+        version; the step under way records them (``_complete_step`` makes them current)."""
+        if not work:
+            return
+        self._begin_updates()
         ver = {(gi, pi): self._cur.get((gi, pi), 0) for gi, pi, _ in work}
-        fresh = {(gi, pi) for gi, pi, _ in work if (gi, pi) not in self._layout}  # state made this step
+        self._in_step.fresh.update(key for key in ver if key not in self._layout)  # state made this step
         saved_groups = self.inner.param_groups
         pending: list[_GpuItem] = []  # updated on the GPU, state still being written back
         nxt: _GpuItem | None = None
@@ -244,19 +308,19 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                     if end < len(work):  # overlap the next bucket's fetch with this update
                         self._prefetch(work[end:self._bucket_end(work, end)], ver)
                     if end == k + 1:
-                        self._step_one(gi, pi, p, read, 1 - read)
+                        self._step_one(gi, pi, p, read, self._write_version(read))
                     else:
                         self._step_bucket(work[k:end], ver)
                     k = end
                     continue
                 item = nxt if nxt is not None and nxt.key == (gi, pi) else \
-                    self._gpu_fetch(gi, pi, p, read, 1 - read)
+                    self._gpu_fetch(gi, pi, p, read, self._write_version(read))
                 nxt = None
                 if k + 1 < len(work):
                     g2, p2, q = work[k + 1]
                     if self._on_gpu(q) and (g2, p2) in self._layout:
                         v2 = ver[(g2, p2)]
-                        nxt = self._gpu_fetch(g2, p2, q, v2, 1 - v2)  # its H2D copies overlap this update
+                        nxt = self._gpu_fetch(g2, p2, q, v2, self._write_version(v2))  # H2D overlaps this update
                     else:
                         self._prefetch(work[k + 1:self._bucket_end(work, k + 1)], ver)
                 if k + 2 < len(work):
@@ -270,20 +334,45 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             self.inner.param_groups = saved_groups
             for item in pending + ([nxt] if nxt is not None else []):
                 self._gpu_finish(item)
-        for gi, pi, _ in work:
-            if (gi, pi) in fresh:  # met for the first time: both versions were written, equal
-                if (gi, pi) in self._layout:
-                    self._cur[(gi, pi)] = (self._completed + 1) % 2  # the step's parity, as for the others
+        self._in_step.updated.update(ver)
+
+    def _begin_updates(self) -> None:
+        """Before a step's first update. Single-version state is updated in place, so from
+        here until the step's progress record a process that dies leaves a torn state: a
+        marker object says so to a resume."""
+        if self.versions == 1 and not self._torn_marked:
+            self.store.put(torch.tensor([self._completed + 1], dtype=torch.int64), key=self._torn_key(),
+                           replace=True, durable=self.durable)
+            self._torn_marked = True
+
+    def _complete_step(self, work: list[tuple[int, int, torch.Tensor]]) -> None:
+        """The step's end: the versions it wrote become current, the progress record says so
+        (written last, after every parameter), and the next step's first state is hinted."""
+        st = self._in_step
+        for key in st.updated:
+            if key not in self._layout:
+                continue
+            if key in st.fresh or self.versions == 1:  # made this step (both versions equal), or in place
+                self._cur[key] = (self._completed + 1) % 2 if self.versions == 2 else 0
             else:
-                self._cur[(gi, pi)] = 1 - ver[(gi, pi)]
+                self._cur[key] = 1 - self._cur.get(key, 0)
         self._completed += 1
-        # the progress record flips which versions are current: written last, after every parameter
         self._put_progress()
+        if self._torn_marked:  # the progress record names a whole step again: nothing is torn
+            h = self.store.lookup(self._torn_key())
+            if h is not None:
+                self.store.free(h)
+            self._torn_marked = False
+        self._in_step = _StepWork()
         if hasattr(self.store, "step"):
             self.store.step()
-        if work:  # the next step starts where this one did: its first state comes up meanwhile
-            self._prefetch(work[:self._bucket_end(work, 0)], self._cur)
-        return loss
+        # the next step starts where this one did: its first state comes up meanwhile (during the
+        # forward pass, and the backward up to the first update when updating in backward)
+        first = self.backward.first_items() if self.backward is not None else []
+        if not first and work:
+            first = work[:self._bucket_end(work, 0)]
+        if first:
+            self._prefetch(first, self._cur)
 
     def _put_progress(self) -> None:
         """The progress record: [completed steps, then (group, index, current version) per
@@ -316,7 +405,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         return n * align_up(max(4 * _local(p)[1].numel(), 1)) + (len(layout) - n) * align_up(8)
 
     def _bucketable(self, gi: int, pi: int, p: torch.Tensor) -> bool:
-        return ((gi, pi) in self._layout and not self._on_gpu(p) and self._sourced()
+        return ((gi, pi) in self._layout and not self._on_gpu(p) and (self._sourced() or self.versions == 1)
                 and self._state_bytes(gi, pi, p) <= self._bucket_limit)
 
     def _bucket_end(self, work: list[tuple[int, int, torch.Tensor]], k: int) -> int:
@@ -342,7 +431,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         checked out with one ``checkout_each`` (each new version from the current one),
         updated by one call of the wrapped optimizer and checked in with one message."""
         gi = items[0][0]
-        wanted = [(g, pi, name, 1 - versions[(g, pi)], versions[(g, pi)])
+        wanted = [(g, pi, name, self._write_version(versions[(g, pi)]), versions[(g, pi)])
                   for g, pi, _ in items for name in self._layout[(g, pi)]]
         try:
             leases = self._checkout_states(wanted)
@@ -356,7 +445,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             for part in (items[:half], items[half:]):
                 if len(part) == 1:
                     g, pi, p = part[0]
-                    self._step_one(g, pi, p, versions[(g, pi)], 1 - versions[(g, pi)])
+                    self._step_one(g, pi, p, versions[(g, pi)], self._write_version(versions[(g, pi)]))
                 else:
                     self._step_bucket(part, versions)
             return
@@ -402,8 +491,9 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                 return
             views: dict[str, torch.Tensor] = {}
             try:
-                # out of place: version `read` stays intact until the step completes
-                if self._sourced():  # the pool hands version `read`'s bytes to version `write`
+                # two versions: out of place, version `read` stays intact until the step completes;
+                # one version: in place (`write` is `read`)
+                if self._sourced() or read == write:  # the pool hands version `read`'s bytes to `write`
                     group_leases = self._checkout_states([(gi, pi, name, write, read) for name in layout])
                     leases.append(group_leases)
                     views.update((name, lease.tensor) for name, lease in zip(layout, group_leases))
@@ -416,9 +506,10 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                         views[name] = lease.tensor
             except CapacityExceeded as e:
                 sizes = [int(self.store.info(self._lookup(gi, pi, n, write))["nbytes"]) for n in layout]
-                held = ("(each made from the old version in place)" if self._sourced() else
-                        "and the old version of one at a time")
-                need = sum(sizes) + (0 if self._sourced() else max(sizes))
+                copied = not self._sourced() and read != write
+                held = ("and the old version of one at a time" if copied else
+                        "(each made from the old version in place)")
+                need = sum(sizes) + (max(sizes) if copied else 0)
                 raise CapacityExceeded(
                     f"{e}. Updating parameter {gi}.{pi} holds the new version of each of its {len(layout)} state "
                     f"tensors {held}: the host tier needs at least about {format_size(need)} free for it "
@@ -490,8 +581,9 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         return self._has_source
 
     def _put_both(self, gi: int, pi: int, name: str, t: torch.Tensor) -> None:
+        """Put ``t`` as every version kept of a state tensor (both, or version 0 alone)."""
         t = t.detach().contiguous()
-        for version in (0, 1):
+        for version in range(self.versions):
             key = self._key(gi, pi, name, version)
             self._handles[key] = self.store.put(t, key=key, tier=self.tier, replace=True, durable=self.durable)
 
@@ -529,16 +621,19 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             return self._checkout(hs[0], mode, *hs[1:])
 
     def _checkout_states(self, wanted: list[tuple[int, int, str, int, int]]) -> Any:
-        """``w`` leases on state tensors, ``(group, index, name, version, source)`` each: that
-        version, starting with the bytes of version ``source``; sent together where the pool
-        takes a list of check-outs (through a daemon, one message). Returns them in order,
-        as a ``LeaseGroup`` where the pool made one (``_release_all`` checks them in)."""
+        """Leases on state tensors to update, ``(group, index, name, version, source)`` each:
+        ``w`` on that version starting with the bytes of version ``source``, or ``rw`` on it
+        where ``source`` is ``version`` (single-version state, updated in place); sent together
+        where the pool takes a list of check-outs (through a daemon, one message). Returns
+        them in order, as a ``LeaseGroup`` where the pool made one (``_release_all`` checks
+        them in)."""
         each = getattr(self.store, "checkout_each", None)
         if each is None or len(wanted) == 1:
             out: list[Any] = []
             try:
                 for gi, pi, name, version, source in wanted:
-                    out.append(self._checkout_state(gi, pi, name, version, "w", source=source))
+                    out.append(self._checkout_state(gi, pi, name, version, "rw") if source == version else
+                               self._checkout_state(gi, pi, name, version, "w", source=source))
             except BaseException:
                 for lease in out:
                     lease.release()
@@ -553,7 +648,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                     k = self._key(gi, pi, name, version if dst is None else source)
                     raise RuntimeError(f"optimizer state {k} is missing from the pool; "
                                        "was it freed, or is this prefix used by another job?")
-                reqs.append((dst, "w", src))
+                reqs.append((dst, "rw", None) if source == version else (dst, "w", src))
             return reqs
 
         try:
@@ -567,6 +662,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
     # ------------------------------------------------------------------ resume / cleanup
     def _clear_pool(self) -> None:
         self._handles.clear()
+        self._torn_marked = False
         for k in self.store.keys(prefix=self.prefix + "/"):
             h = self.store.lookup(k)
             if h is not None:
@@ -580,6 +676,13 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             return False
         rec = [int(x) for x in self.store.get(h).reshape(-1).tolist()]
         self._completed = rec[0]
+        torn = self.store.lookup(self._torn_key())
+        if torn is not None:
+            raise TornState(
+                f"the optimizer state under {self.prefix!r} was being updated in place (crash_consistent=False) "
+                f"when its process stopped during step {self._completed + 1}: some parameters hold that step's "
+                f"state, others step {self._completed}'s. Load a checkpoint (load_state_dict) or start afresh "
+                "(resume=False); crash_consistent=True keeps state a killed process resumes from")
         if (len(rec) - 1) % 3:
             raise ValueError(f"the progress record under {self.prefix!r} is malformed ({len(rec)} numbers); "
                              "was this prefix written by something else?")
@@ -597,6 +700,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             name, _, tag = name.partition("#")
             self._layout.setdefault((gi, pi), {})[name] = tag or "tensor"
         self._cur = {key: (self._completed % 2 if legacy else named[key]) for key in self._layout}
+        self._settle_versions()
         for (gi, pi), layout in self._layout.items():
             if gi >= len(self.param_groups) or pi >= len(self.param_groups[gi]["params"]):
                 raise ValueError(f"pool state under {self.prefix!r} names parameter {gi}.{pi}, which this "
@@ -608,6 +712,41 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                     p.copy_(m)  # parameters come back from their masters
         log.info("resumed %d parameters' optimizer state at step %d", len(self._layout), self._completed)
         return True
+
+    def _settle_versions(self) -> None:
+        """After a resume, keep the versions this optimizer keeps, whatever kept the state
+        before: a second version is made where there is one alone, and single-version state
+        moves to version 0 with the other freed. The progress record is rewritten before
+        anything it names is freed."""
+        moved, extra = [], []
+        for (gi, pi), layout in self._layout.items():
+            cur = self._cur[(gi, pi)]
+            for name in layout:
+                here, other = self._lookup(gi, pi, name, cur), self._lookup(gi, pi, name, 1 - cur)
+                if here is None:
+                    raise ValueError(f"the progress record under {self.prefix!r} names version {cur} of "
+                                     f"{self._key(gi, pi, name, cur)}, which the pool does not hold")
+                if self.versions == 2 and other is None:
+                    self._handles[self._key(gi, pi, name, 1 - cur)] = self.store.put(
+                        self.store.get(here), key=self._key(gi, pi, name, 1 - cur), tier=self.tier, replace=True,
+                        durable=self.durable)
+                elif self.versions == 1 and cur != 0:
+                    self._handles[self._key(gi, pi, name, 0)] = self.store.put(
+                        self.store.get(here), key=self._key(gi, pi, name, 0), tier=self.tier, replace=True,
+                        durable=self.durable)
+                    extra.append(self._key(gi, pi, name, 1))
+                    moved.append((gi, pi))
+                elif self.versions == 1 and other is not None:
+                    extra.append(self._key(gi, pi, name, 1))
+        for key in moved:
+            self._cur[key] = 0
+        if moved:
+            self._put_progress()
+        for k in extra:
+            self._handles.pop(k, None)
+            h = self.store.lookup(k)
+            if h is not None:
+                self.store.free(h)
 
     # ------------------------------------------------------------------ state dicts
     def _param_state(self, gi: int, pi: int) -> dict[str, Any]:
@@ -709,8 +848,8 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: str | None = "nvme",
                       prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
-                      resume: bool = False, update: str = "auto",
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> OffloadedOptimizer:
+                      resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      crash_consistent: bool | None = None, update_in_backward: bool = False) -> OffloadedOptimizer:
     """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
 
     ``tier``: where new state goes (``"host"``, ``"nvme"``, or ``None``: the host tier
@@ -722,9 +861,16 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: st
     ``bucket_bytes``: parameters updated on the CPU whose state is smaller are updated
     together, up to this many bytes of state (16 MiB) at a time: one check-out message,
     one update call and one check-in for them all. ``0``: one parameter at a time.
+    ``crash_consistent``: keep two versions of each state tensor, so a process killed
+    mid-step resumes from the last completed step (twice the state's bytes in the pool),
+    or one, updated in place (the state's bytes once; a resume after a process killed
+    mid-step raises ``TornState``). Default: one for ``tier="host"`` unless ``durable``,
+    two otherwise. ``update_in_backward``: update each parameter as soon as its gradient
+    is final, during backward (``BackwardUpdates``; docs/training.md says what composes).
     """
     return OffloadedOptimizer(optimizer, client, tier=tier, prefix=prefix, master_weights=master_weights,
-                              durable=durable, resume=resume, update=update, bucket_bytes=bucket_bytes)
+                              durable=durable, resume=resume, update=update, bucket_bytes=bucket_bytes,
+                              crash_consistent=crash_consistent, update_in_backward=update_in_backward)
 
 
 def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Any, *, tier: str | None = "nvme",

@@ -42,18 +42,23 @@ class GpuUpdates:
         return self._streams.stream(device, role)
 
     def _gpu_fetch(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> "_GpuItem":
-        """Lease a parameter's state (version ``read`` to read, ``write`` to overwrite) and
-        start its host-to-device copies on the side stream."""
+        """Lease a parameter's state (version ``read`` to read, ``write`` to overwrite; the
+        same one, ``rw``, where they are equal) and start its host-to-device copies on the
+        side stream."""
         item = _GpuItem((gi, pi), p)
         side = self._side(p.device, "in")
         try:
             # device buffers of earlier updates are freed on the compute stream: order after it
             side.wait_stream(torch.cuda.current_stream(p.device))
             for name in self._layout[(gi, pi)]:
-                ls = self._checkout_state(gi, pi, name, read, "r")
-                item.leases.append(ls)
-                ld = self._checkout_state(gi, pi, name, write, "w")
-                item.leases.append(ld)
+                if read == write:  # single-version state: read and written back in place, one lease
+                    ls = ld = self._checkout_state(gi, pi, name, read, "rw")
+                    item.leases.append(ls)
+                else:
+                    ls = self._checkout_state(gi, pi, name, read, "r")
+                    item.leases.append(ls)
+                    ld = self._checkout_state(gi, pi, name, write, "w")
+                    item.leases.append(ld)
                 host = ls.tensor
                 if host.dim() == 0:  # scalar state (e.g. Adam's step) stays where torch keeps it: the host
                     item.host[name] = (host.clone(), ld.tensor)

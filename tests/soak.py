@@ -97,9 +97,13 @@ def soak_optimizer(seed: int, base: str) -> str:
     budget = big * rng.choice([1, 2, 3])
     host = max(sum(p.numel() for p in plain) * 16 // rng.choice([2, 3, 4, 6]), 4 * big + budget + (1 << 20))
     bucket = rng.choice([0, 4096, 64 << 10, 16 << 20])  # one at a time .. more than the host tier (split)
+    # one or two state versions (None: the tier's default), drawn apart so the other draws stay as they were;
+    # a resume may take the state up with the other setting
+    modes = random.Random(seed + 1_000_003)
     with pool(rng, base, host, 64 << 20, budget) as (s, _):
         opt_p = make(masters or plain)
-        opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", bucket_bytes=bucket)
+        opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", bucket_bytes=bucket,
+                                  crash_consistent=modes.choice([None, False, True]))
         loaded_at = 0
         for step in range(rng.randint(5, 20)):
             for a, b in zip(plain, off):
@@ -119,11 +123,13 @@ def soak_optimizer(seed: int, base: str) -> str:
                 assert torch.equal(a, b), f"seed {seed}: {name} {dtype} step {step}: parameter {i} differs"
             r = rng.random()
             if r < 0.1:  # a new process takes the state up from the pool
-                opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", resume=True, bucket_bytes=bucket)
+                opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", resume=True, bucket_bytes=bucket,
+                                          crash_consistent=modes.choice([None, False, True]))
                 assert opt_o.completed_steps == step + 1 - loaded_at, f"seed {seed}: resumed at the wrong step"
             elif r < 0.15 and not masters:  # a checkpoint's state_dict into a fresh wrapper
                 sd = opt_o.state_dict()
-                opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", bucket_bytes=bucket)
+                opt_o = offload_optimizer(make(off), s, tier=tier, prefix="opt", bucket_bytes=bucket,
+                                          crash_consistent=modes.choice([None, False, True]))
                 opt_o.load_state_dict(sd)
                 loaded_at = step + 1
         if not masters:

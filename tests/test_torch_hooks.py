@@ -419,13 +419,13 @@ def _gated_steps(model, opt, steps, start=0):
         opt.zero_grad(set_to_none=True)
 
 
-def _adamw_twin(make_store, cls, prefix):
+def _adamw_twin(make_store, cls, prefix, **kw):
     """(plain model, its copy, plain AdamW, offloaded AdamW on the host tier, the store)."""
     torch.manual_seed(0)
     plain = cls()
     off = copy.deepcopy(plain)
     s = make_store()
-    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix=prefix)
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix=prefix, **kw)
     return plain, off, torch.optim.AdamW(plain.parameters(), lr=1e-3), opt_o, s
 
 
@@ -472,7 +472,7 @@ def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_
     """A progress record holding only the step count (every parameter at the step's
     parity, as written before per-parameter versions) still resumes; one that is neither
     is refused with a clear error rather than read as versions."""
-    plain, off, opt_p, opt_o, s = _adamw_twin(make_store, Gated, "legacy")
+    plain, off, opt_p, opt_o, s = _adamw_twin(make_store, Gated, "legacy", crash_consistent=True)
     for model, opt in ((plain, opt_p), (off, opt_o)):
         for step in range(3):  # every parameter updated every step
             x = torch.randn(6, 12, generator=torch.Generator().manual_seed(step))
@@ -481,7 +481,7 @@ def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_
             opt.zero_grad(set_to_none=True)
     s.put(torch.tensor([3]), key="legacy/_progress", replace=True)
     opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="legacy",
-                              resume=True)
+                              resume=True, crash_consistent=True)
     assert opt_o.completed_steps == 3
     _assert_same_state(opt_p, opt_o)
     s.put(torch.tensor([3, 0]), key="legacy/_progress", replace=True)
@@ -536,18 +536,19 @@ def test_demo_trains_and_resumes(daemon):
     assert final < 2.0, out[-1500:]  # uniform over the corpus' characters is ~3.09
 
 
-def test_state_keys_re_bound_behind_the_optimizer_are_found_again(make_store):
+@pytest.mark.parametrize("crash_consistent", [True, False], ids=["two-versions", "one-version"])
+def test_state_keys_re_bound_behind_the_optimizer_are_found_again(make_store, crash_consistent):
     """The optimizer looks each state key up once; when a key is re-bound to a new object
     (its cached handle goes stale), the next step looks it up again and the numbers stay
     those of the plain optimizer."""
     plain, off, opt_p, _, s = _adamw_twin(make_store, Net, "rebind")
     # two parameters a bucket: the second bucket's prefetch hint goes out before the first's check-out
     opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="rebind",
-                              bucket_bytes=4096 * 6)
+                              bucket_bytes=4096 * 6, crash_consistent=crash_consistent)
     sch_p, sch_o = (torch.optim.lr_scheduler.StepLR(o, step_size=100) for o in (opt_p, opt_o))
     _train(plain, opt_p, sch_p, 3)
     _train(off, opt_o, sch_o, 3)
-    cur = opt_o.completed_steps % 2
+    cur = opt_o.completed_steps % 2 if crash_consistent else 0
     rebound = [k for g in ("0.0", "0.2") for k in s.keys(prefix=f"rebind/{g}/") if k.endswith(f"@{cur}")]
     assert len(rebound) == 6
     for key in rebound:

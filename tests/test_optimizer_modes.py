@@ -1,0 +1,331 @@
+"""The offloaded optimizer's step modes: single- and two-version state (pool bytes,
+resume after a process killed mid-step), update-in-backward (results equal plain step
+by step, with what a training loop does between backward and step) and the prefetch
+hint that carries a step's first state across the step boundary."""
+
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tierstore.client.optimizer import TornState
+from tierstore.client.torch import offload_optimizer
+
+from test_torch_hooks import Gated, Net, _batches, _gated_steps, _groups
+
+
+def _twin(seed=0, cls=Net):
+    torch.manual_seed(seed)
+    plain = cls()
+    return plain, copy.deepcopy(plain)
+
+
+def _assert_equal(plain, off, where):
+    for (n, a), b in zip(plain.named_parameters(), off.parameters()):
+        assert torch.equal(a, b), (where, n)
+
+
+def _state_bytes(opt):
+    return sum(v.nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------- versions
+def test_the_default_version_count_follows_the_tier(make_store):
+    s = make_store()
+    params = list(Net().parameters())
+    kinds = {(tier, durable): offload_optimizer(torch.optim.SGD(params, lr=0.1), s, tier=tier, durable=durable,
+                                                prefix=f"k{i}").versions
+             for i, (tier, durable) in enumerate([("host", False), ("host", True), ("nvme", False), (None, False)])}
+    assert kinds == {("host", False): 1, ("host", True): 2, ("nvme", False): 2, (None, False): 2}
+    opt = offload_optimizer(torch.optim.SGD(params, lr=0.1), s, tier="host", crash_consistent=True, prefix="k9")
+    assert opt.versions == 2 and opt.crash_consistent
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("crash_consistent", [False, True], ids=["one-version", "two-versions"])
+def test_both_version_modes_equal_plain_and_hold_the_state_once_or_twice(make_store, tier, crash_consistent):
+    plain, off = _twin()
+    opt_p = torch.optim.AdamW(_groups(plain), lr=1e-3)
+    s = make_store(host_bytes="1MiB")  # smaller than the states: on NVMe they really move every step
+    opt_o = offload_optimizer(torch.optim.AdamW(_groups(off), lr=1e-3), s, tier=tier,
+                              crash_consistent=crash_consistent)
+    assert opt_o.versions == (2 if crash_consistent else 1)
+    sch = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt_p, opt_o)]
+    for step in range(8):
+        for (model, opt), sc in zip(((plain, opt_p), (off, opt_o)), sch):
+            for x in _batches(step):
+                (nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()) / 2).backward()
+            opt.step()
+            sc.step()
+            opt.zero_grad(set_to_none=True)
+        _assert_equal(plain, off, step)
+    progress = s.info(s.lookup("opt/_progress"))["nbytes"]
+    held = s.stat()["namespaces"]["default"]["bytes"] - progress
+    assert held == opt_o.versions * _state_bytes(opt_p)  # 1.0x or 2.0x the state, nothing else
+    assert s.lookup("opt/_torn") is None  # no step under way
+    assert s.stat()["leases"] == 0
+
+
+TRAIN = r"""
+import os, signal, sys, torch
+from torch import nn
+from tierstore.client import Client
+from tierstore.client.torch import offload_optimizer
+sock, total, resume, out, mode, kill_at = sys.argv[1:7]
+total, resume, consistent = int(total), resume == "1", mode.startswith("two")
+kill_step, kill_update = (int(v) for v in kill_at.split(":"))  # -1: no kill; update 0: between steps
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
+c = Client.connect(socket=sock, namespace="modes/rank0")
+inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+opt = offload_optimizer(inner, c, tier="host", master_weights=True, crash_consistent=consistent, resume=resume,
+                        bucket_bytes=0, update_in_backward=mode.endswith("backward"))
+updates = 0
+step_of_inner = inner.step
+def counted(*a, **k):  # the process dies after this many parameter updates of the step (deterministic)
+    global updates
+    r = step_of_inner(*a, **k)
+    updates += 1
+    if step == kill_step and updates == kill_update:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return r
+inner.step = counted
+for step in range(opt.completed_steps, total):
+    updates = 0
+    if step == kill_step and kill_update == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # between steps: the last step completed
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    nn.functional.mse_loss(model(x), x.flip(1)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    print("step", step + 1, flush=True)
+torch.save([p.detach() for p in model.parameters()], out)
+"""
+
+
+def _plain_reference(total):
+    """The uninterrupted run's parameters, with the plain optimizer (``TRAIN``'s model and data)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(total):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        nn.functional.mse_loss(model(x), x.flip(1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in model.parameters()]
+
+
+def _train(daemon, tmp_path, name, mode, total, resume, kill_at="-1:0"):
+    out = tmp_path / f"{name}.pt"
+    return subprocess.run([sys.executable, "-c", TRAIN, daemon.socket, str(total), "1" if resume else "0", str(out),
+                           mode, kill_at], capture_output=True, text=True, timeout=300), out
+
+
+@pytest.mark.parametrize("mode", ["two-versions", "two-versions+backward", "one-version", "one-version+backward"])
+def test_a_process_killed_mid_step_resumes_or_is_refused_by_mode(daemon, tmp_path, mode):
+    """Two versions: a process SIGKILLed in the middle of a step (after 3 of its 6
+    parameter updates) resumes from the last completed step and ends with the
+    uninterrupted run's parameters. One version: the same kill leaves a torn state and
+    the resume is refused with ``TornState``; a kill between steps resumes exactly."""
+    ref = _plain_reference(8)
+    r, out = _train(daemon, tmp_path, "run", mode, 8, False, kill_at="5:3")
+    assert r.returncode == -9 and r.stdout.split()[-1] == "5", (r.returncode, r.stdout, r.stderr[-2000:])
+    r, out = _train(daemon, tmp_path, "run", mode, 8, True)
+    if mode.startswith("two"):
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[0] == "step 6"  # step 6 again, from step 5's state
+        for a, b in zip(ref, torch.load(out)):
+            assert torch.equal(a, b)
+        return
+    assert r.returncode != 0 and "TornState" in r.stderr and "during step 6" in r.stderr, r.stderr[-2000:]
+    r, out = _train(daemon, tmp_path, "run", mode, 8, False, kill_at="5:0")  # afresh; killed between steps
+    assert r.returncode == -9 and r.stdout.split()[-1] == "5"
+    r, out = _train(daemon, tmp_path, "run", mode, 8, True)
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "step 6", r.stderr[-2000:]
+    for a, b in zip(ref, torch.load(out)):
+        assert torch.equal(a, b)
+
+
+def test_resume_switches_between_one_and_two_versions(make_store):
+    """State written with two versions resumes with one (the other version is freed) and
+    back (the second version is made again), with the plain optimizer's numbers."""
+    plain, off = _twin(cls=Gated)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    s = make_store()
+    opt_o = None
+    for upto, consistent in ((3, True), (6, False), (9, True), (12, False)):
+        opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="nvme", prefix="sw",
+                                  crash_consistent=consistent, resume=opt_o is not None)
+        _gated_steps(plain, opt_p, upto, start=opt_o.completed_steps)
+        _gated_steps(off, opt_o, upto, start=opt_o.completed_steps)
+        _assert_equal(plain, off, upto)
+        versions = {k.rsplit("@", 1)[1] for k in s.keys(prefix="sw/") if "@" in k}
+        assert versions == ({"0", "1"} if consistent else {"0"}), (upto, versions)
+
+
+# ---------------------------------------------------------------------------------------- in backward
+def _loss(model, x, micro=1):
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()) / micro
+
+
+def _loop(model, opt, steps, *, defer="accumulate", clip=None, scaler=None, bad_step=None):
+    """A training loop: gradient accumulation over two micro-batches, then clipping, loss
+    scaling and the step. ``defer``: which backwards run in ``opt.deferred()`` (where
+    ``opt`` has it): "accumulate" (all but the last micro-batch), "all" or "none"."""
+    for step in range(steps):
+        xs = _batches(step)
+        for i, x in enumerate(xs):
+            loss = _loss(model, x, len(xs))
+            if step == bad_step:
+                loss = loss * float("inf")  # every gradient non-finite: GradScaler skips the step
+            last = i == len(xs) - 1
+            wanted = defer == "all" or (defer == "accumulate" and not last)
+            with opt.deferred() if wanted and hasattr(opt, "deferred") else contextlib.nullcontext():
+                (scaler.scale(loss) if scaler else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 16 << 20], ids=["one-at-a-time", "buckets"])
+@pytest.mark.parametrize("crash_consistent", [False, True], ids=["one-version", "two-versions"])
+def test_update_in_backward_equals_plain_every_step(make_store, bucket_bytes, crash_consistent):
+    """Two groups, a frozen layer, a block run twice per step, gradient accumulation (the
+    first micro-batch in ``deferred()``), a scheduler and ``zero_grad``: once the last
+    backward has run, the parameters already equal plain AdamW's after its step (the
+    update happened in backward), and again after ``step()``."""
+    plain, off = _twin()
+    opt_p = torch.optim.AdamW(_groups(plain), lr=1e-3, weight_decay=0.1)
+    s = make_store(host_bytes="1MiB")  # smaller than the states: they come up from NVMe every step
+    opt_o = offload_optimizer(torch.optim.AdamW(_groups(off), lr=1e-3, weight_decay=0.1), s, tier="nvme",
+                              bucket_bytes=bucket_bytes, crash_consistent=crash_consistent, update_in_backward=True)
+    sch_p, sch_o = (torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (opt_p, opt_o))
+    for step in range(12):
+        x0, x1 = _batches(step)
+        for model, opt, sch in ((plain, opt_p, sch_p), (off, opt_o, sch_o)):
+            with opt_o.deferred() if opt is opt_o else contextlib.nullcontext():  # accumulated only
+                _loss(model, x0, 2).backward()
+            _loss(model, x1, 2).backward()
+            if opt is opt_o:
+                _assert_equal(plain, off, f"after backward, step {step}")
+            opt.step()
+            sch.step()
+            opt.zero_grad(set_to_none=True)
+        _assert_equal(plain, off, step)
+    assert opt_o.completed_steps == 12 and s.stat()["leases"] == 0
+    assert s.lookup("opt/_torn") is None
+
+
+def test_update_in_backward_skips_parameters_without_a_gradient(make_store):
+    plain, off = _twin(cls=Gated)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    s = make_store(host_bytes="64KiB")
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="nvme",
+                              update_in_backward=True)
+    for upto in (4, 9, 13):
+        _gated_steps(plain, opt_p, upto, start=opt_o.completed_steps)
+        _gated_steps(off, opt_o, upto, start=opt_o.completed_steps)
+        _assert_equal(plain, off, upto)
+        opt_o.backward.remove()  # a new process would find the state by key
+        opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="nvme", resume=True,
+                                  update_in_backward=True)
+
+
+def test_clipping_defers_to_step_and_is_caught_when_not_deferred(make_store):
+    plain, off = _twin()
+    opt_p = torch.optim.SGD(_groups(plain), lr=0.1, momentum=0.9)
+    s = make_store()
+    opt_o = offload_optimizer(torch.optim.SGD(_groups(off), lr=0.1, momentum=0.9), s, tier="host",
+                              update_in_backward=True)
+    _loop(plain, opt_p, 5, clip=0.05)
+    _loop(off, opt_o, 5, clip=0.05, defer="all")  # every backward deferred: step() updates, after the clip
+    _assert_equal(plain, off, "clipped")
+    with pytest.raises(RuntimeError, match=r"changed after backward used it.*clip_grad_norm_"):
+        _loop(off, opt_o, 1, clip=0.05)  # updated in backward, then clipped: refused at step()
+
+
+def test_grad_scaler_with_a_skipped_step(make_store):
+    """Loss scaling needs every gradient's inf check before any update: scaled backwards run
+    in ``deferred()`` and give plain's results, the skipped step included; an in-backward
+    update of a scaled gradient is refused."""
+    plain, off = _twin()
+    opt_p = torch.optim.Adam(_groups(plain), lr=1e-3)
+    s = make_store()
+    opt_o = offload_optimizer(torch.optim.Adam(_groups(off), lr=1e-3), s, tier="nvme", update_in_backward=True)
+    sc_p, sc_o = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2))
+    _loop(plain, opt_p, 6, scaler=sc_p, bad_step=3)
+    _loop(off, opt_o, 6, scaler=sc_o, bad_step=3, defer="all")
+    assert sc_p.get_scale() == sc_o.get_scale() < 2.0 ** 10  # a step was skipped in both
+    _assert_equal(plain, off, "scaled")
+    assert opt_o.completed_steps == 5
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        _loop(off, opt_o, 1, scaler=sc_o)
+
+
+def test_accumulating_without_deferring_is_refused(make_store):
+    _, off = _twin()
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), make_store(), tier="host",
+                              update_in_backward=True)
+    with pytest.raises(RuntimeError, match=r"again after its update in backward.*opt\.deferred\(\)"):
+        _loop(off, opt_o, 1, defer="none")
+
+
+def test_zero1_and_fsdp2_with_update_in_backward_under_torchrun(daemon):
+    script = os.path.join(os.path.dirname(__file__), "dist_backward.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        script, daemon.socket, "bwd-job"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} zero1 ok (updates in step)" in r.stdout
+        assert f"rank {rank} fsdp2 ok (updates in backward)" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------- step boundary
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["in-step", "in-backward"])
+@pytest.mark.parametrize("crash_consistent", [False, True], ids=["one-version", "two-versions"])
+def test_the_next_steps_first_state_is_hinted_at_the_end_of_a_step(make_store, update_in_backward,
+                                                                   crash_consistent):
+    """At the end of a step the pool is told which state the next step reads first (the
+    version that is then current; with updates in backward, the parameters whose
+    gradients come first), so it comes up from NVMe during the forward pass."""
+    _, off = _twin()
+    s = make_store(host_bytes="1MiB")
+    opt = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="nvme", bucket_bytes=0,
+                            crash_consistent=crash_consistent, update_in_backward=update_in_backward)
+    calls = []
+    prefetch, each = s.prefetch, s.checkout_each
+
+    def spy_prefetch(hs, **kw):
+        calls.append(("hint", {str(h) for h in hs}))
+        return prefetch(hs, **kw)
+
+    def spy_each(reqs, **kw):
+        reqs = list(reqs)
+        calls.append(("read", {str(src if src is not None else h) for h, _, src in reqs}))
+        return each(reqs, **kw)
+
+    s.prefetch, s.checkout_each = spy_prefetch, spy_each
+    for step in range(4):
+        calls.append(("step", step))
+        x = _batches(step, 1)[0]
+        nn.functional.cross_entropy(off(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for step in (2, 3):  # once every parameter has state (and the backward order is known)
+        at = calls.index(("step", step))
+        last_hint = [c for c in calls[:at] if c[0] == "hint"][-1][1]
+        first_read = next(c for c in calls[at:] if c[0] == "read")[1]
+        assert first_read <= last_hint, step
