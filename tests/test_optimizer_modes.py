@@ -232,7 +232,7 @@ def test_update_in_backward_equals_plain_every_step(make_store, bucket_bytes, cr
 def test_update_in_backward_skips_parameters_without_a_gradient(make_store):
     plain, off = _twin(cls=Gated)
     opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    s = make_store(host_bytes="64KiB")
+    s = make_store(host_bytes="1MiB")
     opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="nvme",
                               update_in_backward=True)
     for upto in (4, 9, 13):
