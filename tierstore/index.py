@@ -287,6 +287,8 @@ class ObjectTable(dict):
         self._gone: OrderedDict[int, str] = OrderedDict()
         self.host_objects = 0
         self.nvme_objects = 0
+        self._ephemeral: dict[Any, dict[int, ObjectMeta]] = {}
+        """owner -> its ephemeral objects (an object's ``ephemeral`` is set before it is added)"""
 
     def __setitem__(self, oid: int, meta: ObjectMeta) -> None:
         old = dict.get(self, oid)
@@ -310,12 +312,24 @@ class ObjectTable(dict):
     def __delitem__(self, oid: int) -> None:
         self.pop(oid)
 
+    def ephemeral_of(self, owner: Any) -> list[ObjectMeta]:
+        """The objects ``owner`` put with ``ephemeral=True``: O(its own), not O(every object)."""
+        return list(self._ephemeral.get(owner, {}).values())
+
     def gone_namespace(self, oid: int) -> str | None:
         """The namespace of a recently removed id (None: not remembered)."""
         return self._gone.get(oid)
 
     def _count(self, meta: ObjectMeta, sign: int) -> None:
         meta._table = self if sign > 0 else None
+        if meta.ephemeral is not None:
+            mine = self._ephemeral.setdefault(meta.ephemeral, {})
+            if sign > 0:
+                mine[meta.id] = meta
+            else:
+                mine.pop(meta.id, None)
+                if not mine:
+                    del self._ephemeral[meta.ephemeral]
         self.host_objects += sign * meta._hv
         self.nvme_objects += sign * meta._nv
         c = self.namespaces.get(meta.namespace)

@@ -670,7 +670,7 @@ class Leasing:
         """``owner`` went away: its ephemeral objects go too — now, or at the end of the
         last lease another connection holds on one (its key is unbound at once)."""
         with self._cv:
-            mine = [m for m in self._objects.values() if m.ephemeral is owner and not m.freeing]
+            mine = [m for m in self._objects.ephemeral_of(owner) if not m.freeing]
             for m in mine:
                 m.freeing = True
                 if m.key is not None and self._keys.get((m.namespace, m.key)) == m.id:
