@@ -10,6 +10,7 @@ Each rank prints ``rank R <layout> ok`` when its checks pass.
 """
 
 import copy
+import os
 import sys
 
 import torch
@@ -19,41 +20,14 @@ from torch import nn
 from tierstore.client import Client
 from tierstore.client.torch import offload_optimizer, offload_parameters
 
-STEPS, VOCAB, WIDTH, HEADS, SEQ, BATCH = 4, 32, 16, 4, 8, 4
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import gpt_blocks  # noqa: E402  (the model bench/train_dist.py trains)
 
-
-class Block(nn.Module):
-    """Attention and MLP, laid out for a column-then-row tensor-parallel split: q/k/v and
-    fc1 split by output (heads), o and fc2 by input; heads are counted from the local width."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        h = self.ln1(x)
-        q, k, v = (f(h).view(b, t, -1, WIDTH // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class Head(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(WIDTH)
-        self.out = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, x):
-        return self.out(self.ln(x))
+STEPS, VOCAB, WIDTH, SEQ, BATCH = 4, 32, 16, 8, 4
 
 
 def gpt():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(VOCAB, WIDTH), Block(), Block(), Head())
+    return gpt_blocks.gpt(VOCAB, WIDTH, 2)
 
 
 def tokens(i, replica):
@@ -88,14 +62,12 @@ def tp_fsdp2(client, params):
     """TP over the attention and MLP on the mesh's "tp" dimension, FSDP2 over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = gpt()
-    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
-            "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     for block in (model[1], model[2]):
-        parallelize_module(block, mesh["tp"], plan)
+        parallelize_module(block, mesh["tp"], gpt_blocks.tp_plan())
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     if client is not None and params:  # sharded parameters are FSDP2's to manage: refused clearly

@@ -179,11 +179,13 @@ def test_sharded_snapshot_of_two_nodes_has_a_store_per_rank_and_an_index_and_res
         daemon_factory, tmp_path):
     """`tierstore snapshot --sharded` on each of two nodes writes one Zarr store per rank
     namespace into a shared directory and an index fragment per node; the merged index says
-    which rank is in which store on which node; `tierstore restore --sharded` on fresh
-    daemons puts every rank's objects back into the same namespace on the same node."""
+    which rank is in which store on which node; after the objects are freed, `tierstore
+    restore --sharded` on each node puts every rank's objects back into the same namespace
+    on the same node, and a node the index does not name is refused."""
     import torch
 
-    from tierstore.client.sharded import read_index
+    from tierstore.client.sharded import read_index, restore_job
+    from tierstore.errors import NotFound
     from tierstore.snapshot import open_snapshot
 
     def cli(*args):
@@ -213,14 +215,32 @@ def test_sharded_snapshot_of_two_nodes_has_a_store_per_rank_and_an_index_and_res
         assert (e["node"], e["store"], e["objects"], e["prefixes"]) == (f"node{rank // 2}", f"rank{rank}.zarr", 2,
                                                                         ["opt/", "params/"])
         assert dict(open_snapshot(str(dest / e["store"])).attrs)["namespace"] == f"job7/rank{rank}"
-    fresh = [daemon_factory(name="snap-fresh0-"), daemon_factory(name="snap-fresh1-")]
-    r = cli("restore", "--sharded", "--node", "node9", "--socket", fresh[0].socket, dest)
-    assert r.returncode != 0 and "nothing for node 'node9'" in r.stderr
-    for n, d in enumerate(fresh):
-        r = cli("restore", "--sharded", "--node", f"node{n}", "--socket", d.socket, dest)
-        assert r.returncode == 0, r.stderr
+    for rank in range(4):  # the pool loses the job's objects; the snapshot brings them back
+        with nodes[rank // 2].client(f"job7/rank{rank}") as c:
+            for key in c.keys(prefix=""):
+                c.free(c.lookup(key))
+    with pytest.raises(NotFound, match="nothing for node 'node9'"):
+        restore_job(nodes[0].client, str(dest), node="node9")
+    r = cli("restore", "--sharded", "--node", "node0", "--socket", nodes[0].socket, dest)
+    assert r.returncode == 0, r.stderr
+    assert set(restore_job(nodes[1].client, str(dest), node="node1")) == {"job7/rank2", "job7/rank3"}
     for (rank, key), t in want.items():
-        with fresh[rank // 2].client(f"job7/rank{rank}") as c:
+        with nodes[rank // 2].client(f"job7/rank{rank}") as c:
             assert torch.equal(c.get(c.lookup(key)), t), (rank, key)
-        with fresh[1 - rank // 2].client(f"job7/rank{rank}") as c:
+        with nodes[1 - rank // 2].client(f"job7/rank{rank}") as c:
             assert c.lookup(key) is None  # each rank only on its own node
+
+
+@pytest.mark.slow
+def test_train_dist_bench_smoke(tmp_path):
+    """bench/train_dist.py at a tiny size, every layout on 4 ranks: its results check passes
+    and stdout ends with one JSON line."""
+    import json
+
+    r = subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "train_dist.py"), "--quick",
+                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "train_dist" and out["all_equal"]
+    assert {(x["layout"], x["variant"]) for x in out["results"]} == {
+        (lay, v) for lay in ("fsdp2", "tp+fsdp2", "pipeline") for v in ("plain", "offloaded")}
