@@ -7,6 +7,12 @@ the rounds add a client that stalls holding leases until the daemon revokes them
 
     python tests/faults.py --rounds 20 --seed 7          # a fixed number of rounds
     python tests/faults.py --soak 30                     # as many rounds as fit in 30 minutes
+    python tests/faults.py --journal-damage --rounds 100 # journal damage between stop and restart
+
+``--journal-damage`` runs other rounds (``run_journal_damage``): durable puts,
+replaces, write-backs and frees, then a stop (SIGKILL or SIGTERM), damage anywhere in
+the journal (flipped bytes, a zeroed page, a cut-out stretch), a restart, and checks
+against what the damaged image still vouches for (``journal_evidence``).
 
 Seeded: the same seed replays the same schedule of operations and kills (timing
 still varies with the machine). The short version runs in CI (tests/test_faults.py).
@@ -28,6 +34,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -192,8 +199,9 @@ def data(ns: str, key: str, ver: int, n: int) -> np.ndarray:
 
 
 class Daemon:
-    def __init__(self, base: Path, host_bytes: str) -> None:
+    def __init__(self, base: Path, host_bytes: str, extra_args: tuple[str, ...] = ()) -> None:
         self.base = base
+        self.extra_args = list(extra_args)
         self.socket = str(base / "run" / "ts.sock")
         self.host_bytes = host_bytes
         self.proc: subprocess.Popen | None = None
@@ -209,7 +217,7 @@ class Daemon:
         (systemd's fd store emulated) so it adopts the host tier. Returns whether it did."""
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, "TIERSTORE_LEASE_TIMEOUT_S": str(LEASE_TIMEOUT_S)}
         args = ["--socket", self.socket, "--nvme-dir", str(self.base / "nvme"), "--host-bytes", self.host_bytes,
-                "--nvme-bytes", "2GiB", "--log-level", "INFO"]
+                "--nvme-bytes", "2GiB", "--log-level", "INFO", *self.extra_args]
         handback = handback and {"arena", "index"} <= set(self.fdstore)
         log = open(self.base / "daemon.log", "ab")
         if handback:
@@ -464,14 +472,239 @@ def run(rounds: int | None, seed: int, workers: int = 3, ops: int = 400, soak_s:
     return stats
 
 
+# ---------------------------------------------------------------------------- journal damage
+@dataclass
+class JournalStats:
+    rounds: int = 0
+    flips: int = 0
+    zeroed_pages: int = 0
+    cuts: int = 0
+    graceful_stops: int = 0
+    objects_checked: int = 0
+    """Acknowledged durable objects whose latest record was intact: present and byte-exact."""
+    objects_lost_with_their_records: int = 0
+    """Acknowledged objects gone because their own latest record was damaged (allowed)."""
+    frees_checked: int = 0
+    """Acknowledged frees some intact record vouched for: not undone."""
+    frees_undone_without_evidence: int = 0
+    """Acknowledged frees whose record and every repeat of it were damaged (allowed, counted)."""
+    ownership_checked: int = 0
+    records_damaged: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+NOBODY_ENTERS = r"""
+import os, sys, pwd
+from tierstore.client import Client
+from tierstore import PermissionDenied
+import tierstore.errors, tierstore.tensors, tierstore.arena, numpy
+pw = pwd.getpwnam("nobody")
+os.setgroups([]); os.setgid(pw.pw_gid); os.setuid(pw.pw_uid)
+for ns in sys.argv[2:]:
+    try:
+        Client.connect(socket=sys.argv[1], namespace=ns).put(numpy.zeros(3), key="taken")
+        print("ENTERED", ns)
+    except PermissionDenied:
+        print("REFUSED", ns)
+"""
+"""Another uid tries to enter each namespace (and claim it with a put)."""
+
+
+def _ownership_evidence(data: bytes, damaged: list[tuple[int, int]]) -> set[str]:
+    """Namespaces some intact record of the journal image says are owned."""
+    from tierstore.journal import scan
+
+    out: set[str] = set()
+    for s, e, r in scan(data):
+        if r is None or any(s < hi and lo < e for lo, hi in damaged):
+            continue
+        if r.get("op") == "ns":
+            out.add(r["name"])
+        if r.get("op") == "put" and r.get("nsuid") is not None:
+            out.add(r["ns"].split("/")[0])
+        out.update(x[0] for x in r.get("own") or [])
+    return out
+
+
+def _damage_journal(path: Path, rng: random.Random, stats: JournalStats) -> tuple[bytes, list[tuple[int, int]]]:
+    """Flip random bytes, zero a whole page or cut a stretch out, anywhere in the journal.
+    Returns the image before, and the damaged ranges (in its coordinates)."""
+    data = path.read_bytes()
+    buf = bytearray(data)
+    kind = rng.choice(["flip", "page", "cut"])
+    if kind == "flip":
+        spots = sorted({rng.randrange(len(buf)) for _ in range(rng.randint(1, 8))})
+        for p in spots:
+            buf[p] ^= 1 << rng.randrange(8)
+        ranges = [(p, p + 1) for p in spots]
+        stats.flips += 1
+    elif kind == "page":
+        page = rng.randrange(-(-len(buf) // PAGE))
+        lo, hi = page * PAGE, min((page + 1) * PAGE, len(buf))
+        buf[lo:hi] = bytes(hi - lo)
+        ranges = [(lo, hi)]
+        stats.zeroed_pages += 1
+    else:
+        lo = rng.randrange(len(buf))
+        hi = min(len(buf), lo + rng.randint(1, 3000))
+        del buf[lo:hi]
+        ranges = [(lo, hi)]
+        stats.cuts += 1
+    path.write_bytes(bytes(buf))
+    return data, ranges
+
+
+def run_journal_damage(rounds: int, seed: int, base: Path | None = None, ops: int = 60,
+                       verbose: bool = True) -> JournalStats:
+    """Rounds of durable puts, replaces, write-backs and frees against a real daemon, which
+    is then stopped (SIGKILL, or SIGTERM one round in four); its journal is damaged
+    anywhere (random bytes flipped, a whole page zeroed, or a stretch cut out) and the
+    daemon restarted. After each restart: it started; every acknowledged durable object
+    whose latest record is intact is present and byte-exact; no acknowledged free that
+    some intact record vouches for is undone; every namespace some intact record says is
+    owned still refuses another uid."""
+    import grp
+    import pwd
+
+    from tierstore import NotFound
+    from tierstore.client import Client
+    from tierstore.journal import JOURNAL_FILE, scan
+
+    rng = random.Random(seed)
+    own = base is None
+    base = Path(base or tempfile.mkdtemp(prefix="tierstore-journal-", dir="/tmp"))
+    base.chmod(0o755)  # nobody reaches the socket (its group is admitted)
+    group = grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name
+    stats = JournalStats()
+    daemon = Daemon(base, "32MiB", ("--allowed-group", group, "--nvme-bytes", "512MiB"))
+    model: dict[tuple[str, str], tuple] = {}  # (ns, key) -> (handle, ver, n)
+    namespaces: list[str] = []
+    freed: list[tuple[str, Any]] = []  # (ns, handle) of the frees acknowledged since the last restart
+    try:
+        daemon.start()
+        for r in range(1, rounds + 1):
+            stats.rounds = r
+            fail = stats.failures.append
+            ns = f"jd{r}"
+            namespaces.append(ns)
+            with Client.connect(socket=daemon.socket, namespace=ns) as c:
+                for i in range(ops):
+                    x = rng.random()
+                    mine = [k for k in model if k[0] == ns]
+                    if x < 0.45 or not mine:
+                        key = f"k{rng.randrange(12)}"
+                        n = rng.choice([0, 1000, rng.randrange(1, 300_000)])
+                        h = c.put(data(ns, key, i, n), key=key, durable=True, replace=True,
+                                  tier=rng.choice([None, "nvme"]))
+                        old = model.get((ns, key))
+                        if old is not None:
+                            freed.append((ns, old[0]))  # a replace frees the object it replaced
+                        model[(ns, key)] = (h, i, n)
+                    elif x < 0.65:
+                        k = rng.choice(mine)
+                        h, _, n = model[k]
+                        if n:
+                            with c.checkout(h, "rw", timeout_s=5) as v:  # a write-back: a new put record
+                                v[:] = data(ns, k[1], 10_000 + i, n)
+                            model[k] = (h, 10_000 + i, n)
+                    else:
+                        h = model.pop(rng.choice(mine))[0]
+                        c.free(h)
+                        freed.append((ns, h))
+            if rng.random() < 0.25:
+                daemon.stop()
+                stats.graceful_stops += 1
+            else:
+                daemon.kill()
+            path = base / "nvme" / JOURNAL_FILE
+            image, ranges = _damage_journal(path, rng, stats)
+            stats.records_damaged += sum(1 for s_, e_, rec in scan(image)
+                                         if rec is not None and any(s_ < hi and lo < e_ for lo, hi in ranges))
+            must, evidenced = journal_evidence(image, ranges)
+            owned = _ownership_evidence(image, ranges)
+            try:
+                daemon.start()
+            except RuntimeError as e:
+                fail(f"round {r}: the daemon did not start on a damaged journal: {e}")
+                break
+            with Client.connect(socket=daemon.socket, namespace="jd-check") as c0:
+                if not c0.stat()["journal"].get("kept_aside"):
+                    fail(f"round {r}: the daemon did not say what it skipped (no journal kept aside)")
+            for (n_s, key), (h, ver, n) in list(model.items()):
+                with Client.connect(socket=daemon.socket, namespace=n_s) as c:
+                    got_h = c.lookup(key)
+                    if h.id not in must:
+                        if got_h != h:
+                            stats.objects_lost_with_their_records += 1
+                            del model[(n_s, key)]
+                            if got_h is not None:
+                                c.free(got_h)
+                        continue
+                    if got_h != h:
+                        fail(f"round {r}: {n_s}/{key} ({h}): its latest record is intact, but it is "
+                             f"{'missing' if got_h is None else f'now {got_h}'} after the restart")
+                        del model[(n_s, key)]
+                        continue
+                    got = c.get(h)
+                    if not np.array_equal(np.asarray(got).view(np.uint8).reshape(-1), data(n_s, key, ver, n)):
+                        fail(f"round {r}: {n_s}/{key}: wrong bytes after the restart")
+                    stats.objects_checked += 1
+            for n_s, h in freed:
+                with Client.connect(socket=daemon.socket, namespace=n_s) as c:
+                    try:
+                        c.info(h)
+                    except NotFound:
+                        stats.frees_checked += h.id in evidenced
+                        continue
+                    if h.id in evidenced:
+                        fail(f"round {r}: {n_s} {h}: an acknowledged free was undone")
+                    else:
+                        stats.frees_undone_without_evidence += 1
+                    c.free(h)
+            freed = []
+            probe = [n_ for n_ in {ns, rng.choice(namespaces)} if n_ in owned]
+            if probe:
+                out = subprocess.run([sys.executable, "-c", NOBODY_ENTERS, daemon.socket, *probe], capture_output=True,
+                                     text=True, timeout=120, env={**os.environ, "HOME": "/tmp"})
+                for n_ in probe:
+                    if f"REFUSED {n_}" not in out.stdout:
+                        fail(f"round {r}: another uid entered namespace {n_} after the restart: "
+                             f"{(out.stdout + out.stderr)[-300:]}")
+                    stats.ownership_checked += 1
+            while len(model) > 40:  # keep the journal small: the oldest objects go
+                (n_s, key), (h, _, _) = next(iter(model.items()))
+                with Client.connect(socket=daemon.socket, namespace=n_s) as c:
+                    c.free(h)
+                freed.append((n_s, h))
+                del model[(n_s, key)]
+            for p in base.glob("nvme/journal.damaged-*"):
+                p.unlink()
+            if verbose:
+                print(f"round {r}: checked={stats.objects_checked} frees={stats.frees_checked} "
+                      f"failures={len(stats.failures)}", flush=True)
+    finally:
+        daemon.close()
+        if own and not stats.failures:
+            shutil.rmtree(base, ignore_errors=True)
+    return stats
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--journal-damage", action="store_true",
+                   help="rounds that damage the journal anywhere (flipped bytes, zeroed pages, cut stretches) "
+                        "between a stop and a restart of the daemon (needs root: another uid probes ownership)")
     args = p.parse_args()
     rounds = args.rounds if args.rounds is not None or args.soak else 10
+    if args.journal_damage:
+        t0 = time.monotonic()
+        jstats = run_journal_damage(rounds, args.seed)
+        print(json.dumps({**jstats.__dict__, "seconds": round(time.monotonic() - t0)}))
+        return 1 if jstats.failures else 0
     stats = run(rounds, args.seed, workers=args.workers, soak_s=args.soak * 60 if args.soak else None)
     print(json.dumps(stats.__dict__))
     return 1 if stats.failures else 0

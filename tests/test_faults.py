@@ -92,3 +92,19 @@ def test_failed_durable_check_ins_end_every_lease_of_the_batch_and_leak_no_space
     for h in hs:
         s.free(h)
     assert s.stat()["tiers"]["nvme"]["used_bytes"] == 0  # the failed check-ins' old copies went too
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another uid probes namespace ownership: needs root")
+def test_journal_damage_rounds_short(tmp_path):
+    import pathlib
+    import shutil
+    import tempfile
+
+    base = pathlib.Path(tempfile.mkdtemp(prefix="tierstore-journal-", dir="/tmp"))  # reachable by nobody
+    try:
+        stats = faults.run_journal_damage(rounds=3, seed=5, base=base, ops=40, verbose=False)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert not stats.failures, stats.failures[:10]
+    assert stats.rounds == 3 and stats.flips + stats.zeroed_pages + stats.cuts == 3
+    assert stats.objects_checked and stats.frees_checked and stats.ownership_checked

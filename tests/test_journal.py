@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from tierstore import Config, PermissionDenied, StorageError, Store
+from tierstore import CapacityExceeded, Config, PermissionDenied, StorageError, Store
 from tierstore.journal import JOURNAL_FILE, _encode, scan
 from tierstore.recovery import Replay
 
@@ -250,3 +250,32 @@ def test_replay_resolves_conflicts_by_record_order():
     put(4, 8192, "b")  # a replace of 2 whose free was lost
     put(2, 12288, "b")  # a late write-back of the replaced 2: the newer object keeps the key
     assert sorted(rp.live) == [3, 4] and rp.superseded == 3 and rp.next_id == 5
+
+
+@pytest.mark.parametrize("grow,order", [(0, ("nvme", "host")), (0, ("host", "nvme")), ("64KiB", ("nvme", "host"))])
+def test_durable_objects_stay_readable_when_the_disk_and_both_tiers_are_full(tmpfs, grow, order):
+    """NVMe data file reserved at start (or, ``grow`` set, grown as needed); the filesystem
+    then filled to the last byte, the NVMe and host tiers filled with volatile objects
+    (in either order; as far as the disk lets them): checking out (what a get through the
+    daemon does) and getting each durable object still works."""
+    d = os.path.join(tmpfs, "nvme")
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[d], nvme_bytes="12MiB", nvme_grow_bytes=grow,
+                      io_chunk_bytes="1MiB")) as s:
+        assert s.nvme.reserved == (grow == 0)
+        assert (os.path.getsize(os.path.join(d, "data.bin")) == 12 << 20) == (grow == 0)
+        durable = {s.put(torch.full((40_000,), float(i)), tier="nvme", durable=True): float(i) for i in range(4)}
+        _fill(os.path.join(tmpfs, "filler"))  # the filesystem: full
+        for tier in order:
+            while True:
+                try:
+                    s.put(torch.ones(60_000), tier=tier)
+                except CapacityExceeded:
+                    break
+        if grow == 0:  # reserved: the tiers filled up to their sizes (but for one read reserve)
+            st = s.stat()["tiers"]
+            assert st["nvme"]["free_bytes"] + st["host"]["free_bytes"] < 1 << 20, st
+        for _ in range(2):
+            for h, v in durable.items():
+                with s.checkout(h, "r") as t:
+                    assert torch.equal(t, torch.full((40_000,), v))
+                assert torch.equal(s.get(h), torch.full((40_000,), v))

@@ -39,19 +39,60 @@ class Movement:
         with self._cv:
             return self.host.capacity - sum(n for _, n in self._scratch.values())
 
-    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None) -> int:
-        """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise."""
+    def _host_take(self, nbytes: int, *, reading: bool = False) -> int | None:
+        """(under _cv) A host block now, or None.
+
+        Reads of bytes that are on NVMe must work when everything is full, and making
+        host room for one needs NVMe room to demote into. So one of the two is always
+        kept: the last ``_read_reserve`` bytes of the host tier go to anything else only
+        while the NVMe tier has that much free for demotions (``_nvme_take`` keeps it so
+        while the host reserve is in use)."""
+        if not reading and self.host.free_bytes - align_up(max(nbytes, 1), PAGE) < self._read_reserve \
+                and self.nvme.free_bytes < self._read_reserve:
+            return None
+        return self.host.alloc(nbytes)
+
+    def _nvme_take(self, nbytes: int, *, demoting: bool) -> list:
+        """NVMe extents for ``nbytes``. Unless ``demoting`` (making host room), the last
+        ``_read_reserve`` bytes of the tier are refused while the host tier's read reserve
+        is in use: see ``_host_take``."""
+        if not demoting and self.nvme.free_bytes - align_up(max(nbytes, 1), PAGE) < self._read_reserve \
+                and self.host.free_bytes < self._read_reserve:
+            raise CapacityExceeded(
+                f"NVMe tier full: {nbytes} bytes requested, {self.nvme.free_bytes} free of "
+                f"{self.nvme.capacity_bytes}, the last {self._read_reserve} kept for making host room for "
+                "reads while the host tier is full; free objects or raise nvme_bytes")
+        return self.nvme.alloc(nbytes)
+
+    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None,
+                    reading: bool = False) -> int:
+        """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise.
+        ``reading`` (see ``_host_take``): may use the read reserve, and when a demotion fails
+        for want of NVMe space, only objects that need no write (a current NVMe copy) make room."""
         usable = self._host_usable()
         if align_up(max(nbytes, 1), PAGE) > usable:  # no wait can make room: say so at once
             raise CapacityExceeded(
                 f"{nbytes} bytes do not fit in the host tier at all ({usable} bytes usable of "
                 f"{self.host.capacity}, the rest are connections' staging areas); an object is checked out "
                 "(and, through the daemon, read) in the host tier: raise host_bytes")
+        clean_only = False
+
+        def move(victim: ObjectMeta) -> None:
+            nonlocal clean_only
+            try:
+                self._demote(victim)
+            except CapacityExceeded:  # NVMe (or its filesystem) full: no dirty object can go down
+                if not reading:
+                    raise
+                clean_only = True
+
         return self._alloc_evicting(
-            lambda: self.host.alloc(nbytes), lambda: self._pick_victim(admit_distance) if evict else None,
-            self._demote, wait_s,
+            lambda: self._host_take(nbytes, reading=reading),
+            lambda: self._pick_victim(admit_distance, clean_only=clean_only) if evict else None,
+            move, wait_s,
             lambda: (f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
-                     f"{self.host.capacity} and nothing can be demoted (leased or in flight); "
+                     f"{self.host.capacity} and nothing can be demoted (leased or in flight"
+                     f"{', or no NVMe room to demote into' if clean_only else ''}); "
                      "check objects in, free some, or pass a longer wait"))
 
     def _alloc_evicting(self, alloc, pick, move, wait_s: float, full: Callable[[], str]) -> int:
@@ -74,17 +115,18 @@ class Movement:
                     continue
             move(victim)
 
-    def _pick_victim(self, admit_distance: int | None = None) -> ObjectMeta | None:
+    def _pick_victim(self, admit_distance: int | None = None, *, clean_only: bool = False) -> ObjectMeta | None:
         """Best victim that may move now (under _cv); marks it moving.
 
         ``admit_distance`` (a prefetch of an object needed in that many accesses)
         admits only victims needed later than that, and never another prefetch.
+        ``clean_only``: only objects whose NVMe copy is current (they go without a write).
         """
         for oid in self.policy.candidates():
             m = self._objects.get(oid)
             if m is None or not m.host_valid or m.host_off is None:
                 continue
-            if m.moving or m.pins or m.readers or m.writer or m.freeing:
+            if m.moving or m.pins or m.readers or m.writer or m.freeing or (clean_only and not m.nvme_valid):
                 continue
             if admit_distance is not None:
                 if oid in self.prefetcher.protected:
@@ -101,7 +143,7 @@ class Movement:
         """Move a host-resident object (flagged moving) down to NVMe and free its host block."""
         try:
             if not meta.nvme_valid:
-                self._write_down(meta, sync=meta.durable)
+                self._write_down(meta, sync=meta.durable, demoting=True)
                 if meta.durable:
                     with self.journal.lock:
                         self._journal_put(meta)
@@ -119,10 +161,11 @@ class Movement:
                 meta.moving = False
                 self._cv.notify_all()
 
-    def _write_down(self, meta: ObjectMeta, *, sync: bool) -> None:
-        """Write the host copy of ``meta`` to fresh NVMe extents (meta.moving is set by the caller)."""
+    def _write_down(self, meta: ObjectMeta, *, sync: bool, demoting: bool = False) -> None:
+        """Write the host copy of ``meta`` to fresh NVMe extents (meta.moving is set by the
+        caller; ``demoting``: to free its host block, see ``_nvme_take``)."""
         n = meta.nbytes
-        extents = self.nvme.alloc(n)
+        extents = self._nvme_take(n, demoting=demoting)
         try:
             if n:
                 src = self.arena.view(meta.host_off, n)
@@ -149,7 +192,7 @@ class Movement:
                 if (ns, key) in self._keys and not replace:
                     raise KeyExists(f"key {key!r} already exists in namespace {ns!r}; "
                                     "pass replace=True to overwrite it or free it first")
-        extents = self.nvme.alloc(spec.nbytes)
+        extents = self._nvme_take(spec.nbytes, demoting=False)
         try:
             crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
             with self._cv:
@@ -235,7 +278,10 @@ class Movement:
             if block is not None:
                 off = block
             else:
-                off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance) if n else -1
+                # a read of bytes on NVMe may use the read reserve: it must work when all is full
+                reading = read and meta.nvme_valid and meta.gpu_loc is None and admit_distance is None
+                off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance,
+                                       reading=reading) if n else -1
             try:
                 if n and read and meta.gpu_loc is not None:  # down from the GPU tier
                     self.gpu.read(meta.gpu_loc, self.arena.view(off, n).ctypes.data, n)

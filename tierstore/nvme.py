@@ -2,8 +2,12 @@
 a CRC32C per 1 MiB block written with the data and verified on every read.
 
 One data file per configured directory; an object larger than a few chunks is
-striped across the directories in chunk-aligned parts. Files grow by fallocate in
-``grow_bytes`` steps, so a full filesystem surfaces as ``NoSpace`` on the request
+striped across the directories in chunk-aligned parts. By default each file is
+reserved whole (fallocate) when the tier opens, so no write the tier has room for
+ever meets a full filesystem, and nothing a durable object needs (its read, or the
+demotion that makes host room for it) waits on the file growing. Where the
+filesystem cannot hold the reservation, or with ``grow_bytes`` set, files grow by
+fallocate in steps, and a full filesystem surfaces as ``NoSpace`` on the request
 that needed the space, never as a torn object. What to place here, and when, is
 the store's policy; this module only moves bytes.
 """
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 DATA_FILE = "data.bin"
 LOCK_FILE = "lock"
+_FALLBACK_GROW_BYTES = 256 << 20
+"""Growth step of a data file that could not be reserved whole."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,7 +124,8 @@ class NvmeTier:
             raise InvalidArgument("the NVMe tier needs at least one directory (nvme_dirs)")
         self.engine = engine
         self.chunk_bytes = chunk_bytes
-        self.grow_bytes = max(align_up(grow_bytes, PAGE), PAGE)
+        # 0: the whole file at open; the step is for a filesystem that cannot hold it
+        self.grow_bytes = max(align_up(grow_bytes or _FALLBACK_GROW_BYTES, PAGE), PAGE)
         per_drive = capacity_bytes // len(dirs) // PAGE * PAGE
         self.drives: list[_Drive] = []
         try:
@@ -129,6 +136,9 @@ class NvmeTier:
                 drv.close()
             raise
         self.capacity_bytes = per_drive * len(dirs)
+        self.reserved = all(d.file_size >= d.alloc.capacity for d in self.drives)
+        if grow_bytes == 0:
+            self.reserved = self._reserve_files()
         self.direct = all(d.direct for d in self.drives)
         self.direct_reason = "; ".join(sorted({d.direct_reason for d in self.drives}))
         self._bounce = _BouncePool(engine.threads + 2, chunk_bytes)
@@ -138,6 +148,26 @@ class NvmeTier:
         self.bytes_written = 0
 
     # -- space -----------------------------------------------------------------------------
+    def _reserve_files(self) -> bool:
+        """Reserve every data file at its full size; False (logged) where the filesystem
+        cannot hold it: that drive's file then grows as objects need it."""
+        ok = True
+        for drv in self.drives:
+            if drv.file_size >= drv.alloc.capacity:
+                continue
+            with drv.grow_lock:
+                # fallocate(2) itself, not posix_fallocate: where the filesystem cannot reserve
+                # space, glibc would write the whole file instead
+                err = _fallocate(drv.file.fileno(), drv.file_size, drv.alloc.capacity - drv.file_size)
+                if err == 0:
+                    drv.file_size = drv.alloc.capacity
+                    continue
+            ok = False
+            log.warning("NVMe dir %s: the data file could not be reserved at %d bytes (%s); it grows as objects "
+                        "need it, and a full filesystem fails the write that meets it (NoSpace)", drv.directory,
+                        drv.alloc.capacity, os.strerror(err))
+        return ok
+
     @property
     def used_bytes(self) -> int:
         return sum(d.alloc.used_bytes for d in self.drives)
@@ -362,7 +392,21 @@ class NvmeTier:
     def describe(self) -> list[dict]:
         return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason,
                  "capacity_bytes": d.alloc.capacity, "used_bytes": d.alloc.used_bytes,
-                 "file_bytes": d.file_size} for d in self.drives]
+                 "file_bytes": d.file_size, "reserved": d.file_size >= d.alloc.capacity} for d in self.drives]
+
+
+def _fallocate(fd: int, offset: int, length: int) -> int:
+    """fallocate(2) mode 0; returns 0 or the errno (EOPNOTSUPP where unsupported)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+    if fn is None:
+        return errno.EOPNOTSUPP
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fn(fd, 0, offset, length) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EIO
 
 
 def _io_error(e: OSError, path: str, doing: str) -> Exception:

@@ -50,7 +50,7 @@ class Puts:
             return res
         if nowait and spec.nbytes:
             with self._cv:
-                off = self.host.alloc(spec.nbytes)
+                off = self._host_take(spec.nbytes)
             if off is None:
                 raise WouldBlock()
         else:

@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 SMALL_BLOCK_BYTES = 1 << 20
 """Host blocks below this size are placed apart from larger ones (less fragmentation)."""
 
+READ_RESERVE_BYTES = 64 << 20
+"""The last this many bytes of the host tier (at most a sixteenth of it) only take reads
+of bytes that are on NVMe: durable objects stay readable when both tiers are full."""
+
 _TIERS = (None, "host", "nvme", "gpu")
 _LOCAL = LOCAL
 _LIST_PAGE = 4096
@@ -170,6 +174,8 @@ class Store(Leasing, Puts, Movement, Recovery):
             self.hostlog = HostIndexLog(inherited["index"] if adopt else None)
             # small blocks (staging areas, scalars, biases) from the top, big ones from the bottom
             self.host = ExtentAllocator(self.arena.size, small_bytes=SMALL_BLOCK_BYTES)
+            # kept for reading objects whose bytes are on NVMe when everything else is full
+            self._read_reserve = min(READ_RESERVE_BYTES, self.host.capacity // 16) // PAGE * PAGE
             self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
                                  chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes)
             self.gpu_reason = "gpu_bytes is 0: no GPU tier"
