@@ -350,8 +350,8 @@ class Store(Leasing, Puts, Movement, Recovery):
             # bring it back, so it must not vanish now)
             with self._cv:
                 meta.freeing = False
-                if meta.key is not None:
-                    self._keys.setdefault((meta.namespace, meta.key), meta.id)
+                if meta.key is not None and (meta.namespace, meta.key) not in self._keys:
+                    self._keys[(meta.namespace, meta.key)] = meta.id
                 self._cv.notify_all()
             raise type(e)(f"free of {h} failed, the object is unchanged: {e.message}") from None
         self.counters["frees"] += 1
