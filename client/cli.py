@@ -2,7 +2,9 @@
 
 ``tierstore daemon`` replaces this process with ``python -m tierstore.daemon`` (the
 client never imports the daemon); the other subcommands talk to a running daemon
-through ``tierstore.client``.
+through ``tierstore.client``, except ``config``, which shows the settings a daemon
+started here would use. Every error is one line on stderr that says what to do; a
+closed pipe (``tierstore ls | head``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -12,53 +14,68 @@ import json
 import os
 import sys
 
-
 from tierstore._version import __version__
+from tierstore.config import ArgumentParser, ConfigError
 from tierstore.errors import TierstoreError
 from tierstore.units import format_size
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
+
+_SIGPIPE_STATUS = 141  # what a shell reports for a process killed by SIGPIPE, as `yes | head` gives
 
 
 def _socket_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
+    p.add_argument("--socket", metavar="PATH", help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierstore", description="Tiered tensor storage: one pool of GPU, "
-                                "pinned host and NVMe memory per node, shared by every training process.")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+def _namespace_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", metavar="NS", help="namespace (job) to work in (default: 'default')")
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="tierstore", description="Tiered tensor storage: one pool of GPU, pinned host and NVMe "
+                       "memory per node, shared by every training process.")
+    p.add_argument("--version", action="version", version=f"tierstore {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=ArgumentParser)
     sub.add_parser("version", help="print the version")
-    sub.add_parser("daemon", help="run the node daemon in the foreground (tierstore daemon --help)",
-                   add_help=False)
+    sub.add_parser("daemon", help="run the node daemon in the foreground (tierstore daemon --help)", add_help=False)
     sub.add_parser("demo", help="train a small GPT with its optimizer state in the daemon (tierstore demo --help)",
                    add_help=False)
+    cf = sub.add_parser("config", help="the settings a daemon started here would use, and where each comes from",
+                        description="Show the effective value and source (default, file, env, flag) of every "
+                        "setting, as `tierstore daemon` with the same flags would resolve them. Precedence: flags > "
+                        "TIERSTORE_* variables > TOML file > defaults.")
+    cf.add_argument("--json", action="store_true", help="machine-readable output")
+    from tierstore.config import add_config_flags
+
+    add_config_flags(cf)
     s = sub.add_parser("stat", help="tiers, namespaces, engine, prefetch counters of the running daemon")
     _socket_flag(s)
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS")
+    s.add_argument("--json", action="store_true", help="machine-readable output (the stat() dict)")
+    s.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until interrupted")
     s.add_argument("--iterations", type=int, help=argparse.SUPPRESS)  # bounded --watch (tests)
-    ls = sub.add_parser("ls", help="list objects")
+    ls = sub.add_parser("ls", help="list the keyed objects of a namespace")
     _socket_flag(ls)
-    ls.add_argument("--namespace", default="default")
-    ls.add_argument("--prefix", default="")
-    ls.add_argument("--json", action="store_true")
+    _namespace_flag(ls)
+    ls.add_argument("--prefix", default="", help="only keys starting with this")
+    ls.add_argument("--json", action="store_true", help="machine-readable output (info() of each object)")
     fr = sub.add_parser("free", help="free objects by key")
     _socket_flag(fr)
-    fr.add_argument("--namespace", default="default")
-    fr.add_argument("keys", nargs="+", metavar="KEY")
+    _namespace_flag(fr)
+    fr.add_argument("keys", nargs="+", metavar="KEY", help="keys to free")
     sn = sub.add_parser("snapshot", help="export a namespace as a Zarr v3 store (directory, .zip or URL)")
     _socket_flag(sn)
-    sn.add_argument("namespace")
-    sn.add_argument("dest")
+    sn.add_argument("namespace", help="namespace to export")
+    sn.add_argument("dest", help="destination: a directory, a .zip file or a URL")
     sn.add_argument("--prefix", default="", help="only keys starting with this")
     sn.add_argument("--sharded", action="store_true", help="NAMESPACE is a job: every JOB/... namespace on this "
                     "node goes to DEST (a shared directory), one Zarr store each, with an index")
     sn.add_argument("--node", help="this node's name in a sharded snapshot's index (default: the host name)")
     rs = sub.add_parser("restore", help="import a snapshot into a namespace")
     _socket_flag(rs)
-    rs.add_argument("src")
-    rs.add_argument("--namespace", help="target namespace (default: the one the snapshot was taken from)")
+    rs.add_argument("src", help="the snapshot: a directory, a .zip file or a URL")
+    rs.add_argument("--namespace", metavar="NS", help="target namespace (default: the one the snapshot was taken "
+                    "from)")
     rs.add_argument("--overwrite", action="store_true", help="replace keys the namespace already has")
     rs.add_argument("--sharded", action="store_true", help="SRC is a sharded snapshot: restore the namespaces its "
                     "index places on this node")
@@ -71,28 +88,81 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["daemon"]:
         # exec, not import: the client side never imports the daemon package
         os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *argv[1:]])
-    if argv[:1] == ["demo"]:
-        from .demo import main as demo_main
-
-        return demo_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        if argv[:1] == ["demo"]:
+            from .demo import main as demo_main
+
+            return demo_main(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
         if args.cmd is None:
             parser.print_help()
             return 0
         if args.cmd == "version":
             print(f"tierstore {__version__}")
             return 0
-        return _client_command(args)
+        rc = _config_command(args) if args.cmd == "config" else _client_command(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is handled below
+        return rc
+    except ConfigError as e:
+        print(f"tierstore: {_one_line(e)}; fix or unset it (tierstore config shows every setting and its source)",
+              file=sys.stderr)
+        return 2
     except TierstoreError as e:
-        print(f"tierstore: {e.code}: {e}", file=sys.stderr)
+        print(f"tierstore: {e.code}: {_one_line(e)}", file=sys.stderr)
         return 1
     except ValueError as e:
-        print(f"tierstore: {e}", file=sys.stderr)
+        print(f"tierstore: {_one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            return _quiet_broken_pipe()
+        print(f"tierstore: {e.strerror or e}{': ' + e.filename if e.filename else ''}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split("\n"))
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader went away (``| head``): stop writing, and let nothing complain at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return _SIGPIPE_STATUS
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    from tierstore.config import describe_value, env_name, flag_name, sourced_config_from_args
+
+    cfg, sources = sourced_config_from_args(args)
+    resolved = cfg.resolved()
+    rows = []
+    for name in type(cfg).field_names():
+        value = getattr(resolved, name)
+        shown = describe_value(name, value)
+        src = sources[name]
+        if src == "default" and getattr(cfg, name) != value:
+            src = "default (this machine)"
+        if name == "nvme_bytes" and value is None:
+            shown = "auto (64.0 GiB or the free space)"
+        rows.append({"name": name, "value": value, "shown": shown, "source": src, "env": env_name(name),
+                     "flag": flag_name(name)})
+    if args.json:
+        print(json.dumps({r["name"]: {"value": r["value"], "source": r["source"]} for r in rows}, indent=2))
+        return 0
+    config_file = args.config or os.environ.get("TIERSTORE_CONFIG") or "(none)"
+    print(f"tierstore {__version__} settings (precedence: flags > TIERSTORE_* variables > TOML file > defaults; "
+          f"TOML file: {config_file})")
+    for r in rows:
+        print(f"  {r['name']:22} {r['shown']:40} {r['source']}")
+    return 0
 
 
 def _client_command(args: argparse.Namespace) -> int:
@@ -112,23 +182,32 @@ def _client_command(args: argparse.Namespace) -> int:
             print_stat(st)
         return 0
     if args.cmd == "ls":
-        with connect(args.socket, args.namespace) as c:
+        ns = args.namespace or "default"
+        with connect(args.socket, ns) as c:
+            others = {} if args.namespace else {k: v for k, v in c.stat().get("namespaces", {}).items() if k != ns}
             if args.json:
                 print(json.dumps(c.ls(prefix=args.prefix), indent=2))
-                return 0
-            print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} {'TIERS':12} FLAGS")
-            for r in c.iter_ls(prefix=args.prefix):  # a page at a time: any number of objects
-                flags = [f for f in ("durable", "ephemeral") if r.get(f)]
-                print(f"{str(r['key']):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
-                      f"{format_size(r['nbytes']):>10} {','.join(r['residency']):12} {','.join(flags)}")
+            else:
+                print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} {'TIERS':12} FLAGS")
+                for r in c.iter_ls(prefix=args.prefix):  # a page at a time: any number of objects
+                    flags = [f for f in ("durable", "ephemeral") if r.get(f)]
+                    print(f"{str(r['key']):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
+                          f"{format_size(r['nbytes']):>10} {','.join(r['residency']):12} {','.join(flags)}")
+        if others:
+            shown = sorted(others)[:5]
+            more = f" and {len(others) - len(shown)} more" if len(others) > len(shown) else ""
+            print(f"tierstore: listed namespace 'default'; the daemon also has {', '.join(shown)}{more} "
+                  f"(tierstore ls --namespace NAME; tierstore stat lists them all)", file=sys.stderr)
         return 0
     if args.cmd == "free":
         rc = 0
-        with connect(args.socket, args.namespace) as c:
+        ns = args.namespace or "default"
+        with connect(args.socket, ns) as c:
             for k in args.keys:
                 h = c.lookup(k)
                 if h is None:
-                    print(f"tierstore: no key {k!r} in namespace {args.namespace!r}", file=sys.stderr)
+                    print(f"tierstore: no key {k!r} in namespace {ns!r}; tierstore ls --namespace {ns} lists them",
+                          file=sys.stderr)
                     rc = 1
                     continue
                 c.free(h)
@@ -166,8 +245,6 @@ def _client_command(args: argparse.Namespace) -> int:
         print(f"restored {r['objects']} objects, {format_size(r['bytes'])} into {ns} in {r['seconds']:.1f} s")
         return 0
     raise AssertionError(args.cmd)  # argparse only yields the commands above
-
-
 
 
 if __name__ == "__main__":

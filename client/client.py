@@ -586,6 +586,14 @@ def _is_cuda(t: Any) -> bool:
     return torch is not None and isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
+def _last_error(log_path: Path) -> str:
+    """The last ERROR line of a daemon log (the reason it stopped), without its timestamp."""
+    lines = log_path.read_text(errors="replace").splitlines()[-200:]
+    errors = [ln for ln in lines if " ERROR " in ln]
+    line = errors[-1] if errors else next((ln for ln in reversed(lines) if ln.strip()), "no log output")
+    return line.split(": ", 1)[-1].strip() if " ERROR " in line else line.strip()
+
+
 def _autostart(path: str, timeout_s: float) -> Connection:
     log_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierstore"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -597,8 +605,8 @@ def _autostart(path: str, timeout_s: float) -> Connection:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise DaemonUnavailable(f"autostarted daemon exited with status {proc.returncode}; log tail:\n{tail}")
+            raise DaemonUnavailable(f"the daemon started for you on {path} exited with status {proc.returncode}: "
+                                    f"{_last_error(log_path)}; its log is {log_path}")
         try:
             return Connection(path, timeout_s=timeout_s)
         except DaemonUnavailable:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -21,6 +22,16 @@ __all__ = ["offload_parameters"]
 log = logging.getLogger(__name__)
 
 _PARAM_STREAM = "params"
+
+
+def _quiet_output_only_backward_hooks() -> None:
+    """The first module of a model (an embedding, a layer fed the raw batch) has no input
+    that requires grad, so torch warns on every backward that its full backward hook
+    fires on the outputs' gradients instead: for these hooks, which only release the
+    module's parameters, that is expected. The filter matches that message alone (it is
+    process-wide: warnings filters cannot be scoped to one module's hooks)."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                            "respect to module outputs since no inputs require gradients", category=UserWarning)
 
 
 class _ParamOffload:
@@ -48,6 +59,7 @@ class _ParamOffload:
         self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         self.next_of: dict[int, torch.nn.Module] = {}
         self.prev_of: dict[int, torch.nn.Module] = {}
+        _quiet_output_only_backward_hooks()
         for m in self.modules:
             self.handles.append(m.register_forward_pre_hook(self._pre))
             self.handles.append(m.register_forward_hook(self._post))

@@ -95,7 +95,7 @@ class Config:
     nvme_dirs: list[str] = _knob(help="NVMe tier directory; repeat to stripe over several drives (default: "
                                       "$XDG_DATA_HOME/tierstore/nvme)", factory=list, flag="--nvme-dir")
     nvme_bytes: int | None = _knob(None, "capacity of the NVMe tier across all directories (default: 64GiB, "
-                                         "or the free space of the filesystem if less)")
+                                         "or 90% of the room on their filesystems if less)")
     gpu_bytes: int = _knob(0, "capacity of the GPU tier per device; 0 disables it")
     gpu_slab_bytes: int = _knob(1 << 30, "the GPU tier is allocated in slabs of at most this size (one CUDA "
                                          "IPC handle each)")
@@ -151,8 +151,6 @@ class Config:
             raise ConfigError("0 would leave no host tier, which every object passes through; give a size such "
                               "as 8GiB, or leave it unset (auto: a quarter of total memory, at most 16GiB)",
                               field="host_bytes")
-        if self.host_bytes is not None and self.host_bytes < (1 << 20):
-            raise ConfigError("must be at least 1MiB", field="host_bytes", value=self.host_bytes)
         if self.io_chunk_bytes < (1 << 20) or self.io_chunk_bytes % (1 << 20):
             raise ConfigError("must be a positive multiple of 1 MiB", field="io_chunk_bytes",
                               value=self.io_chunk_bytes)

@@ -448,7 +448,7 @@ def restore(target: Any, src: str, *, overwrite: bool = False, progress: bool | 
         clash = [e["key"] for e in index if e["key"] in have]
         if clash:
             raise KeyExists(f"the namespace already has {len(clash)} of these keys (e.g. {clash[0]!r}); "
-                            "pass --overwrite to replace them")
+                            "restore with overwrite=True (tierstore restore --overwrite) to replace them")
     packs: dict[int, Any] = {}
     # every object's bytes read and verified before the first write (a refusal after a
     # partial restore, or after replacing objects, could not be undone)

@@ -1,0 +1,177 @@
+"""The command line as an operator meets it: one-line errors that say what to do, quiet
+broken pipes, --version, help for every option, `tierstore config`, and the paper cuts
+of a first hour (ls hints at other namespaces, demo --resume that cannot, bad keys)."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tierstore import InvalidArgument, InvalidKey
+
+
+def cli(*args, env=None, timeout=120):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tierstore.client.cli", *args], capture_output=True, text=True,
+                          env=e, timeout=timeout)
+
+
+def _one_line(r):
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr.strip()
+
+
+def test_version_flag_and_command():
+    from tierstore import __version__
+
+    assert cli("--version").stdout.strip() == f"tierstore {__version__}"
+    assert cli("version").stdout.strip() == f"tierstore {__version__}"
+
+
+def test_argument_errors_are_one_line_with_where_the_help_is():
+    r = cli("ls", "--bogus")
+    assert r.returncode == 2 and "--help" in _one_line(r)
+    r = cli("demo", "--steps", "x")
+    assert r.returncode == 2 and "tierstore demo: argument --steps" in _one_line(r)
+
+
+def _all_actions(parser):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from _all_actions(sub)
+        else:
+            yield parser.prog, a
+
+
+def test_every_option_has_help():
+    from tierstore.client.cli import build_parser
+    from tierstore.client.demo import build_parser as demo_parser
+    from tierstore.daemon.__main__ import build_parser as daemon_parser
+
+    for p in (build_parser(), demo_parser(), daemon_parser()):
+        for prog, a in _all_actions(p):
+            if a.help != argparse.SUPPRESS:
+                assert a.help, f"{prog} {a.option_strings or a.dest} has no help"
+    text = cli("demo", "--help").stdout
+    assert text.rstrip().endswith(")") and "--resume" in text and "kill PID stops it gracefully" in text
+
+
+def test_config_shows_each_setting_and_its_source(tmp_path):
+    toml = tmp_path / "t.toml"
+    toml.write_text('policy = "lru"\n')
+    r = cli("config", "--config", str(toml), "--io-threads", "3", env={"TIERSTORE_NVME_BYTES": "2GiB"})
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines()[1:]}
+    assert "flag --io-threads" in rows["io_threads"] and "env TIERSTORE_NVME_BYTES" in rows["nvme_bytes"]
+    assert "2.0 GiB" in rows["nvme_bytes"] and f"file {toml}" in rows["policy"] and "default" in rows["lease_wait_s"]
+    got = json.loads(cli("config", "--json", env={"TIERSTORE_NVME_BYTES": "2GiB"}).stdout)
+    assert got["nvme_bytes"] == {"value": 2 << 30, "source": "env TIERSTORE_NVME_BYTES"}
+
+
+def test_a_bad_variable_is_one_line_naming_it():
+    r = cli("config", env={"TIERSTORE_PREFETCH_MAX_INFLIGHT": "abc"})
+    line = _one_line(r)
+    assert r.returncode == 2 and "TIERSTORE_PREFETCH_MAX_INFLIGHT='abc': expected an integer" in line
+
+
+def test_daemon_with_an_unusable_directory_is_one_line(tmp_path):
+    r = cli("daemon", "--nvme-dir", "/proc/nonexistent", "--socket", str(tmp_path / "s.sock"))
+    errors = [ln for ln in r.stderr.splitlines() if "ERROR" in ln]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr
+    assert "cannot create NVMe directory /proc/nonexistent" in errors[0]
+
+
+def _piped_into_head(args, env):
+    """Run the CLI into `head -n 1`; its stderr and status."""
+    e = {**os.environ, **env}
+    p = subprocess.Popen([sys.executable, "-m", "tierstore.client.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=e)
+    head = subprocess.run(["head", "-n", "1"], stdin=p.stdout, capture_output=True, timeout=120)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    return head.stdout.decode(), err, p.returncode
+
+
+def test_broken_pipes_end_quietly(daemon):
+    with daemon.client("many") as c:  # a listing longer than the pipe's buffer, so the writer meets the close
+        for i in range(500):
+            c.put(torch.ones(1), key=f"k/{i:05d}/" + "x" * 120)
+    env = {"TIERSTORE_SOCKET": daemon.socket}
+    out, err, rc = _piped_into_head(["ls", "--namespace", "many"], env)
+    assert out.startswith("KEY") and err == "" and rc == 141, err
+    out, err, rc = _piped_into_head(["stat", "--watch", "0.05"], env)
+    assert out.startswith("tierstore") and err == "" and rc == 141, err
+
+
+def test_ls_without_a_namespace_says_which_others_exist(daemon):
+    with daemon.client("job-42") as c:
+        c.put(torch.ones(1), key="a")
+    r = cli("ls", env={"TIERSTORE_SOCKET": daemon.socket})
+    assert r.returncode == 0 and "the daemon also has job-42" in r.stderr and "--namespace" in r.stderr
+    r = cli("ls", "--namespace", "job-42", env={"TIERSTORE_SOCKET": daemon.socket})
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.splitlines()[1].startswith("a ")
+
+
+def test_demo_whose_daemon_cannot_start_is_one_line(tmp_path):
+    r = cli("demo", "--socket", str(tmp_path / "run" / "d.sock"),
+            env={"TIERSTORE_PREFETCH_MAX_INFLIGHT": "abc", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    line = _one_line(r)
+    assert r.returncode == 1 and "the daemon started for you" in line and "exited with status 2" in line
+    assert "TIERSTORE_PREFETCH_MAX_INFLIGHT='abc'" in line and str(tmp_path / "cache") in line
+
+
+def test_demo_resume_without_state_says_so(daemon):
+    r = cli("demo", "--socket", daemon.socket, "--namespace", "nothing-here/rank0", "--steps", "5", "--resume")
+    assert r.returncode == 1 and "nothing to resume in namespace 'nothing-here/rank0'" in _one_line(r)
+    assert "run without --resume" in r.stderr
+
+
+@pytest.mark.parametrize("key", ["a\nb", "tab\there", "nul\0", "del\x7f", "sep\u2028"])
+def test_keys_with_control_characters_are_refused_in_store_and_daemon(make_store, daemon, key):
+    s = make_store()
+    with pytest.raises(InvalidKey, match="which would break listings") as e:
+        s.put(torch.ones(1), key=key)
+    assert isinstance(e.value, KeyError) and isinstance(e.value, ValueError) and "\n" not in str(e.value)
+    with daemon.client("keys") as c:
+        with pytest.raises(InvalidKey, match="which would break listings"):
+            c.put(torch.ones(1), key=key)
+        assert c.keys() == []
+
+
+def test_a_meta_tensor_is_refused_with_a_message(make_store, daemon):
+    t = torch.empty(4, 4, device="meta")
+    with pytest.raises(InvalidArgument, match="meta tensor .* materialize it first"):
+        make_store().put(t)
+    with daemon.client("meta") as c, pytest.raises(InvalidArgument, match="meta tensor"):
+        c.put(t)
+
+
+def test_restore_over_existing_keys_speaks_to_a_python_caller(daemon, tmp_path):
+    from tierstore import KeyExists
+
+    with daemon.client("snap") as c:
+        c.put(torch.ones(2), key="w", durable=True)
+        c.snapshot(str(tmp_path / "s.zarr"))
+        with pytest.raises(KeyExists, match=r"overwrite=True \(tierstore restore --overwrite\)"):
+            c.restore(str(tmp_path / "s.zarr"))
+
+
+def test_offload_parameters_trains_without_torch_warnings(make_store):
+    from tierstore.client.torch import offload_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        undo = offload_parameters(model, make_store(), tier="host", prefix="p")
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+        undo()
+    assert not [w for w in caught if "backward hook" in str(w.message)], [str(w.message) for w in caught]
