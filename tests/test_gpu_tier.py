@@ -31,6 +31,9 @@ class HostBackend:
     def device_count(self) -> int:
         return self.devices
 
+    def device_uuid(self, device: int) -> str:
+        return f"{device + 0xA0:032x}"
+
     def malloc(self, device: int, nbytes: int) -> int:
         buf = np.zeros(nbytes, np.uint8)
         self.bufs[buf.ctypes.data] = buf
@@ -84,13 +87,23 @@ def test_slabs_split_allocate_export_and_outlive_their_mappers():
     assert tier.used(1) == 3 << 20
     with pytest.raises(InvalidArgument):
         tier.alloc(10, device=2)
+    assert {e["uuid"] for e in exported} == {be.device_uuid(0), be.device_uuid(1)}  # clients map devices by UUID
     tier.attach("client-a")
     tier.attach("client-b")
     assert tier.mapped_by() == 2
     tier.detach("client-a")
-    assert tier.close() is False and be.freed == []  # client-b still maps them: nothing freed
-    tier.detach("client-b")
-    assert tier.close() is True and len(be.freed) == 6 and not be.bufs
+    tier.detach("client-b")  # as at the daemon's stop: their connections closed, the processes may live on
+    buf = np.zeros(4 << 20, np.uint8)
+    assert tier.pin_host(buf.ctypes.data, buf.nbytes)[0] and be.registered
+    assert tier.close() is False
+    assert be.freed == [] and len(be.bufs) == 6  # opened by clients once: left to the process exit
+    assert be.registered == []  # but the host arena is unregistered before it is unmapped
+
+
+def test_slabs_no_client_opened_are_freed_at_close():
+    be = HostBackend()
+    tier = GpuTier(4 << 20, 2 << 20, be)
+    assert tier.close() is True and len(be.freed) == 2 and not be.bufs
 
 
 def test_pinning_is_chunked_and_a_refusal_is_reported():
@@ -257,3 +270,33 @@ def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(gpu_store):
         assert (s.get(o) == i).all()
     s.release_owner("c")
     assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0
+
+
+def test_cupy_backend_copies_are_complete_when_they_return():
+    """cudaMemcpy returns before a device-to-device copy finishes; the tier frees the source
+    (a caller's temporary) or publishes the block right after, so the backend waits for it."""
+    import contextlib
+
+    from tierstore.gpu import CupyBackend
+
+    calls = []
+
+    class Runtime:
+        def memcpy(self, dst, src, n, kind):
+            calls.append(("memcpy", dst, src, n, kind))
+
+        def streamSynchronize(self, stream):
+            calls.append(("sync", stream))
+
+        def getDeviceProperties(self, d):
+            return {"uuid": bytes(range(16))}
+
+    class Cupy:
+        class cuda:
+            Device = staticmethod(lambda d: contextlib.nullcontext())
+
+    be = CupyBackend.__new__(CupyBackend)
+    be._cupy, be._rt = Cupy, Runtime()
+    be.copy(0, 1000, 2000, 64)
+    assert calls == [("memcpy", 1000, 2000, 64, 4), ("sync", 0)]
+    assert be.device_uuid(0) == bytes(range(16)).hex()

@@ -4,8 +4,14 @@ clients through CUDA IPC (one handle per slab, never one per tensor).
 Bookkeeping only, plus a thin backend over the CUDA runtime (``cupy.cuda.runtime``).
 A block's location is one integer, ``device | slab | offset`` (see ``encode_loc``);
 a client that opened the slab's IPC handle turns it into a device pointer with
-``base + offset``. Slabs stay allocated while any client has them mapped: the tier
-counts attachments per owner and refuses to free a mapped slab.
+``base + offset``. A client names devices by their UUID (``export``), since its
+``CUDA_VISIBLE_DEVICES`` may number them differently from the daemon's.
+
+Lifetimes: freeing an exported allocation before every importer closed its handle is
+undefined behaviour in CUDA, and a client whose connection the daemon closed (at its
+stop, say) may still map the slabs. So a slab any client ever opened is never freed
+by ``close``: the daemon's exit releases it, after the journal is flushed and no
+request is served. Slabs nobody opened (an in-process ``Store``) are freed.
 
 Nothing here imports CUDA at module import; ``detect_backend`` says why the tier is
 absent on a machine without it.
@@ -21,7 +27,7 @@ from .allocator import ExtentAllocator
 from .errors import InvalidArgument
 
 __all__ = ["GpuBackend", "CupyBackend", "GpuTier", "Slab", "detect_backend", "encode_loc", "decode_loc",
-           "loc_device", "GPU_ALIGN", "MAX_SLAB_BYTES"]
+           "loc_device", "uuid_hex", "GPU_ALIGN", "MAX_SLAB_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,22 @@ def decode_loc(loc: int) -> tuple[int, int, int]:
     return loc >> (_SLAB_BITS + _OFF_BITS), (loc >> _OFF_BITS) & ((1 << _SLAB_BITS) - 1), loc & ((1 << _OFF_BITS) - 1)
 
 
+def uuid_hex(value: Any) -> str | None:
+    """A device UUID as 32 lower-case hex digits, from what CUDA bindings return: 16 bytes
+    (CuPy), torch's ``_CUuuid`` (``.bytes``, a list of ints), or text such as
+    ``GPU-8f1e...`` (nvidia-smi, CUDA_VISIBLE_DEVICES). None when it is none of these."""
+    if value is None:
+        return None
+    if hasattr(value, "bytes"):
+        value = value.bytes
+    if isinstance(value, (list, tuple)):
+        value = bytes(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex() if len(value) == 16 else None
+    text = str(value).lower().removeprefix("gpu-").replace("-", "")
+    return text if len(text) == 32 and all(c in "0123456789abcdef" for c in text) else None
+
+
 class GpuBackend(Protocol):
     """What the tier needs from CUDA. Addresses are plain integers (device pointers,
     or host pointers for copies to and from the arena; unified addressing tells them apart)."""
@@ -59,10 +81,13 @@ class GpuBackend(Protocol):
     name: str
 
     def device_count(self) -> int: ...
+    def device_uuid(self, device: int) -> str | None: ...
     def malloc(self, device: int, nbytes: int) -> int: ...
     def free(self, device: int, ptr: int) -> None: ...
     def ipc_handle(self, device: int, ptr: int) -> bytes: ...
-    def copy(self, device: int, dst: int, src: int, nbytes: int) -> None: ...
+    def copy(self, device: int, dst: int, src: int, nbytes: int) -> None:
+        """Complete when it returns: the source may be freed, the block published."""
+        ...
     def host_register(self, address: int, nbytes: int) -> None: ...
     def host_unregister(self, address: int) -> None: ...
 
@@ -85,6 +110,9 @@ class CupyBackend:
     def device_count(self) -> int:
         return int(self._rt.getDeviceCount())
 
+    def device_uuid(self, device: int) -> str | None:
+        return uuid_hex(self._rt.getDeviceProperties(device).get("uuid"))
+
     def malloc(self, device: int, nbytes: int) -> int:
         with self._cupy.cuda.Device(device):
             return int(self._rt.malloc(nbytes))
@@ -100,6 +128,9 @@ class CupyBackend:
     def copy(self, device: int, dst: int, src: int, nbytes: int) -> None:
         with self._cupy.cuda.Device(device):
             self._rt.memcpy(dst, src, nbytes, self._DEFAULT)
+            # cudaMemcpy returns before a device-to-device copy (or a pageable host-to-device
+            # one) has finished; the caller frees the source or publishes the block next
+            self._rt.streamSynchronize(0)
 
     def host_register(self, address: int, nbytes: int) -> None:
         self._rt.hostRegister(address, nbytes, 0x01)  # cudaHostRegisterPortable
@@ -135,6 +166,8 @@ class Slab:
     alloc: ExtentAllocator
     mapped: set = field(default_factory=set)
     """Owners (client connections) that opened this slab's IPC handle."""
+    exported: bool = False
+    """A client opened it once: never freed by ``GpuTier.close`` (see the module notes)."""
 
 
 class GpuTier:
@@ -261,13 +294,15 @@ class GpuTier:
     # ------------------------------------------------------------------ sharing
     def export(self) -> list[dict[str, Any]]:
         """What a client needs to open every slab: device, index, size, IPC handle."""
-        return [{"device": s.device, "slab": s.index, "size": s.size, "handle": s.handle}
+        uuids = {d: self.backend.device_uuid(d) for d in self.slabs}
+        return [{"device": s.device, "uuid": uuids[s.device], "slab": s.index, "size": s.size, "handle": s.handle}
                 for v in self.slabs.values() for s in v]
 
     def attach(self, owner: Any) -> None:
         for v in self.slabs.values():
             for s in v:
                 s.mapped.add(owner)
+                s.exported = True
 
     def detach(self, owner: Any) -> None:
         for v in self.slabs.values():
@@ -286,25 +321,27 @@ class GpuTier:
                 "mapped_by": self.mapped_by()}
 
     def close(self) -> bool:
-        """Free the slabs; False (and nothing freed) while a client still maps one —
-        freeing an exported allocation under an importer is undefined behaviour in CUDA,
-        so those slabs are left to the process exit."""
-        if self.mapped_by():
-            log.warning("GPU tier: %d client(s) still map the slabs; leaving them to the process exit",
-                        self.mapped_by())
-            return False
+        """Unregister the host arena (always: it is unmapped next, and a registered range
+        must not be), then free the slabs no client ever opened. False when some were
+        left to the process exit (see the module notes)."""
         for a in self._pinned:
             try:
                 self.backend.host_unregister(a)
             except Exception as e:
                 log.warning("GPU tier: cudaHostUnregister failed: %s", e)
         self._pinned = []
-        self._free_all()
-        return True
+        kept = sum(1 for v in self.slabs.values() for s in v if s.exported)
+        if kept:
+            log.info("GPU tier: %d slab(s) that clients opened are left to the process exit (%d client(s) "
+                     "still attached)", kept, self.mapped_by())
+        self._free_all(keep_exported=True)
+        return kept == 0
 
-    def _free_all(self) -> None:
+    def _free_all(self, keep_exported: bool = False) -> None:
         for v in self.slabs.values():
             for s in v:
+                if keep_exported and s.exported:
+                    continue
                 try:
                     self.backend.free(s.device, s.ptr)
                 except Exception as e:  # freeing must go on for the others
