@@ -50,6 +50,7 @@ class ClientLease:
         self._durable = reply.get("durable", True)
         self.handle = Handle.parse(reply["handle"])
         spec = _spec_of(reply)
+        client._pin_view(reply["offset"], spec.nbytes, read_only=self.mode == "r")
         if self.mode == "r":  # over the read-only mapping: a write through it never reaches the object
             self.tensor = _read_only_view(client._view(reply["offset"], spec.nbytes, read_only=True), spec)
         else:
@@ -134,25 +135,38 @@ class Client:
         # a second, read-only mapping of the same pages for the views of 'r' check-outs
         self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True)
         self._executor: ThreadPoolExecutor | None = None
-        # page-lock this process's mapping where CUDA is present (detected once, reason kept)
-        from .cuda import register_host_memory
+        # both mappings are page-locked piece by piece on the first CUDA copy through them,
+        # never here: connecting touches no CUDA (fork-safe, no context on GPU 0)
+        from .cuda import ArenaPinning
 
-        self._pinned_pieces, self.pinned_reason = register_host_memory(self._arena.ctypes.data, self._arena.nbytes) \
-            if self._arena.nbytes else ([], "empty arena")
-        if self._pinned_pieces:  # 'r' check-outs copy to the GPU from the read-only mapping
-            ro_pieces, ro_reason = register_host_memory(self._arena_ro.ctypes.data, self._arena_ro.nbytes,
-                                                        read_only=True)
-            self._pinned_pieces += ro_pieces
-            self.pinned_reason += f"; read-only mapping: {ro_reason}"
-        self.pinned = bool(self._pinned_pieces)
-        if self._pinned_pieces or "torch" in sys.modules:  # tell `tierstore stat` (no reply awaited)
-            conn.submit("client_info", pinned=self.pinned, pinned_reason=self.pinned_reason)
+        self._pinning = ArenaPinning(self._arena.ctypes.data, self._arena.nbytes)
+        self._pinning_ro = ArenaPinning(self._arena_ro.ctypes.data, self._arena_ro.nbytes, read_only=True)
+        if "torch" in sys.modules:  # tell `tierstore stat` (no reply awaited)
+            self._report_pinning()
         self._staging: tuple[int, int] | None = None
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
-        self._slabmap: Any = None  # the GPU tier's slabs, opened on first use
+        self._slabmap: Any = None  # the GPU tier's slabs, opened on the first GPU-tier transfer
         self._side: Any = None  # per-device copy streams
         self._gpu_lock = threading.Lock()
         self._gpu_ok: bool | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """Every piece of the arena a CUDA copy went through is page-locked (see ``pinned_reason``)."""
+        return self._pinning.pinned
+
+    @property
+    def pinned_reason(self) -> str:
+        return f"{self._pinning.reason}; read-only mapping: {self._pinning_ro.reason}"
+
+    def _report_pinning(self) -> None:
+        self._conn.submit("client_info", pinned=self.pinned, pinned_reason=self.pinned_reason)
+
+    def _pin_view(self, offset: int, nbytes: int, *, read_only: bool) -> None:
+        """A check-out view's pieces, page-locked where this process already uses CUDA
+        (its holder may copy it to a GPU: the optimizer's GPU update does)."""
+        if (self._pinning_ro if read_only else self._pinning).ensure_if_cuda(offset, nbytes):
+            self._report_pinning()
 
     # ------------------------------------------------------------------ connecting
     @classmethod
@@ -244,8 +258,7 @@ class Client:
             if spec.nbytes and r.get("gpu_loc") is not None:
                 import torch
 
-                slabs, _ = self._gpu()
-                torch.from_numpy(dst).copy_(slabs.tensor(r["gpu_loc"], spec.nbytes))  # device-to-host, synchronous
+                torch.from_numpy(dst).copy_(self._slabs().tensor(r["gpu_loc"], spec.nbytes))  # D2H, synchronous
             elif spec.nbytes:
                 dst[:] = self._arena[r["offset"]:r["offset"] + spec.nbytes]
         finally:
@@ -353,11 +366,14 @@ class Client:
 
     def put_async(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False,
                   **kw: Any) -> Future:
-        """``put`` on a background thread; the tensor must not change until the future completes."""
-        return self._pool().submit(self.put, tensor, key, tier, durable, **kw)
+        """``put`` on a background thread; the tensor must not change until the future completes.
+        A CUDA tensor is copied after the work queued so far on the caller's current stream."""
+        return self._pool().submit(_on_callers_stream(tensor), self.put, tensor, key, tier, durable, **kw)
 
     def get_async(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Future:
-        return self._pool().submit(self.get, handle, out, stream=stream)
+        """``get`` on a background thread; a CUDA ``out`` is written after the work queued so
+        far on the caller's current stream (which may still be reading it)."""
+        return self._pool().submit(_on_callers_stream(out), self.get, handle, out, stream=stream)
 
     # ------------------------------------------------------------------ index
     def free(self, handle: Handle | int | str) -> None:
@@ -456,17 +472,18 @@ class Client:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        if self._slabmap is not None:
-            self._slabmap.close()
-            self._slabmap = None
-        if self._pinned_pieces:
-            from .cuda import unregister_host_memory
-
-            unregister_host_memory(self._pinned_pieces)
-            self._pinned_pieces = []
+        # in this order: async puts and gets copy through the mappings below, and a copy may
+        # still run on a side stream after its call returned; only then do the mappings go
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._side is not None:
+            self._side.synchronize()
+        if self._slabmap is not None:
+            self._slabmap.close()
+            self._slabmap = None
+        self._pinning.close()
+        self._pinning_ro.close()
         self._conn.drain()
         self._conn.close()
         self._arena = self._arena_ro = np.empty(0, np.uint8)
@@ -496,23 +513,45 @@ class Client:
     def _gpu_readable(self) -> bool:
         """Can this process read the daemon's GPU tier (it has one, and CUDA works here)?"""
         if self._gpu_ok is None:
+            import importlib.util
+
             torch = sys.modules.get("torch")
-            self._gpu_ok = bool(self.server.get("gpu_tier")) and torch is not None and torch.cuda.is_available()
+            # (is_available asks for the device count; it creates no CUDA context)
+            self._gpu_ok = bool(self.server.get("gpu_tier")) and torch is not None and torch.cuda.is_available() \
+                and importlib.util.find_spec("cupy") is not None
         return self._gpu_ok
 
-    def _gpu(self) -> tuple[Any, Any]:
-        """(slab map, side streams), opening the daemon's GPU slabs on first use."""
+    def _streams(self) -> Any:
         with self._gpu_lock:
             if self._side is None:
                 from .gpu import SideStreams
 
                 self._side = SideStreams()
-            if self._slabmap is None and self.server.get("gpu_tier"):
+            return self._side
+
+    def _slabs(self) -> Any:
+        """The daemon's GPU slabs, opened on the first GPU-tier transfer (never for host-tier traffic)."""
+        with self._gpu_lock:
+            if self._slabmap is None:
                 from .gpu import SlabMap
 
                 # attach first: the daemon keeps the slabs while this connection lives
                 self._slabmap = SlabMap(self._conn.request("gpu_attach")["slabs"])
-            return self._slabmap, self._side
+            return self._slabmap
+
+    def _arena_pairs(self, dev: Any, offset: int, nbytes: int, to_arena: bool) -> list[tuple[Any, Any]]:
+        """(dst, src) copies between the uint8 CUDA tensor ``dev`` and arena bytes
+        ``[offset, offset + nbytes)``: one per registered piece, each piece page-locked first."""
+        import torch
+
+        view = torch.from_numpy(self._view(offset, nbytes))
+        if self._pinning.ensure(offset, nbytes):
+            self._report_pinning()
+        pairs = []
+        for off, n in self._pinning.spans(offset, nbytes):
+            h, d = view[off - offset:off - offset + n], dev[off - offset:off - offset + n]
+            pairs.append((h, d) if to_arena else (d, h))
+        return pairs
 
     def _put_cuda(self, t: Any, key: str | None, tier: str | None, durable: bool, replace: bool,
                   wait_s: float, eph: dict[str, bool]) -> Handle:
@@ -525,22 +564,23 @@ class Client:
             t = torch.from_numpy(np.ascontiguousarray(t))
         elif not isinstance(t, torch.Tensor):
             raise InvalidArgument(f"expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
-        t = t.detach().contiguous()
+        t = t.detach().contiguous()  # on the current stream: the caller's (put_async runs under it)
         dtype = str(t.dtype).removeprefix("torch.")
         nbytes = t.numel() * t.element_size()
         device = (t.device.index or 0) if t.is_cuda else torch.cuda.current_device()
-        slabs, side = self._gpu()
+        where = {"device": self._slabs().devices.daemon(device)} if tier == "gpu" else {}
+        side = self._streams()
         r = self._conn.request("put_reserve", kind="torch", dtype=dtype, shape=list(t.shape), nbytes=nbytes,
                                key=validate_key(key), tier=tier, durable=durable, replace=replace,
-                               wait_s=float(wait_s), device=device, **eph)
+                               wait_s=float(wait_s), **where, **eph)
         try:
             if nbytes:
                 src = t.reshape(-1).view(torch.uint8)
                 if r.get("gpu_loc") is not None:
-                    dst = slabs.tensor(r["gpu_loc"], nbytes)
+                    pairs = [(self._slabs().tensor(r["gpu_loc"], nbytes), src)]
                 else:
-                    dst = torch.from_numpy(self._view(r["offset"], nbytes))
-                side.copy(dst, src, f"cuda:{device}").synchronize()  # the bytes are there before commit
+                    pairs = self._arena_pairs(src, r["offset"], nbytes, to_arena=True)
+                side.copy(pairs, f"cuda:{device}").synchronize()  # the bytes are there before commit
         except BaseException:
             self._conn.submit("put_abort", rid=r["rid"])
             raise
@@ -549,8 +589,8 @@ class Client:
     def _get_cuda(self, handle: Handle | int | str, out: Any, stream: str) -> Any:
         import torch
 
-        slabs, side = self._gpu()
-        r = self._conn.request("get", handle=_wire(handle), stream=stream, device=slabs is not None)
+        side = self._streams()
+        r = self._conn.request("get", handle=_wire(handle), stream=stream, device=self._gpu_readable())
         try:
             spec = _spec_of(r)
             if str(out.dtype).removeprefix("torch.") != spec.dtype or out.numel() * out.element_size() != spec.nbytes:
@@ -558,11 +598,12 @@ class Client:
             if not out.is_contiguous():
                 raise InvalidArgument("out must be contiguous")
             if spec.nbytes:
+                dst = out.reshape(-1).view(torch.uint8)
                 if r.get("gpu_loc") is not None:
-                    src = slabs.tensor(r["gpu_loc"], spec.nbytes)
+                    pairs = [(dst, self._slabs().tensor(r["gpu_loc"], spec.nbytes))]
                 else:
-                    src = torch.from_numpy(self._view(r["offset"], spec.nbytes))
-                ev = side.copy(out.reshape(-1).view(torch.uint8), src, out.device)
+                    pairs = self._arena_pairs(dst, r["offset"], spec.nbytes, to_arena=False)
+                ev = side.copy(pairs, out.device)
                 torch.cuda.current_stream(out.device).wait_event(ev)  # later work on out sees the bytes
                 ev.synchronize()  # the read lease covers the copy: wait for it before releasing
         finally:
@@ -592,6 +633,27 @@ def _last_error(log_path: Path) -> str:
     errors = [ln for ln in lines if " ERROR " in ln]
     line = errors[-1] if errors else next((ln for ln in reversed(lines) if ln.strip()), "no log output")
     return line.split(": ", 1)[-1].strip() if " ERROR " in line else line.strip()
+
+
+def _call(fn: Any, *args: Any, **kw: Any) -> Any:
+    return fn(*args, **kw)
+
+
+def _on_callers_stream(t: Any) -> Any:
+    """A runner for a pool thread: for a CUDA tensor, it runs the call with the calling
+    thread's current stream of ``t``'s device (captured now) as the current stream, so the
+    copies order after the caller's work on ``t`` — a pool thread's own current stream is
+    the default stream, which a caller on another stream does not order with."""
+    if not _is_cuda(t):
+        return _call
+    import torch
+
+    caller = torch.cuda.current_stream(t.device)
+
+    def run(fn: Any, *args: Any, **kw: Any) -> Any:
+        with torch.cuda.stream(caller):
+            return fn(*args, **kw)
+    return run
 
 
 def _autostart(path: str, timeout_s: float) -> Connection:

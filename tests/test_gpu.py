@@ -7,9 +7,13 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def test_arena_mapping_is_pinned(daemon):
+def test_arena_mapping_is_pinned_on_first_use(daemon):
     with daemon.client("gpu") as c:
+        assert not c.pinned and "not page-locked yet" in c.pinned_reason  # connecting touched no CUDA
+        h = c.put(torch.ones(1 << 20, device="cuda"))
         assert c.pinned, c.pinned_reason
+        assert c._slabmap is None  # host-tier traffic opens no GPU slabs
+        c.free(h)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -29,21 +33,40 @@ def gpu_daemon(daemon_factory):
     return daemon_factory("--gpu-bytes", "256MiB", "--gpu-slab-bytes", "64MiB")
 
 
+_OTHER_PROCESS = """
+import sys, torch
+from tierstore.client import Client
+with Client.connect(socket=sys.argv[1], namespace="gpu") as c:
+    h = c.lookup("x")
+    out = torch.empty(int(sys.argv[2]), device="cuda")
+    c.get(h, out=out)  # this process's own mapping of the slab (CUDA IPC)
+    assert c.info(h)["residency"] == ["gpu"]
+    print(float(out.double().sum()), c.stat()["tiers"]["gpu"]["mapped_by"])
+"""
+
+
 def test_gpu_tier_over_cuda_ipc(gpu_daemon):
-    with gpu_daemon.client("gpu") as a, gpu_daemon.client("gpu") as b:
+    import subprocess
+    import sys
+
+    with gpu_daemon.client("gpu") as a:
         st = a.stat()
         assert st["tiers"]["gpu"]["capacity_bytes"] == 256 << 20, st.get("gpu_reason")
         assert st["tiers"]["host"]["pinned"], st["tiers"]["host"]["pinned_reason"]
         x = torch.randn(4 << 20, device="cuda")
         h = a.put(x, key="x", tier="gpu")
         assert a.info(h)["residency"] == ["gpu"]
+        # another process opens the slab's handle (in this process CUDA would only count a reference)
+        r = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, gpu_daemon.socket, str(x.numel())],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        total, mapped = r.stdout.split()
+        assert float(total) == float(x.double().sum()) and int(mapped) == 2
         out = torch.empty_like(x)
-        b.get(h, out=out)  # another process's mapping of the same slab
-        torch.cuda.synchronize()
+        a.get(h, out=out)
         assert torch.equal(out, x)
         assert torch.equal(a.get(h), x.cpu())  # copied out to the host, stays in the GPU tier
         assert a.info(h)["residency"] == ["gpu"]
-        assert a.stat()["tiers"]["gpu"]["mapped_by"] == 2
     with gpu_daemon.client("gpu") as c:
         with c.checkout(c.lookup("x"), "r") as v:  # a host check-out moves it down
             assert torch.equal(v, x.cpu())
@@ -72,6 +95,71 @@ def test_gpu_tier_in_process_store(tmp_path):
         assert torch.equal(s.get(h), x.cpu())
 
 
+# ---------------------------------------------------------------------------- ordering
+@pytest.mark.parametrize("tier", ["host", "gpu"])
+def test_put_async_and_get_order_with_a_user_stream(gpu_daemon, tier):
+    """The caller's stream is still writing the tensor (a long sleep first) when put_async
+    is called: the copy must wait for it. A get's copy is held back on the side stream:
+    the caller's stream must not read ``out`` before it lands."""
+    with gpu_daemon.client("gpu") as c:
+        user = torch.cuda.Stream()
+        n = 16 << 20  # 64 MiB: a copy long enough to lose a race
+        x = torch.zeros(n, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(user):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write
+            x.fill_(7.0)
+            fut = c.put_async(x, tier=tier)
+        h = fut.result()
+        assert torch.equal(c.get(h), torch.full((n,), 7.0))
+        out = torch.zeros(n, device="cuda")
+        torch.cuda.synchronize()
+        side = c._streams().stream(out.device, "in")
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the copy into out starts late
+        with torch.cuda.stream(user):
+            c.get(h, out=out)
+            total = out.sum()  # queued on the user stream right after the get
+        torch.cuda.synchronize()
+        assert float(total) == 7.0 * n
+
+
+def test_a_refused_registration_falls_back_to_pageable_without_a_stale_cuda_error(daemon, monkeypatch):
+    """cudaHostRegister refused (RLIMIT_MEMLOCK, say): copies stay pageable, and the error it
+    left does not surface as the next kernel's failure."""
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cudaHostRegister(self, ptr, size, flags):
+            return real.cudaHostRegister(0, 4096, flags)  # a real refusal: cudaErrorInvalidValue, left set
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    with daemon.client("gpu") as c:
+        x = torch.randn(1 << 20, device="cuda")
+        h = c.put(x)
+        assert not c.pinned and "cudaHostRegister failed" in c.pinned_reason
+        y = x * 2 + 1  # a kernel launch: PyTorch checks cudaGetLastError after it
+        torch.cuda.synchronize()
+        out = torch.empty_like(x)
+        c.get(h, out=out)
+        assert torch.equal(out, x) and torch.equal(y, x * 2 + 1)
+
+
+def test_a_forked_dataloader_worker_of_a_cuda_process_connects(daemon):
+    """This process has a CUDA context; its fork-based DataLoader worker cannot make one,
+    and connecting there must not try."""
+    from test_cuda_fallback import _Connects
+
+    torch.ones(1, device="cuda")
+    assert torch.cuda.is_initialized()
+    loader = torch.utils.data.DataLoader(_Connects(daemon.socket), batch_size=None, num_workers=1,
+                                         multiprocessing_context="fork")
+    assert [r.tolist() for r in loader] == [[0.0, 0.0, 0.0], [1000.0, 1.0, 0.0]]
+
+
 # ---------------------------------------------------------------------------- hooks on the GPU
 def _sparse_model():
     """Poor arithmetic density: many small parameters and element-wise work, so an update
@@ -81,9 +169,11 @@ def _sparse_model():
                                  for _ in range(12)]).cuda()
 
 
+@pytest.mark.parametrize("tier", ["host", "gpu"])
 @pytest.mark.parametrize("update", ["gpu", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offloaded_optimizer_on_cuda_matches_plain(daemon, update, dtype):
+def test_offloaded_optimizer_on_cuda_matches_plain(gpu_daemon, update, dtype, tier):
+    daemon = gpu_daemon
     from tierstore.client.torch import offload_optimizer
 
     plain, off = _sparse_model().to(dtype), _sparse_model().to(dtype)
@@ -94,7 +184,7 @@ def test_offloaded_optimizer_on_cuda_matches_plain(daemon, update, dtype):
     else:
         opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
     with daemon.client("gpu") as c:
-        opt = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3, weight_decay=0.1), c, tier="host",
+        opt = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3, weight_decay=0.1), c, tier=tier,
                                 update=update)
         for step in range(8):
             x = torch.randn(64, 256, device="cuda", dtype=dtype)
@@ -117,12 +207,13 @@ def test_offloaded_optimizer_on_cuda_matches_plain(daemon, update, dtype):
             torch.testing.assert_close(a, b, **tol)
 
 
-def test_parameter_offload_on_cuda_matches_plain(daemon):
+@pytest.mark.parametrize("tier", ["host", "gpu"])
+def test_parameter_offload_on_cuda_matches_plain(gpu_daemon, tier):
     from tierstore.client.torch import offload_parameters
 
     plain, off = _sparse_model(), _sparse_model()
-    with daemon.client("gpu") as c:
-        undo = offload_parameters(off, c, tier="host")
+    with gpu_daemon.client("gpu") as c:
+        undo = offload_parameters(off, c, tier=tier)
         x = torch.randn(64, 256, device="cuda")
         ya, yb = plain(x), off(x)
         torch.testing.assert_close(ya, yb)
