@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json, machine, print_table, skipped_without_cuda, start_daemon  # noqa: E402
+from common import emit_json, machine, partial, print_table, skipped_without_cuda, start_daemon  # noqa: E402
 
 
 def model(layers: int, width: int):
@@ -31,7 +31,7 @@ def model(layers: int, width: int):
     return torch.nn.Sequential(*blocks).cuda()
 
 
-def run(make_opt, layers: int, width: int, steps: int, batch: int) -> dict:
+def run(label: str, make_opt, layers: int, width: int, steps: int, batch: int) -> dict:
     import torch
 
     m = model(layers, width)
@@ -50,8 +50,11 @@ def run(make_opt, layers: int, width: int, steps: int, batch: int) -> dict:
         if i >= 2:
             times.append(time.perf_counter() - t0)
     params = torch.cat([p.detach().flatten().float() for p in m.parameters()])
-    return {"step_s": sorted(times)[len(times) // 2], "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
-            "params": params, "opt": opt}
+    out = {"step_s": sorted(times)[len(times) // 2], "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+           "params": params, "opt": opt}
+    partial({"bench": "gpu_train", "variant": label, "step_s": out["step_s"], "steps_s": times,
+             "peak_gpu_bytes": out["peak_gpu_bytes"]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -79,12 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     common = dict(layers=args.layers, width=args.width, steps=args.steps, batch=args.batch)
     results, rows = {}, []
     try:
-        plain = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), **common)
+        plain = run("plain", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), **common)
         results["plain"] = plain
         with Client.connect(socket=sock, namespace="bench") as c:
             for mode in ("gpu", "cpu"):
                 results[f"tierstore_{mode}"] = run(
-                    lambda m, mode=mode: offload_optimizer(torch.optim.AdamW(m.parameters(), lr=1e-4), c,
+                    f"tierstore_{mode}", lambda m, mode=mode: offload_optimizer(torch.optim.AdamW(m.parameters(), lr=1e-4), c,
                                                            tier=args.tier, prefix=f"opt-{mode}", update=mode),
                     **common)
                 results[f"tierstore_{mode}"]["opt"].free()
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
             torchao_why = f"torchao not installed ({type(e).__name__})"
         else:
             torchao_why = "torchao CPUOffloadOptimizer"
-            results["torchao"] = run(lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4),
+            results["torchao"] = run("torchao",
+                                     lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4),
                                      **common)
     finally:
         d.terminate()

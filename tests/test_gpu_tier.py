@@ -300,3 +300,30 @@ def test_cupy_backend_copies_are_complete_when_they_return():
     be.copy(0, 1000, 2000, 64)
     assert calls == [("memcpy", 1000, 2000, 64, 4), ("sync", 0)]
     assert be.device_uuid(0) == bytes(range(16)).hex()
+
+
+def test_kvikio_engine_moves_host_buffers_with_o_direct_and_whole(tmp_path, monkeypatch):
+    """The kvikio engine's host path is the posix engine's: O_DIRECT where the directory
+    takes it (KvikIO's POSIX path reads through the page cache), and every short
+    transfer continued. KvikIO itself is only loaded for device buffers."""
+    import fcntl
+    import mmap
+    import os
+
+    from tierstore.engine import probe_direct_io
+    from tierstore.engine.kvikio_engine import KvikioFile
+
+    direct = probe_direct_io(str(tmp_path))[0]
+    f = KvikioFile(str(tmp_path / "data.bin"), direct=direct)
+    try:
+        assert bool(fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT) == direct
+        real_w, real_r = os.pwritev, os.preadv
+        monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: real_w(fd, [memoryview(bufs[0])[:8192]], off))
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real_r(fd, [memoryview(bufs[0])[:4096]], off))
+        buf, out = (np.frombuffer(mmap.mmap(-1, 1 << 20), np.uint8) for _ in range(2))  # page-aligned
+        buf[:] = np.arange(1 << 20) % 251
+        assert f.pwrite_from(buf, 0) == 1 << 20
+        assert f.pread_into(out, 0) == 1 << 20 and (out == buf).all()
+        assert f._cu is None  # no CuFile opened for host I/O
+    finally:
+        f.close()
