@@ -90,8 +90,9 @@ if [ "$PY" != "$work/venv/bin/python" ]; then
     # (no setuptools / wheel in this environment) the package-dir layout is copied instead
     if ! step install-tierstore 120 "$out/env.txt" "$PY" -m pip install -q --no-index --no-deps \
             --no-build-isolation --no-compile --target "$site" "$repo"; then
-        [ "$dry" = 1 ] || exit 1
-        fails=$((fails - 1))  # expected where no build backend is at hand: the layout stands in
+        # a dry run expects this where no build backend is at hand; a device run goes on
+        # (its time is scarce) but ends failed, so the install is looked at
+        [ "$dry" = 1 ] && fails=$((fails - 1))
         step install-layout 30 "$out/env.txt" "$PY" "$repo/bench/gpu_probe.py" layout "$repo" "$site" || exit 1
     fi
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
