@@ -43,6 +43,16 @@ _MESSAGE = ("the tensor of an 'r' check-out is read-only ({op}); check the objec
 class ReadOnlyTensor(torch.Tensor):
     """A tensor over the arena's read-only mapping (see the module docstring)."""
 
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        """A private, writable copy (a plain tensor), as ``clone()`` gives."""
+        import copy
+
+        return copy.deepcopy(self.as_subclass(torch.Tensor), memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved (``torch.save``, pickle) as the plain tensor it views: what loads is a copy."""
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -89,7 +99,8 @@ def _tensors(args: tuple, kwargs: dict) -> list[ReadOnlyTensor]:
 def _protect(result: Any, ptrs: set[int]) -> Any:
     """(subclass handling off) Results that alias read-only memory become read-only too."""
     if isinstance(result, torch.Tensor):
-        if not ptrs or result.device.type != "cpu" or result.untyped_storage().data_ptr() not in ptrs:
+        if not ptrs or result.device.type != "cpu" or result.layout != torch.strided \
+                or result.untyped_storage().data_ptr() not in ptrs:
             return result
         return result if isinstance(result, ReadOnlyTensor) else result.as_subclass(ReadOnlyTensor)
     if isinstance(result, np.ndarray):

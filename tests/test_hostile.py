@@ -115,7 +115,13 @@ with c.checkout(x, "r") as t, c.checkout(z, "r") as tz:
     out["compute"] = type(s).__name__ == "Tensor" and float(s[3]) == 7.0 and float(t.sum()) == 4095 * 4096 / 2
     cl = t.clone()
     cl.add_(1)
-    out["clone"] = float(cl[0]) == 1.0
+    import copy, io
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(t), torch.load(buf)]  # private copies: plain, writable
+    out["clone"] = float(cl[0]) == 1.0 and all(type(x) is torch.Tensor and float(x.add_(2)[1]) == 3.0
+                                               for x in copies)
 with c.checkout(y, "r") as arr:
     try:
         arr[0] = 42
@@ -166,7 +172,8 @@ import sys
 from tierstore.client import Client
 c = Client.connect(socket=sys.argv[1], namespace="held")
 h = int(c.lookup("held"))
-futs = [c._conn.submit("checkout", handle=h, mode="r", timeout_s=3600.0, stream="default") for _ in range(16)]
+futs = [c._conn.submit("checkout", handle=h, mode="r", timeout_s=3600.0, stream="default")
+        for _ in range(int(sys.argv[2]))]
 print("waiting", flush=True)
 got = 0
 for f in futs:
@@ -198,7 +205,7 @@ def _parked(daemon, n: int = 16):
     waiters = None
     try:
         assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
-        waiters = _start(_WAITERS, daemon.socket)
+        waiters = _start(_WAITERS, daemon.socket, str(n))
         assert waiters.stdout.readline().strip() == "waiting", waiters.stderr.read()
         with daemon.client("watch") as w:
             deadline = time.monotonic() + 30
@@ -257,6 +264,35 @@ def test_sigterm_stops_the_daemon_promptly_with_waiters_parked(daemon):
         assert time.monotonic() - t0 < 10  # before the fix: the pool drained only as the hour-long waits ended
         out, err = waiters.communicate(timeout=20)
         assert "leased 0" in out, (out, err[-2000:])
+
+
+def test_a_connections_waits_queue_behind_its_own_and_end_with_it(daemon):
+    """One connection with 40 check-outs waiting (more than its 16 wait threads): another
+    connection's check-out still waits on a thread of its own (its 1 s timeout is kept),
+    and when the waiting client is SIGKILLed every one of its waits ends, nothing taken."""
+    import time
+
+    with _parked(daemon, n=40) as (_holder, waiters):
+        r = run_py(f"""
+import time
+from tierstore import Busy
+from tierstore.client import Client
+c = Client.connect(socket={daemon.socket!r}, namespace="held")
+t0 = time.monotonic()
+try:
+    c.checkout(c.lookup("held"), "r", timeout_s=1.0)
+except Busy:
+    print(time.monotonic() - t0)
+""", timeout=30)  # before the fix: behind the first connection's waits, for an hour
+        assert r.returncode == 0 and 0.9 < float(r.stdout) < 5, (r.stdout, r.stderr[-2000:])
+        waiters.kill()
+        waiters.communicate()
+        with daemon.client("watch") as w:
+            deadline = time.monotonic() + 10
+            while (st := w.stat())["waiting"]:
+                assert time.monotonic() < deadline, st["waiting"]
+                time.sleep(0.05)
+            assert st["leases"] == 1  # the holder's; none of the waiters'
 
 
 def test_an_abandoned_reservation_expires_and_others_proceed(daemon_factory):
