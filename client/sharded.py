@@ -46,22 +46,69 @@ def _store_name(job: str, namespace: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", rest) + ".zarr"
 
 
-def _write_json_atomic(path: str, doc: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".partial-", dir=os.path.dirname(path))
+def _is_url(dest: str) -> bool:
+    return "://" in dest and not dest.startswith("file://")
+
+
+def _local(dest: str) -> str:
+    return dest[len("file://"):] if dest.startswith("file://") else dest
+
+
+def _join(dest: str, *parts: str) -> str:
+    return "/".join([dest.rstrip("/"), *parts]) if _is_url(dest) else os.path.join(_local(dest), *parts)
+
+
+def _write_fragment(dest: str, name: str, doc: dict[str, Any]) -> None:
+    """Write this node's index fragment whole or not at all: a local file through a
+    temporary and a rename (fsynced), a URL (object store) in one put."""
+    data = json.dumps(doc, indent=1, sort_keys=True).encode()
+    if _is_url(dest):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(dest)
+        fs.pipe_file(f"{root.rstrip('/')}/{INDEX_DIR}/{name}", data)  # one object: whole or absent
+        return
+    d = os.path.join(_local(dest), INDEX_DIR)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=name + ".partial-", dir=d)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())  # whole on disk before it gets its name
-        os.replace(tmp, path)
+        os.replace(tmp, os.path.join(d, name))
     except BaseException:
         os.unlink(tmp)
         raise
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)  # the rename itself survives a crash
     finally:
         os.close(dfd)
+
+
+def _read_fragments(dest: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, document) of every index fragment under ``dest``."""
+    if _is_url(dest):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(dest)
+        d = f"{root.rstrip('/')}/{INDEX_DIR}"
+        try:
+            names = sorted(p for p in fs.ls(d, detail=False) if p.endswith(".json"))
+        except FileNotFoundError:
+            names = None
+        return None if names is None else [(p, json.loads(fs.cat_file(p))) for p in names]
+    d = os.path.join(_local(dest), INDEX_DIR)
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
+    except FileNotFoundError:
+        return None
+    out = []
+    for n in names:
+        with open(os.path.join(d, n)) as f:
+            out.append((os.path.join(d, n), json.load(f)))
+    return out
 
 
 def snapshot_job(connect: Callable[[str], Any], job: str, dest: str, *, node: str | None = None,
@@ -75,36 +122,33 @@ def snapshot_job(connect: Callable[[str], Any], job: str, dest: str, *, node: st
         namespaces = sorted(ns for ns in c.stat()["namespaces"] if ns.startswith(job + "/"))
     if not namespaces:
         raise NotFound(f"this node's daemon has no namespace under {job + '/'!r}; is the job name right?")
-    os.makedirs(os.path.join(dest, INDEX_DIR), exist_ok=True)
+    if not _is_url(dest):
+        os.makedirs(_local(dest), exist_ok=True)
     entries: dict[str, Any] = {}
     for ns in namespaces:
         store = _store_name(job, ns)
         with connect(ns) as c:
-            r = c.snapshot(os.path.join(dest, store), progress=progress)
+            r = c.snapshot(_join(dest, store), progress=progress)
             keys = c.keys(prefix="")
         m = _RANK.search(ns)
         entries[ns] = {"store": store, "rank": int(m.group(1)) if m else None, "objects": r["objects"],
                        "bytes": r["bytes"], "prefixes": sorted({k.split("/", 1)[0] + "/" for k in keys if "/" in k})}
     doc = {"format": _FORMAT, "job": job, "node": name, "namespaces": entries}
-    _write_json_atomic(os.path.join(dest, INDEX_DIR, name + ".json"), doc)
+    _write_fragment(dest, name + ".json", doc)
     return doc
 
 
 def read_index(dest: str) -> dict[str, Any]:
     """The merged index of a sharded snapshot: ``{"job", "namespaces": {NS: entry + "node"},
     "ranks": {rank: NS}}``."""
-    d = os.path.join(dest, INDEX_DIR)
-    try:
-        names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
-    except FileNotFoundError:
+    fragments = _read_fragments(dest)
+    if fragments is None:
         raise NotFound(f"{dest} has no {INDEX_DIR}/ directory; is it a sharded snapshot (tierstore snapshot "
-                       "--sharded)?") from None
+                       "--sharded)?")
     job, merged, ranks = None, {}, {}
-    for n in names:
-        with open(os.path.join(d, n)) as f:
-            doc = json.load(f)
+    for where, doc in fragments:
         if doc.get("format") != _FORMAT:
-            raise InvalidArgument(f"{os.path.join(d, n)} is index format {doc.get('format')!r}; this tierstore "
+            raise InvalidArgument(f"{where} is index format {doc.get('format')!r}; this tierstore "
                                   f"reads format {_FORMAT}")
         if job is not None and doc["job"] != job:
             raise InvalidArgument(f"{dest} holds fragments of two jobs, {job!r} and {doc['job']!r}")
@@ -112,12 +156,12 @@ def read_index(dest: str) -> dict[str, Any]:
         for ns, e in doc["namespaces"].items():
             if ns in merged:
                 raise InvalidArgument(f"namespace {ns!r} is claimed by nodes {merged[ns]['node']!r} and "
-                                      f"{doc['node']!r}; remove the stale fragment from {d}")
+                                      f"{doc['node']!r}; remove the stale fragment from {dest}/{INDEX_DIR}")
             merged[ns] = dict(e, node=doc["node"])
             if e.get("rank") is not None:
                 ranks[e["rank"]] = ns
     if job is None:
-        raise NotFound(f"{d} holds no index fragment; was the snapshot finished on any node?")
+        raise NotFound(f"{dest}/{INDEX_DIR} holds no index fragment; was the snapshot finished on any node?")
     return {"job": job, "namespaces": merged, "ranks": dict(sorted(ranks.items()))}
 
 
@@ -135,5 +179,5 @@ def restore_job(connect: Callable[[str], Any], src: str, *, node: str | None = N
     done = {}
     for ns, e in sorted(mine.items()):
         with connect(ns) as c:
-            done[ns] = c.restore(os.path.join(src, e["store"]), overwrite=overwrite, progress=progress)
+            done[ns] = c.restore(_join(src, e["store"]), overwrite=overwrite, progress=progress)
     return done

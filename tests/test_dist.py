@@ -244,3 +244,26 @@ def test_train_dist_bench_smoke(tmp_path):
     assert out["bench"] == "train_dist" and out["all_equal"]
     assert {(x["layout"], x["variant"]) for x in out["results"]} == {
         (lay, v) for lay in ("fsdp2", "tp+fsdp2", "pipeline") for v in ("plain", "offloaded")}
+
+
+def test_sharded_snapshot_to_an_fsspec_url(daemon):
+    """A sharded snapshot to a URL (fsspec's memory filesystem here): the stores and the index
+    fragment go there and a restore brings the namespaces back."""
+    import torch
+
+    from tierstore.client.sharded import read_index, restore_job, snapshot_job
+
+    for rank in (0, 1):
+        with daemon.client(f"jobu/rank{rank}") as c:
+            c.put(torch.full((4,), float(rank)), key="opt/x@0")
+    url = f"memory://sharded-{os.getpid()}/ckpt"
+    doc = snapshot_job(daemon.client, "jobu", url, node="n0")
+    assert {e["store"] for e in doc["namespaces"].values()} == {"rank0.zarr", "rank1.zarr"}
+    assert read_index(url)["ranks"] == {0: "jobu/rank0", 1: "jobu/rank1"}
+    for rank in (0, 1):
+        with daemon.client(f"jobu/rank{rank}") as c:
+            c.free(c.lookup("opt/x@0"))
+    assert set(restore_job(daemon.client, url, node="n0")) == {"jobu/rank0", "jobu/rank1"}
+    for rank in (0, 1):
+        with daemon.client(f"jobu/rank{rank}") as c:
+            assert torch.equal(c.get(c.lookup("opt/x@0")), torch.full((4,), float(rank)))
