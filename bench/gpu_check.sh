@@ -98,7 +98,6 @@ if [ "$PY" != "$work/venv/bin/python" ]; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 step check-install 60 "$out/env.txt" "$PY" "$repo/bench/gpu_probe.py" check "$repo" || exit 1
-step daemon-help 60 "$out/env.txt" "$PY" -m tierstore.daemon --help || exit 1
 
 # ------------------------------------------------------------------ what the machine has
 command -v nvidia-smi >/dev/null && step nvidia-smi 30 "$out/env.txt" \

@@ -111,7 +111,11 @@ class CupyBackend:
         return int(self._rt.getDeviceCount())
 
     def device_uuid(self, device: int) -> str | None:
-        return uuid_hex(self._rt.getDeviceProperties(device).get("uuid"))
+        try:
+            return uuid_hex(self._rt.getDeviceProperties(device).get("uuid"))
+        except Exception as e:  # clients then number devices as the daemon does, and are told so
+            log.warning("GPU tier: no UUID for device %d: %s", device, e)
+            return None
 
     def malloc(self, device: int, nbytes: int) -> int:
         with self._cupy.cuda.Device(device):
