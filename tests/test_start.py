@@ -70,11 +70,23 @@ def test_an_unset_nvme_size_shrinks_to_the_free_space_and_says_so(tmpfs, caplog)
     assert 0 < cfg.nvme_bytes <= 24 << 20 and "has room for less than the default 64.0 GiB" in caplog.text
 
 
-def test_a_set_nvme_size_beyond_the_free_space_is_a_warning_with_the_usable_size(tmpfs, caplog):
+def test_a_set_nvme_size_beyond_the_free_space_is_refused_when_reserved_whole(tmpfs, tmp_path):
+    """The data files are reserved whole at start (nvme_grow_bytes=0): a size the filesystem
+    cannot hold is refused before the reservation could take all of its free space."""
+    r = _daemon(tmp_path, "--nvme-dir", tmpfs, "--host-bytes", "16MiB", "--nvme-bytes", "10TiB",
+                env={"TIERSTORE_NVME_GROW_BYTES": "0"})
+    line = _one_error_line(r)
+    assert r.returncode == 1 and "nvme_bytes is 10.0 TiB but the filesystem of" in line
+    assert "lower nvme_bytes to at most 24.0 MiB" in line
+    assert os.listdir(tmpfs) == ["lock"]  # nothing reserved
+
+
+def test_a_set_nvme_size_beyond_the_free_space_is_a_warning_when_files_grow(tmpfs, caplog):
     from tierstore.preflight import check_start
 
     with caplog.at_level(logging.WARNING, "tierstore.preflight"):
-        cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB", nvme_bytes="10TiB").resolved())
+        cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB", nvme_bytes="10TiB",
+                                 nvme_grow_bytes="1MiB").resolved())
     assert cfg.nvme_bytes == 10 << 40
     assert "nvme_bytes is 10.0 TiB but the filesystem of" in caplog.text and "lower nvme_bytes to at most 24.0 MiB" \
         in caplog.text

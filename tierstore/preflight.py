@@ -3,8 +3,9 @@
 A store (and so the daemon) checks, in milliseconds and in this order: each NVMe
 directory exists or can be created and is writable; no other store or daemon holds it
 (its lock file); each filesystem has room for its part of the NVMe tier (an unset ``nvme_bytes``
-shrinks to fit, a set one that does not fit is logged as a warning with the size that
-would); the host arena fits in memory. Only then is the arena mapped, which takes seconds for large
+shrinks to fit; a set one that does not fit is refused when the data files are
+reserved whole at start, the default, and a warning with the size that would fit
+when they grow in ``nvme_grow_bytes`` steps); the host arena fits in memory. Only then is the arena mapped, which takes seconds for large
 arenas. A check that fails raises ``InvalidArgument`` with one line saying what to
 change. This module decides nothing about placement; it only reads the machine.
 """
@@ -55,14 +56,20 @@ def check_start(cfg: Config) -> Config:
     else:
         per_dir = cfg.nvme_bytes // n
         for r, k, dirs in room:
-            if per_dir * k > r:
-                # a warning, not a refusal: free space changes while the daemon runs anyway, and
-                # a full filesystem costs the request that met it (NoSpace), never the store
-                usable = min(rr // kk for rr, kk, _ in room) * n
-                log.warning("nvme_bytes is %s but the filesystem of %s has room for %s (free space plus the "
-                            "tier's own files): puts fail with NoSpace beyond that; lower nvme_bytes to at most "
-                            "%s or free space there", format_size(cfg.nvme_bytes), ", ".join(dirs),
-                            format_size(r), format_size(usable))
+            if per_dir * k <= r:
+                continue
+            usable = min(rr // kk for rr, kk, _ in room) * n // (1 << 20) * (1 << 20)
+            what = (f"nvme_bytes is {format_size(cfg.nvme_bytes)} but the filesystem of {', '.join(dirs)} has room "
+                    f"for {format_size(r)} (free space plus the tier's own files)")
+            if cfg.nvme_grow_bytes == 0:
+                # the data files are reserved whole at start: a reservation the filesystem cannot
+                # hold would take all of its free space before failing
+                raise InvalidArgument(f"{what}; lower nvme_bytes to at most {format_size(usable)} or free space "
+                                      "there")
+            # growing files: a warning, not a refusal; free space changes while the daemon runs
+            # anyway, and a full filesystem costs the request that met it (NoSpace), never the store
+            log.warning("%s: puts fail with NoSpace beyond that; lower nvme_bytes to at most %s or free space "
+                        "there", what, format_size(usable))
     ram = total_memory_bytes()
     if cfg.host_bytes > ram:
         raise InvalidArgument(f"host_bytes is {format_size(cfg.host_bytes)} but this machine has "
