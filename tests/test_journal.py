@@ -279,3 +279,29 @@ def test_durable_objects_stay_readable_when_the_disk_and_both_tiers_are_full(tmp
                 with s.checkout(h, "r") as t:
                     assert torch.equal(t, torch.full((40_000,), v))
                 assert torch.equal(s.get(h), torch.full((40_000,), v))
+
+
+def test_a_journal_that_cannot_be_kept_aside_is_not_rewritten(tmp_path, monkeypatch):
+    """No copy as found, no final decision: the damaged journal is appended to as it is."""
+    import shutil
+
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        for i in range(4):
+            s.put(torch.full((10,), float(i)), key=f"k{i}", durable=True)
+    _, recs = _records(d)
+    _, end, _ = _find(recs, op="put", key="k1")
+    _damage(d, lambda buf: buf.__setitem__(end - 1, buf[end - 1] ^ 0xFF))
+    damaged = (d / JOURNAL_FILE).read_bytes()
+
+    def refuse(*a, **kw):
+        raise OSError(1, "not here")
+    monkeypatch.setattr(os, "link", refuse)
+    monkeypatch.setattr(shutil, "copyfile", refuse)
+    with Store(_cfg(d)) as s:
+        assert sorted(s.keys()) == ["k0", "k2", "k3"] and s.stat()["journal"]["kept_aside"] is None
+        s.put(torch.ones(3), key="after", durable=True)
+    assert (d / JOURNAL_FILE).read_bytes().startswith(damaged)
+    monkeypatch.undo()
+    with Store(_cfg(d)) as s:
+        assert sorted(s.keys()) == ["after", "k0", "k2", "k3"] and s.stat()["journal"]["kept_aside"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -126,6 +127,12 @@ class Journal:
                 os.link(self.path, dst)
             except FileExistsError:
                 continue
+            except OSError:
+                try:  # a filesystem without hard links: a copy
+                    shutil.copyfile(self.path, dst)
+                except OSError as e:
+                    log.error("journal %s: could not keep a copy as found at %s: %s", self.path, dst, e)
+                    return None
             _fsync_dir(self.directory)
             return dst
         return None

@@ -8,7 +8,7 @@ import bisect
 from typing import Any
 
 from .checksum import BLOCK_BYTES
-from .errors import InvalidArgument, TierstoreError
+from .errors import InvalidArgument, StorageError, TierstoreError
 from .index import ObjectMeta, validate_key, validate_namespace
 from .units import PAGE, align_up
 from .tensors import TensorSpec
@@ -134,7 +134,15 @@ class Recovery:
                         "%d durable objects recovered; the journal as found is kept at %s",
                         res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes, rp.superseded,
                         dropped, len(self._objects), info["kept_aside"])
-            self.journal.rewrite(iter(self._live_records()))  # the damage is not carried forward
+            if info["kept_aside"] is None:  # (logged) then nothing is decided for good: appended to as it is
+                self.journal.open_for_append()
+            else:
+                try:
+                    self.journal.rewrite(iter(self._live_records()))  # the damage is not carried forward
+                except StorageError as e:
+                    log.error("journal recovery: the journal could not be rewritten (%s); appending to it as "
+                              "it is", e)
+                    self.journal.open_for_append()
         else:
             self.journal.open_for_append()
         self.journal.append({"op": "open", "epoch": self._epoch, "next_id": self._next_id})
