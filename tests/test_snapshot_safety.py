@@ -256,3 +256,24 @@ sys.exit(cli.main(["restore", sys.argv[2], "--overwrite"]))
     assert len(r.stderr.strip().splitlines()) == 1  # one line
     with d.client("root-job") as c:
         assert c.keys() == ["secret"] and torch.equal(c.get(c.lookup("secret")), torch.ones(4))
+
+
+@pytest.mark.parametrize("suffix", [".zip", ".zarr"])
+def test_something_appearing_at_dest_meanwhile_is_left_alone(make_store, tmp_path, monkeypatch, suffix):
+    import tierstore.snapshot as snap
+
+    s = make_store()
+    s.put(torch.ones(10), key="x")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    dest = tmp_path / f"snap{suffix}"
+    real = snap._publish
+
+    def racing(work, path, is_zip):  # a link to the victim appears at DEST just before the snapshot lands
+        os.symlink(victim, path)
+        return real(work, path, is_zip)
+    monkeypatch.setattr(snap, "_publish", racing)
+    with pytest.raises(TierstoreError, match="could not be put in place"):
+        s.snapshot(str(dest))
+    assert victim.read_bytes() == b"precious" and os.readlink(dest) == str(victim)
+    assert sorted(os.listdir(tmp_path)) == sorted(["victim", dest.name, "nvme"])  # no temporary left

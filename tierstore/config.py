@@ -110,8 +110,8 @@ class Config:
     io_threads: int = _knob(4, "NVMe requests in flight on the posix engine", minimum=1)
     io_chunk_bytes: int = _knob(4 << 20, "large transfers are split into chunks of this size (a multiple of "
                                          "1MiB)")
-    nvme_grow_bytes: int = _knob(0, "0: each NVMe data file is reserved (fallocate) at its full size at start; "
-                                    "otherwise the files grow in steps of this size")
+    nvme_grow_bytes: int = _knob(256 << 20, "NVMe data files grow (fallocate) in steps of this size; 0: each is "
+                                            "reserved at its full size at start (for a drive the tier has to itself)")
     high_watermark: float = _knob(0.9, "fraction of the host tier above which cold objects move to NVMe")
     low_watermark: float = _knob(0.75, "fraction of the host tier the background demoter brings usage down to")
     promote_on_get: bool = _knob(True, "a get of an NVMe-only object also places it in the host tier when there "

@@ -2,14 +2,13 @@
 a CRC32C per 1 MiB block written with the data and verified on every read.
 
 One data file per configured directory; an object larger than a few chunks is
-striped across the directories in chunk-aligned parts. By default each file is
-reserved whole (fallocate) when the tier opens, so no write the tier has room for
-ever meets a full filesystem, and nothing a durable object needs (its read, or the
-demotion that makes host room for it) waits on the file growing. Where the
-filesystem cannot hold the reservation, or with ``grow_bytes`` set, files grow by
-fallocate in steps, and a full filesystem surfaces as ``NoSpace`` on the request
-that needed the space, never as a torn object. What to place here, and when, is
-the store's policy; this module only moves bytes.
+striped across the directories in chunk-aligned parts. Files grow by fallocate in
+``grow_bytes`` steps, so a full filesystem surfaces as ``NoSpace`` on the request
+that needed the space, never as a torn object. With ``grow_bytes`` 0 each file is
+reserved whole when the tier opens instead, so no write the tier has room for ever
+meets a full filesystem (where the filesystem cannot hold the reservation: a
+warning, and growth in steps). Reads never grow a file. What to place here, and
+when, is the store's policy; this module only moves bytes.
 """
 
 from __future__ import annotations

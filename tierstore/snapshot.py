@@ -343,8 +343,12 @@ def _private_dir(path: str) -> str:
 
 
 def _umask_mode(mode: int) -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
+    """``mode`` as a plain create would have made it (the process umask applied)."""
+    try:
+        with open("/proc/self/status") as f:  # read, not set: other threads may be creating files
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = 0o022
     return mode & ~mask
 
 
@@ -353,12 +357,20 @@ def _publish(work: str, path: str, is_zip: bool) -> None:
     or packed into a zip created exclusively beside it (mkstemp) and linked into place;
     neither replaces anything that appeared at ``path`` meanwhile."""
     if not is_zip:
-        os.chmod(work, _umask_mode(0o777))
-        os.rename(work, path)  # (fails onto anything but an empty directory: nothing is followed)
+        try:
+            os.chmod(work, _umask_mode(0o777))
+            os.rename(work, path)  # (fails onto anything but an empty directory: nothing is followed)
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
         _fsync_parent(path)
         return
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".partial-", suffix=".zip",
-                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".partial-", suffix=".zip",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             _zip_dir(work, f)
