@@ -141,6 +141,12 @@ class _Saved:
             owner._drop_ref(self)
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte in its storage, bytes from there to its last element's end) of ``t``."""
+    item = t.element_size()
+    return t.storage_offset() * item, (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * item
+
+
 class ActivationOffload:
     """Saved-tensor hooks that keep activations in a tierstore pool; see ``offload_activations``."""
 
@@ -211,10 +217,13 @@ class ActivationOffload:
                 self.stats.kept_bytes += t.numel() * t.element_size()
             return t
         item = t.element_size()
-        span = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * item
-        first = t.storage_offset() * item
-        b0 = first - first % _ALIGN  # a multiple of every element size
+        first, span = _extent(t)
+        lo, hi = first, first + span  # the bytes to put: the tensor's own, or its base's (below)
         owner = t._base if t._base is not None else t
+        if owner is not t and owner.dtype == t.dtype:
+            o_first, o_span = _extent(owner)
+            if o_span <= 4 * span:  # q, k, v of one QKV output: one object for the three
+                lo, hi = min(lo, o_first), max(hi, o_first + o_span)
         key = (str(t.device), t.untyped_storage().data_ptr())
         with self._cv:
             self.stats.saved += 1
@@ -224,8 +233,9 @@ class ActivationOffload:
                 entry.refs += 1
                 entry.unread += 1
                 return _Saved(self, entry, t, first, span)
-        with torch.no_grad():  # the storage's bytes [b0, first + span) as one flat uint8 tensor, no copy
-            src = t.detach().as_strided(((first + span - b0) // item,), (1,), b0 // item).view(torch.uint8)
+        b0 = lo - lo % _ALIGN  # a multiple of every element size
+        with torch.no_grad():  # the storage's bytes [b0, hi) as one flat uint8 tensor, no copy
+            src = t.detach().as_strided(((hi - b0) // item,), (1,), b0 // item).view(torch.uint8)
         ready = None
         if src.is_cuda:  # the put runs on a worker: it first waits for the work producing t, on t's stream
             ready = torch.cuda.Event()
@@ -240,7 +250,7 @@ class ActivationOffload:
             self._live += 1
             self._pending += entry.nbytes
             self._held(entry.nbytes)
-            self._by_storage.setdefault(key, []).append((weakref.ref(owner), t._version, first + span, entry))
+            self._by_storage.setdefault(key, []).append((weakref.ref(owner), t._version, hi, entry))
         self._queue(self._puts, ("put", entry))
         self._report()
         return _Saved(self, entry, t, first, span)

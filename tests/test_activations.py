@@ -165,6 +165,23 @@ def test_the_same_storage_saved_twice_is_put_once(make_store):
     acts.close()
 
 
+def test_views_of_one_output_share_its_object(make_store):
+    """q, k and v of one fused QKV projection: one object for the three (their base's bytes)."""
+    store = make_store()
+    acts = offload_activations(store, min_bytes=1)
+    x = torch.randn(2, 64, 3 * 32, requires_grad=True)
+    with acts:
+        qkv = x * 1
+        q, k, v = qkv.view(2, 64, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        y = Save.apply(Save.apply(Save.apply(x, q), k), v)
+    assert acts.flush(timeout_s=60)
+    assert acts.stats.offloaded == 1 and acts.stats.deduped == 2
+    Save.seen = []
+    y.sum().backward()
+    assert [torch.equal(a, b.detach()) and a.stride() == b.stride() for a, b in zip(Save.seen, (v, k, q))] == [True] * 3
+    acts.close()
+
+
 def test_small_tensors_and_parameters_stay_where_they_are(make_store):
     store = make_store()
     acts = offload_activations(store, min_bytes=64 << 10)

@@ -1,0 +1,359 @@
+"""Activation memory of GPT training: keep everything, checkpoint, or offload to the pool.
+
+A GPT-style decoder (token embedding, pre-LayerNorm blocks with fused QKV, causal
+scaled-dot-product attention and a GELU MLP, a vocabulary head) at a sequence length
+where the activations saved for backward dominate the training process's memory,
+trained with AdamW. Each variant runs in its own process (so its peak memory is its
+own), the offloaded ones as clients of a daemon started for them:
+
+  none                 every activation stays in the process
+  checkpoint           torch.utils.checkpoint per block (use_reentrant=False): only
+                       each block's input is kept, the block's forward runs again in backward
+  offload-host         offload_activations into the daemon's host tier (large enough)
+  offload-nvme         the same with a host tier of 1/4 of the activation bytes: the
+                       rest goes to NVMe and comes back through the pool's prefetch
+  checkpoint+offload   checkpointing, and what it keeps offloaded
+
+Reported per variant: median step time (forward + backward + AdamW) and against
+``none``; activation memory: the process's peak private memory during a step over
+what it held just before it (sampled every millisecond in a step of its own; on
+CUDA, the allocator's peak over the step's start) and against ``none``; the daemon's
+peak resident memory (its host arena is pre-faulted: that is the tier's size, a
+setting) and the activation bytes in the pool at most; backward stall time per step
+(unpacks that waited for bytes) and forward stall (puts behind); bytes moved per step
+(put + fetched back, and NVMe bytes read and written); prefetch hits. Every variant
+is checked against plain training in the same process on the same batch: loss and
+every gradient compared with torch.equal ("same").
+
+Usage: python bench/activations.py [--width 256] [--layers 4] [--heads 4] [--seq 1024] [--batch 4] [--vocab 4096] [--steps 3] [--window-mib 32] [--variants a,b] [--device cpu|cuda] [--quick] [--png F]
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json, machine, print_table, proc_status_bytes, pyplot, start_daemon  # noqa: E402
+
+VARIANTS = ("none", "checkpoint", "offload-host", "offload-nvme", "checkpoint+offload")
+
+WORKER = r"""
+import json, statistics, sys, threading, time
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+cfg = json.loads(sys.argv[1])
+dev = torch.device(cfg["device"])
+D, H, T, V = cfg["width"], cfg["heads"], cfg["seq"], cfg["vocab"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, H, d // H).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, ckpt):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(cfg["layers"]))
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+        self.ckpt = ckpt
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+
+
+def make(ckpt):
+    torch.manual_seed(0)
+    return GPT(ckpt).to(dev)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, V, (cfg["batch"], T), generator=g).to(dev)
+
+
+variant = cfg["variant"]
+ckpt = variant.startswith("checkpoint")
+acts = client = None
+if "offload" in variant:
+    from tierstore.client import Client
+    from tierstore.client.torch import offload_activations
+    client = Client.connect(socket=cfg["socket"], namespace="bench-acts")
+    window = cfg["window_mib"] << 20
+    acts = offload_activations(client, min_bytes=cfg["min_bytes"], inflight_bytes=window, prefetch_bytes=window)
+
+
+def fwd_bwd(model, idx, a):
+    if a is None:
+        loss = model(idx)
+    else:
+        with a:
+            loss = model(idx)
+    loss.backward()
+    return loss.detach()
+
+
+def private_bytes():
+    tot = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                tot += int(line.split()[1]) * 1024
+    return tot
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def nvme_io():
+    t = client.stat()["tiers"]["nvme"]
+    return t["bytes_read"], t["bytes_written"]
+
+
+model = make(ckpt)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+times, fb_times = [], []
+io0 = s0 = None
+for step in range(cfg["warmup"] + cfg["steps"]):
+    if step == cfg["warmup"]:
+        s0 = acts.snapshot() if acts else None
+        io0 = nvme_io() if client else None
+    idx = batch(step)
+    sync()
+    t0 = time.perf_counter()
+    fwd_bwd(model, idx, acts)
+    sync()
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the baseline below
+    sync()
+    if step >= cfg["warmup"]:
+        times.append(time.perf_counter() - t0)
+        fb_times.append(t1 - t0)
+s1 = acts.snapshot() if acts else None
+io = [(b - a) / cfg["steps"] for a, b in zip(io0, nvme_io())] if client else [0, 0]
+if acts:
+    acts.flush(timeout_s=600)
+
+# one more step, for memory only: its peak over what the process held just before it
+idx = batch(99)
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(model, idx, acts)
+    torch.cuda.synchronize()
+    act_mem, peak_total = torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_allocated()
+else:
+    base = private_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], private_bytes())
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    fwd_bwd(model, idx, acts)
+    done.set()
+    th.join()
+    peak[0] = max(peak[0], private_bytes())
+    act_mem, peak_total = peak[0] - base, peak[0]
+opt.zero_grad(set_to_none=True)
+if acts:
+    acts.flush(timeout_s=600)
+pool_peak = acts.snapshot()["peak_bytes_in_flight"] if acts else 0
+
+# the check: plain training and this variant, same process, same batch: loss and every gradient
+del opt
+model = None
+idx = batch(7)
+plain = make(False)
+lp = fwd_bwd(plain, idx, None)
+gp = [p.grad for p in plain.parameters()]
+del plain
+other = make(ckpt)
+lo = fwd_bwd(other, idx, acts)
+same = torch.equal(lp, lo) and all(torch.equal(a, p.grad) for a, p in zip(gp, other.parameters()))
+per = {}
+if acts:
+    n = cfg["steps"]
+    per = {k: (s1[k] - s0[k]) / n for k in ("backward_stall_s", "forward_stall_s", "offloaded_bytes",
+                                           "fetched_bytes", "hits", "late", "misses", "cancelled")}
+    acts.close()
+st = client.stat() if client else None
+print(json.dumps({"times": times, "fb_times": fb_times, "act_mem": act_mem, "peak_total": peak_total,
+                  "pool_peak": pool_peak, "per_step": per, "nvme_read_per_step": io[0],
+                  "nvme_written_per_step": io[1], "same": same, "loss": float(lp),
+                  "daemon_pid": st["pid"] if st else None}))
+"""
+
+
+def run(variant: str, cfg: dict, base: str, host_bytes: int) -> dict:
+    """One variant in its own process (against a daemon of its own when it offloads)."""
+    d = tempfile.mkdtemp(dir=base)
+    daemon = ns = None
+    try:
+        wcfg = dict(cfg, variant=variant)
+        if "offload" in variant:
+            daemon, sock, ns = start_daemon(d, "--host-bytes", str(host_bytes),
+                                            "--nvme-bytes", str(max(4 * host_bytes, 1 << 30)))
+            wcfg["socket"] = sock
+        # large allocations straight from mmap and back on free: the private memory sampled
+        # follows what the process holds, not what malloc's free lists keep
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+        r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(wcfg)], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise SystemExit(f"{variant} failed:\n{r.stderr[-3000:]}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        out["daemon_peak_rss"] = proc_status_bytes(daemon.pid, "VmHWM") if daemon else 0
+        out["host_bytes"] = host_bytes if daemon else 0
+        return out
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait()
+            ns.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    names = [r["variant"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.barh(names, [r["act_mem"] / 2**20 for r in rows], color="tab:blue")
+    a.set_xlabel("activation memory of the process (MiB)")
+    a.invert_yaxis()
+    b.barh(names, [r["step_s"] for r in rows], color="tab:orange")
+    b.barh(names, [r["backward_stall_s"] for r in rows], color="tab:red", label="backward stall")
+    b.set_xlabel("step time (s)")
+    b.invert_yaxis()
+    b.legend(loc="lower right")
+    fig.suptitle("activations: keep, checkpoint, offload to the pool")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--window-mib", type=int, default=32,
+                   help="offload_activations' inflight_bytes and prefetch_bytes, in MiB (default 32)")
+    p.add_argument("--min-bytes", type=int, default=1 << 20, help="offload_activations' min_bytes (default 1 MiB)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"a subset of {','.join(VARIANTS)} (none is always run: the others are compared with it)")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--png", default=None)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    variants = ["none"] + [v for v in args.variants.split(",") if v != "none"]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.width % args.heads:
+        p.error("--width must be a multiple of --heads")
+    if args.quick:
+        args.width, args.layers, args.heads, args.seq, args.batch, args.vocab = 64, 2, 2, 128, 2, 256
+        args.steps, args.window_mib, args.min_bytes = 1, 1, 16 << 10
+    base = args.dir or os.path.abspath("bench-io-tmp")
+    os.makedirs(base, exist_ok=True)
+    cfg = {k: getattr(args, k) for k in ("width", "layers", "heads", "seq", "batch", "vocab", "steps", "warmup",
+                                         "window_mib", "min_bytes", "device")}
+    results: dict[str, dict] = {}
+    host = 64 << 20
+    for v in variants:
+        if v == "offload-nvme":  # a quarter of what the host-tier run had in the pool at most
+            peak = results.get("offload-host", {}).get("pool_peak") or results["none"]["act_mem"]
+            host = max(peak // 4, 16 << 20)
+        elif "offload" in v:  # room for every activation of a step, and more
+            host = max(2 * results["none"]["act_mem"], 64 << 20)
+        results[v] = run(v, cfg, base, host)
+    none = results["none"]
+    none_step, none_mem = _median(none["times"]), max(none["act_mem"], 1)
+    rows, table = [], []
+    for v, r in results.items():
+        per = r["per_step"]
+        step = _median(r["times"])
+        row = {"variant": v, "step_s": step, "step_vs_none": step / none_step, "act_mem": r["act_mem"],
+               "act_mem_vs_none": r["act_mem"] / none_mem, "peak_private": r["peak_total"],
+               "daemon_peak_rss": r["daemon_peak_rss"], "host_tier_bytes": r["host_bytes"],
+               "pool_peak": r["pool_peak"], "backward_stall_s": per.get("backward_stall_s", 0.0),
+               "forward_stall_s": per.get("forward_stall_s", 0.0),
+               "moved_per_step": per.get("offloaded_bytes", 0) + per.get("fetched_bytes", 0),
+               "nvme_read_per_step": r["nvme_read_per_step"], "nvme_written_per_step": r["nvme_written_per_step"],
+               "hits": per.get("hits", 0), "late": per.get("late", 0), "misses": per.get("misses", 0),
+               "same": r["same"], "loss": r["loss"]}
+        rows.append(row)
+        table.append([v, f"{step:.2f}", f"{row['step_vs_none']:.2f}", f"{r['act_mem'] / 2**20:.0f}",
+                      f"{row['act_mem_vs_none'] * 100:.0f}%", f"{r['daemon_peak_rss'] / 2**20:.0f}",
+                      f"{r['pool_peak'] / 2**20:.0f}", f"{row['backward_stall_s']:.3f}",
+                      f"{row['forward_stall_s']:.3f}", f"{row['moved_per_step'] / 2**20:.0f}",
+                      f"{(r['nvme_read_per_step'] + r['nvme_written_per_step']) / 2**20:.0f}",
+                      f"{row['hits']:.0f}/{row['late']:.0f}/{row['misses']:.0f}", "yes" if r["same"] else "NO"])
+    print(f"# activations: GPT {args.layers} x {args.width} wide, {args.heads} heads, sequence {args.seq}, batch "
+          f"{args.batch}, vocabulary {args.vocab}, on {args.device}; {args.steps} steps after {args.warmup} warm-up; "
+          f"offload window {args.window_mib} MiB, min_bytes {args.min_bytes}; {machine()}")
+    print(f"# none: forward+backward {_median(none['fb_times']):.2f} s of a {none_step:.2f} s step")
+    print_table(["variant", "step s", "vs none", "act MiB", "vs none", "daemon MiB", "pool MiB", "bwd stall s",
+                 "fwd stall s", "moved MiB", "nvme MiB", "hit/late/miss", "same"], table)
+    by = {r["variant"]: r for r in rows}
+    targets = {}
+    for v in ("offload-host", "offload-nvme"):
+        r, ck = by.get(v), by.get("checkpoint")
+        if r is not None:
+            targets[v] = {"memory_le_25pct": r["act_mem_vs_none"] <= 0.25, "step_le_1_15x": r["step_vs_none"] <= 1.15,
+                          "beats_checkpoint": None if ck is None else
+                          r["step_s"] < ck["step_s"] and r["act_mem"] <= max(ck["act_mem"], 1)}
+    for v, t in targets.items():
+        print(f"# {v}: activation memory <= 25% of none: {t['memory_le_25pct']}; step <= 1.15x none: "
+              f"{t['step_le_1_15x']}; faster than checkpoint at equal or lower memory: {t['beats_checkpoint']}")
+    if args.png:
+        plot(rows, args.png)
+    out = {"bench": "activations", "config": cfg, "machine": machine(), "results": rows, "targets": targets}
+    emit_json(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
