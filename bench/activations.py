@@ -45,7 +45,7 @@ from common import emit_json, machine, print_table, proc_status_bytes, pyplot, s
 VARIANTS = ("none", "checkpoint", "offload-host", "offload-nvme", "checkpoint+offload")
 
 WORKER = r"""
-import json, statistics, sys, threading, time
+import contextlib, json, sys, threading, time
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -109,11 +109,8 @@ if "offload" in variant:
 
 
 def fwd_bwd(model, idx, a):
-    if a is None:
+    with a if a is not None else contextlib.nullcontext():
         loss = model(idx)
-    else:
-        with a:
-            loss = model(idx)
     loss.backward()
     return loss.detach()
 

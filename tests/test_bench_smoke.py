@@ -131,3 +131,15 @@ def test_optimizer_overhead_smoke(tmp_path):
     assert out["bench"] == "optimizer_overhead" and out["tensors"] == 28
     assert {r["variant"] for r in out["results"]} == {"buckets", "per parameter", "per tensor"}
     assert all(r["offloaded_step_ms"] > 0 and r["plain_step_ms"] > 0 for r in out["results"])
+
+
+def test_activations_smoke(tmp_path):
+    png = tmp_path / "acts.png"
+    out = _run("activations.py", "--quick", "--variants", "offload-nvme", "--dir", str(tmp_path), "--png", str(png),
+               cwd=tmp_path)
+    assert out["bench"] == "activations" and png.stat().st_size > 0
+    assert [r["variant"] for r in out["results"]] == ["none", "offload-nvme"]
+    none, off = out["results"]
+    assert none["same"] and off["same"]  # loss and every gradient equal to plain training's
+    assert none["act_mem"] > 0 and off["moved_per_step"] > 0 and off["pool_peak"] > 0
+    assert set(out["targets"]["offload-nvme"]) == {"memory_le_25pct", "step_le_1_15x", "beats_checkpoint"}
