@@ -39,7 +39,8 @@ def test_dcp_saved_on_two_ranks_loads_on_another_number_and_continues_as_plain(d
         assert set(c.stat()["namespaces"]) >= {f"dcp-load/rank{r}" for r in range(ranks)}
 
 
-def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(make_store):
+@pytest.mark.parametrize("options", ["default", "flatten", "full"])
+def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(make_store, options):
     """get_state_dict of a trained offloaded optimizer gives the plain optimizer's state under
     parameter names (no extra zero-gradient step taken on it), and set_state_dict of that
     into a fresh offloaded optimizer continues as plain does."""
@@ -47,9 +48,12 @@ def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(ma
 
     import torch
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from tierstore.client.torch import offload_optimizer
+
+    opts = {"default": StateDictOptions(), "flatten": StateDictOptions(flatten_optimizer_state_dict=True),
+            "full": StateDictOptions(full_state_dict=True)}[options]
 
     def steps(model, opt, start, end):
         for step in range(start, end):
@@ -68,15 +72,20 @@ def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(ma
     steps(plain, opt_p, 0, 2)
     steps(off, opt_o, 0, 2)
     assert len(opt_o.state) == 4 and torch.equal(opt_o.state[off[0].weight]["exp_avg"], opt_p.state[plain[0].weight]["exp_avg"])
-    _, osd_p = get_state_dict(plain, opt_p)
-    _, osd_o = get_state_dict(off, opt_o)
-    assert set(osd_o["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    for fqn, st in osd_p["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, osd_o["state"][fqn][k]), (fqn, k)
+    _, osd_p = get_state_dict(plain, opt_p, options=opts)
+    _, osd_o = get_state_dict(off, opt_o, options=opts)
+    if options == "flatten":  # "state.0.weight.exp_avg": one flat key per tensor
+        assert set(osd_o) == set(osd_p) and "state.0.weight.exp_avg" in osd_o
+        for k, v in osd_p.items():
+            assert torch.equal(v, osd_o[k]) if isinstance(v, torch.Tensor) else v == osd_o[k], k
+    else:
+        assert set(osd_o["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        for fqn, st in osd_p["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, osd_o["state"][fqn][k]), (fqn, k)
     fresh = copy.deepcopy(off)
     opt_f = offload_optimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-2), store, tier="host", prefix="b")
-    set_state_dict(fresh, opt_f, model_state_dict=fresh.state_dict(), optim_state_dict=osd_o)
+    set_state_dict(fresh, opt_f, model_state_dict=fresh.state_dict(), optim_state_dict=osd_o, options=opts)
     steps(plain, opt_p, 2, 4)
     steps(fresh, opt_f, 2, 4)
     for a, b in zip(plain.parameters(), fresh.parameters()):
