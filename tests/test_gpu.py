@@ -261,3 +261,19 @@ def test_kvikio_device_reads_and_writes_are_whole_and_verified(tmp_path):
     finally:
         f.close()
     print("device I/O:", device_io()[1])
+
+
+def test_in_process_get_into_a_cuda_tensor_from_nvme(tmp_path):
+    """``Store.get(h, out=cuda_tensor)`` of an NVMe-only object: NVMe -> GPU through KvikIO
+    where GPUDirect Storage is on (CRC32C checked after the transfer), through host memory
+    otherwise; the same bytes either way."""
+    from tierstore import Config, Store
+
+    with Store(Config(host_bytes=64 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=256 << 20)) as s:
+        x = torch.randn(3 << 20)
+        h = s.put(x, tier="nvme")
+        out = torch.empty(3 << 20, device="cuda")
+        s.get(h, out=out)
+        assert torch.equal(out.cpu(), x)
+        nv = s.stat()["tiers"]["nvme"]
+        print("engine:", nv["engine"], "|", nv["device_io"])

@@ -327,3 +327,36 @@ def test_kvikio_engine_moves_host_buffers_with_o_direct_and_whole(tmp_path, monk
         assert f._cu is None  # no CuFile opened for host I/O
     finally:
         f.close()
+
+
+def test_a_device_get_of_an_nvme_object_reads_through_device_io_and_checks_every_block(make_store, monkeypatch):
+    """Where the engine does GPUDirect Storage, ``get`` into a CUDA tensor reads an NVMe-only
+    object straight into it and verifies each block's CRC32C on the host after the
+    transfer. Device memory is stood in for by a CPU tensor, ``pread_device`` by the host
+    read it replaces."""
+    import torch
+
+    from tierstore.errors import ChecksumMismatch
+
+    s = make_store(io_chunk_bytes="1MiB")
+    x = np.random.default_rng(5).standard_normal(3 << 18).astype(np.float32)  # 3 MiB: three chunks
+    h = s.put(x, key="w", tier="nvme")
+    reads = []
+    for drv in s.nvme.drives:
+        f = drv.file
+
+        def pread_device(buf, pos, f=f):
+            reads.append((pos, buf.numel()))
+            return f.pread_into(buf.numpy(), pos)  # (a CPU view: the O_DIRECT path takes aligned buffers)
+        monkeypatch.setattr(f, "pread_device", pread_device, raising=False)
+    monkeypatch.setattr(s.engine, "gds", True, raising=False)
+    meta = s._objects[h.id]
+    out = torch.from_numpy(np.frombuffer(__import__("mmap").mmap(-1, x.nbytes), np.float32))  # page-aligned
+    assert s._read_to_device(meta, out) is False
+    assert (out.numpy() == x).all() and len(reads) == 3 and s.counters["nvme_reads"] == 1
+    ext = meta.nvme[0]
+    with open(s.nvme.drives[ext.dev].path, "r+b") as f:  # one block damaged on the drive
+        f.seek(ext.file_offset + (1 << 20) + 4096)
+        f.write(b"\xff" * 64)
+    with pytest.raises(ChecksumMismatch, match="block 1 "):
+        s._read_to_device(meta, out)

@@ -48,7 +48,7 @@ from .movement import Movement
 from .prefetch import Prefetcher
 from .puts import Puts
 from .recovery import Recovery
-from .tensors import aligned_empty, cuda_source, from_bytes, out_bytes, to_bytes
+from .tensors import aligned_empty, cuda_out, cuda_source, from_bytes, out_bytes, to_bytes
 from .preflight import check_start
 from .units import PAGE, align_up, format_size
 
@@ -275,9 +275,13 @@ class Store(Leasing, Puts, Movement, Recovery):
         meta, late = self._pin(handle, namespace)
         try:
             spec = meta.spec
-            dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
-            hit = True
-            if spec.nbytes:
+            if cuda_out(out, spec):  # a CUDA tensor: straight from NVMe where GPUDirect Storage is on
+                hit = self._read_to_device(meta, out) if spec.nbytes else True
+                dst = None
+            else:
+                dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
+                hit = True
+            if spec.nbytes and dst is not None:
                 hit = self._read_pinned(meta, dst)
             self._record(owner, stream, meta, hit, late, t0)
             self.counters["gets"] += 1
@@ -285,6 +289,24 @@ class Store(Leasing, Puts, Movement, Recovery):
         finally:
             self._unpin(meta)
         return out if out is not None else from_bytes(dst, spec)
+
+    def _read_to_device(self, meta: ObjectMeta, out: Any) -> bool:
+        """``get`` into a CUDA tensor: an NVMe-only object goes NVMe -> GPU through the
+        engine's device I/O when it is GPUDirect Storage (its CRC32C checked on the host
+        after the transfer), anything else through host memory. True on a memory-tier hit."""
+        import torch
+
+        u8 = out.reshape(-1).view(torch.uint8)
+        with self._cv:
+            nvme_only = meta.gpu_loc is None and not meta.host_valid and meta.nvme_valid
+        if nvme_only and getattr(self.engine, "gds", False):
+            self.counters["nvme_reads"] += 1
+            self.nvme.read_device(meta.nvme, u8, meta.crcs, lambda v: v.cpu().numpy())
+            return False
+        tmp = aligned_empty(meta.nbytes)
+        hit = self._read_pinned(meta, tmp)
+        u8.copy_(torch.from_numpy(tmp))
+        return hit
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
                  timeout_s: float | None = None, stream: str = "default",

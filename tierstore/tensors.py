@@ -134,6 +134,20 @@ def torch_dtype(name: str):
     return dt
 
 
+def cuda_out(out: Any, spec: TensorSpec) -> bool:
+    """Is ``out`` a CUDA tensor (validated for an object of ``spec``)?"""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(out, torch.Tensor) or out.device.type != "cuda":
+        return False
+    got_dtype, got_n = str(out.dtype).removeprefix("torch."), out.numel() * out.element_size()
+    if got_dtype != spec.dtype or got_n != spec.nbytes:
+        raise InvalidArgument(f"out must be {spec.dtype} with {spec.nbytes} bytes (shape {list(spec.shape)}), "
+                              f"got {got_dtype} with {got_n}")
+    if not out.is_contiguous():
+        raise InvalidArgument("out must be contiguous")
+    return True
+
+
 def out_bytes(out: Any, spec: TensorSpec) -> np.ndarray:
     """Validate ``out`` for an object of ``spec`` and return a writable uint8 view of it."""
     if isinstance(out, np.ndarray):
@@ -145,7 +159,7 @@ def out_bytes(out: Any, spec: TensorSpec) -> np.ndarray:
         if torch is None or not isinstance(out, torch.Tensor):
             raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, got {type(out).__name__}")
         if out.device.type != "cpu":
-            raise InvalidArgument("out must be a CPU tensor (GPU tensors come with the GPU tier)")
+            raise InvalidArgument(f"out must be a CPU or CUDA tensor, got one on {out.device}")
         got_dtype, got_n = str(out.dtype).removeprefix("torch."), out.numel() * out.element_size()
         ok_layout = out.is_contiguous() and out.layout == torch.strided
         view = (lambda: out.reshape(-1).view(torch.uint8).numpy() if got_n else np.empty(0, np.uint8))
