@@ -86,6 +86,9 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["daemon"]:
+        rc = _daemon_start_checks(argv[1:])
+        if rc is not None:
+            return rc
         # exec, not import: the client side never imports the daemon package
         os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *argv[1:]])
     try:
@@ -121,6 +124,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _daemon_start_checks(argv: list[str]) -> int | None:
+    """The checks that can refuse a daemon start, run here before the exec: a refusal then
+    costs one interpreter start, not two (the daemon runs them again; they take
+    milliseconds). ``None``: go ahead."""
+    from tierstore.config import daemon_parser, sourced_config_from_args
+    from tierstore.preflight import check_daemon_start
+
+    try:
+        cfg, _ = sourced_config_from_args(daemon_parser().parse_args(argv))
+    except ConfigError as e:
+        print(f"tierstore daemon: invalid configuration: {_one_line(e)}; fix or unset it (tierstore config shows "
+              "every setting and its source)", file=sys.stderr)
+        return 2
+    try:
+        check_daemon_start(cfg)
+    except (TierstoreError, OSError) as e:
+        print(f"tierstore daemon: cannot start: {_one_line(e)}", file=sys.stderr)
+        return 1
+    return None
 
 
 def _one_line(e: BaseException) -> str:

@@ -53,7 +53,7 @@ def _all_actions(parser):
 def test_every_option_has_help():
     from tierstore.client.cli import build_parser
     from tierstore.client.demo import build_parser as demo_parser
-    from tierstore.daemon.__main__ import build_parser as daemon_parser
+    from tierstore.config import daemon_parser
 
     for p in (build_parser(), demo_parser(), daemon_parser()):
         for prog, a in _all_actions(p):
@@ -83,9 +83,13 @@ def test_a_bad_variable_is_one_line_naming_it():
 
 def test_daemon_with_an_unusable_directory_is_one_line(tmp_path):
     r = cli("daemon", "--nvme-dir", "/proc/nonexistent", "--socket", str(tmp_path / "s.sock"))
-    errors = [ln for ln in r.stderr.splitlines() if "ERROR" in ln]
-    assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr
-    assert "cannot create NVMe directory /proc/nonexistent" in errors[0]
+    line = _one_line(r)
+    assert r.returncode == 1 and line.startswith("tierstore daemon: cannot start: cannot create NVMe directory "
+                                                 "/proc/nonexistent") and "--nvme-dir" in line
+    r = cli("daemon", "--socket", str(tmp_path / "s.sock"), env={"TIERSTORE_IO_THREADS": "many"})
+    assert r.returncode == 2 and "TIERSTORE_IO_THREADS='many': expected an integer" in _one_line(r)
+    r = cli("daemon", "--version")
+    assert r.returncode == 0 and r.stdout.startswith("tierstore ")
 
 
 def _piped_into_head(args, env):

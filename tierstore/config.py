@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping
 
 from .units import format_size, parse_size
 
-__all__ = ["Config", "ConfigError", "ArgumentParser", "default_socket_path", "default_nvme_dir", "default_host_bytes",
+__all__ = ["Config", "ConfigError", "ArgumentParser", "daemon_parser", "default_socket_path", "default_nvme_dir", "default_host_bytes",
            "DEFAULT_NVME_BYTES", "add_config_flags", "config_from_args", "sourced_config_from_args",
            "parse_setting", "env_name", "flag_name", "describe_value"]
 
@@ -369,6 +369,20 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         else:
             kw.update(metavar={"size": "SIZE", "int": "N", "float": "X", "bool": "BOOL"}.get(kind, "TEXT"))
         g.add_argument(flag_name(f.name), **kw)
+
+
+def daemon_parser() -> ArgumentParser:
+    """The daemon's command line (``tierstore daemon``, ``python -m tierstore.daemon``)."""
+    from ._version import __version__
+
+    p = ArgumentParser(prog="tierstore daemon", description="Run the tierstore node daemon in the foreground. "
+                       "Stops cleanly on SIGTERM (drains I/O, flushes the journal). Precedence of settings: "
+                       "flags > TIERSTORE_* variables > TOML file > defaults.")
+    p.add_argument("--version", action="version", version=f"tierstore {__version__}")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="daemon log level (default: INFO)")
+    add_config_flags(p)
+    return p
 
 
 def sourced_config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None

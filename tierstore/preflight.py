@@ -21,7 +21,7 @@ from .config import DEFAULT_NVME_BYTES, Config, total_memory_bytes
 from .errors import InvalidArgument
 from .units import PAGE, format_size
 
-__all__ = ["check_start", "check_dir", "nvme_room"]
+__all__ = ["check_start", "check_daemon_start", "check_dir", "nvme_room"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,13 @@ def check_start(cfg: Config) -> Config:
         log.warning("host_bytes is %s but only %s of memory is available now; the arena will push other "
                     "memory out (or meet the OOM killer)", format_size(cfg.host_bytes), format_size(avail))
     return cfg
+
+
+def check_daemon_start(cfg: Config) -> None:
+    """``check_start`` plus the daemon's socket directory (made if missing, writable)."""
+    resolved = cfg.resolved()
+    check_dir(os.path.dirname(resolved.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
+    check_start(resolved)
 
 
 def nvme_room(dirs: list[str]) -> list[tuple[int, int, list[str]]]:
