@@ -90,13 +90,16 @@ class _PoolState(MutableMapping):
 
     def __init__(self, opt: "OffloadedOptimizer") -> None:
         self._opt = opt
+        self._index: dict[int, tuple[int, int]] = {}  # id(parameter) -> (group, index)
 
     def _where(self, p: Any) -> tuple[int, int] | None:
-        for gi, g in enumerate(self._opt.param_groups):
-            for pi, q in enumerate(g["params"]):
-                if q is p:
-                    return gi, pi
-        return None
+        groups = self._opt.param_groups
+        where = self._index.get(id(p))
+        if where is None or where[0] >= len(groups) or where[1] >= len(groups[where[0]]["params"]) \
+                or groups[where[0]]["params"][where[1]] is not p:  # groups changed since: index them again
+            self._index = {id(q): (gi, pi) for gi, g in enumerate(groups) for pi, q in enumerate(g["params"])}
+            where = self._index.get(id(p))
+        return where
 
     def __getitem__(self, p: Any) -> dict[str, Any]:
         where = self._where(p)
