@@ -182,7 +182,8 @@ class Replay:
     (``malformed``), alone. Conflicts are resolved by order:
 
     - a put whose extents overlap a live object's: that object was freed (or rewritten
-      elsewhere) before the space was reused, whatever its own records say;
+      elsewhere) before the space was reused, whatever its own records say (counted:
+      ``superseded``, as its free, or its newer record, was lost);
     - a put binding a key another live object holds: the higher id is the newer (a
       replace), the other goes;
     - a free, or a free repeated (``fr``) by a later record, removes the object;
@@ -251,14 +252,12 @@ class Replay:
                     self.superseded += 1
                     self._free(other)
         if r.get("key") is not None:
+            # (a replace journals the new object's put before the old one's free: no damage needed)
             k = (r["ns"], r["key"])
             other = self._key.get(k)
             if other is not None and other > oid:
-                self.superseded += 1  # replaced by a newer object: this one was on its way out
-                log.warning("journal: object %d's key is bound to the newer object %d; it was freed", oid, other)
-                return
+                return  # a late record of an object already replaced: it was on its way out
             if other is not None:
-                self.superseded += 1
                 self._free(other)
             self._key[k] = oid
         for dev, off, _, n in r["ext"]:
