@@ -39,13 +39,10 @@ ACTIVATION_FIELDS = frozenset({
     "fetched_bytes", "hits", "late", "misses", "backward_stall_s", "forward_stall_s"})
 """The activation-offload counters a client may report (``client_info``); ``stat`` sums them."""
 
-_INLINE_STAT_NAMESPACES = 20_000
-"""Above this many namespaces a ``stat`` runs on a worker thread, not the event loop (its
-cost does not depend on the number of objects)."""
 _INLINE_LIST = 4096
 """An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker thread."""
-PAGE_KEYS = 4096
-PAGE_LS = 1024
+PAGE_KEYS = 1024
+PAGE_LS = 256
 PAGE_NAMESPACES = 1024
 """Most entries in one page of ``keys``, ``ls``, ``namespaces`` (and at most about PAGE_BYTES)."""
 
@@ -273,11 +270,12 @@ class Handlers:
             self._whole_list(sess, nowait)
             return self.store.keys(field(msg, "prefix", str, ""), namespace=sess.namespace)
         prefix, after, limit = self._page_args(msg, PAGE_KEYS)
-        keys, size = [], 0
-        for k, _ in self.store.key_page(prefix, after, limit, namespace=sess.namespace):
-            keys.append(k)
+        keys = self.store.key_names(prefix, after, limit, namespace=sess.namespace)
+        size = 0
+        for i, k in enumerate(keys):
             size += len(k) + 5
             if size >= PAGE_BYTES:
+                del keys[i + 1:]
                 break
         return {"keys": keys, "next": keys[-1] if keys and (len(keys) == limit or size >= PAGE_BYTES) else None}
 
@@ -291,8 +289,8 @@ class Handlers:
 
     def namespaces(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """One page of the per-namespace table of ``stat``, in name order after ``after``."""
-        after = field(msg, "after", str, None)
-        return namespace_page(self.store.stat_namespaces(), after)
+        page = self.store.stat_namespaces(field(msg, "after", str, None), PAGE_NAMESPACES + 1)
+        return _namespace_page(page)
 
     def info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         return self.store.info(_handle(msg), namespace=sess.namespace)
@@ -309,14 +307,11 @@ class Handlers:
         return {}
 
     def stat(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        if nowait and len(self.store._objects.namespaces) > _INLINE_STAT_NAMESPACES:
-            raise WouldBlock()  # sorting many namespaces would hold up the event loop
-        st = self.store.stat()
+        st = self.store.stat(namespace_limit=PAGE_NAMESPACES + 1)
         st.update(self._server_stats())
         # the table of namespaces is one page: the rest through ``namespaces`` from "namespaces_next"
-        table = st["namespaces"]
-        page = namespace_page(table, None)
-        st["namespaces"], st["namespaces_total"], st["namespaces_next"] = page["namespaces"], len(table), page["next"]
+        page = _namespace_page(st["namespaces"])
+        st["namespaces"], st["namespaces_next"] = page["namespaces"], page["next"]
         if not field(msg, "ops", bool, False):  # the latency histograms only when asked for
             st.pop("ops", None)
         return st
@@ -325,8 +320,8 @@ class Handlers:
         return {}
 
 
-def namespace_page(table: dict[str, Any], after: str | None) -> dict[str, Any]:
-    """Up to PAGE_NAMESPACES entries of ``table`` in name order after ``after``, and the cursor."""
-    names = sorted(n for n in table if after is None or n > after)
-    page = names[:PAGE_NAMESPACES]
-    return {"namespaces": {n: table[n] for n in page}, "next": page[-1] if len(names) > len(page) else None}
+def _namespace_page(table: dict[str, Any]) -> dict[str, Any]:
+    """A page of the namespace table from up to PAGE_NAMESPACES + 1 entries in name order:
+    the first PAGE_NAMESPACES, and the cursor when there are more."""
+    names = list(table)[:PAGE_NAMESPACES]
+    return {"namespaces": {n: table[n] for n in names}, "next": names[-1] if len(table) > len(names) else None}

@@ -143,3 +143,12 @@ def test_activations_smoke(tmp_path):
     assert none["same"] and off["same"]  # loss and every gradient equal to plain training's
     assert none["act_mem"] > 0 and off["moved_per_step"] > 0 and off["pool_peak"] > 0
     assert set(out["targets"]["offload-nvme"]) == {"memory_le_25pct", "step_le_1_15x", "beats_checkpoint"}
+
+
+def test_scale_smoke(tmp_path):
+    out = _run("scale.py", "--quick", "--png", str(tmp_path / "scale.png"), cwd=tmp_path)
+    assert out["bench"] == "scale" and (tmp_path / "scale.png").stat().st_size > 0
+    r = out["sizes"][0]
+    assert r["volatile_puts_per_s"] > 0 and r["durable_puts_per_s"] > 0 and r["restart_to_ready_s"] > 0
+    assert r["ping_under_scans"]["p99_ms"] > 0 and r["snapshot_objects"] == 100 and r["keys_s"] > 0
+    assert out["namespaces"]["namespaces"] == 20 and out["namespaces"]["stat_s"] > 0

@@ -89,8 +89,11 @@ for ns in sys.argv[2:]:
     with Client.connect(socket=sys.argv[1], namespace=ns) as c:
         c.put(torch.zeros(1), key="k")
 """
-    procs = [subprocess.Popen([sys.executable, "-c", code, daemon.socket, *names[i::4]]) for i in range(4)]
-    assert all(p.wait(timeout=600) == 0 for p in procs)
+    procs = [subprocess.Popen([sys.executable, "-c", code, daemon.socket, *names[i::4]], stderr=subprocess.PIPE,
+                              text=True) for i in range(4)]
+    for p in procs:
+        err = p.communicate(timeout=600)[1]
+        assert p.returncode == 0, err[-3000:]
     with daemon.client("watcher") as c:
         st = c.stat()
         assert sorted(st["namespaces"]) == names and st["namespaces_total"] == 1200
@@ -208,7 +211,8 @@ def test_connection_caps_leave_room_for_root_and_other_uids(daemon_factory):
 
     def hold(uid, ns, n):
         p = subprocess.Popen([sys.executable, "-c", _HOLD, d.socket, ns, str(uid), str(n), str(nobody.pw_gid)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HOME": "/tmp"})
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "HOME": "/tmp"})
         held.append(p)
         return p.stdout.readline()
 

@@ -14,7 +14,7 @@ from .errors import InvalidArgument, InvalidKey
 from .nvme import Extent
 from .tensors import TensorSpec
 
-__all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "validate_key", "validate_namespace"]
+__all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "sorted_from", "validate_key", "validate_namespace"]
 
 _MISSING = object()
 
@@ -251,23 +251,32 @@ class KeyIndex:
         d = self._ns.get(namespace)
         return 0 if d is None else len(d)
 
+    def scan_keys(self, namespace: str, prefix: str = "", after: str | None = None,
+                  limit: int | None = None) -> list[str]:
+        """The keys alone of ``scan``."""
+        d = self._ns.get(namespace)
+        if d is None:
+            return []
+        out = []
+        for k in sorted_from(d, prefix, after):
+            if not k.startswith(prefix) or (limit is not None and len(out) >= limit):
+                break
+            out.append(k)
+        return out
+
     def scan(self, namespace: str, prefix: str = "", after: str | None = None,
              limit: int | None = None) -> list[tuple[str, int]]:
         """``(key, id)`` of the namespace's keys that start with ``prefix`` and sort after
         ``after`` (exclusive; None: from the first), in key order, at most ``limit``."""
         d = self._ns.get(namespace)
-        if d is None:
-            return []
-        if after is None or after < prefix:
-            it = d.irange(minimum=prefix or None)
-        else:
-            it = d.irange(minimum=after, inclusive=(False, True))
-        out = []
-        for k in it:
-            if not k.startswith(prefix) or (limit is not None and len(out) >= limit):
-                break
-            out.append((k, d[k]))
-        return out
+        return [(k, d[k]) for k in self.scan_keys(namespace, prefix, after, limit)] if d is not None else []
+
+
+def sorted_from(d: SortedDict, start: str, after: str | None) -> Any:
+    """``d``'s keys from ``start`` (inclusive) or after ``after`` (exclusive), whichever is later."""
+    if after is None or after < start:
+        return d.irange(minimum=start or None)
+    return d.irange(minimum=after, inclusive=(False, True))
 
 
 class ObjectTable(dict):
@@ -282,8 +291,8 @@ class ObjectTable(dict):
 
     def __init__(self) -> None:
         super().__init__()
-        self.namespaces: dict[str, list[int]] = {}
-        """namespace -> [objects, bytes]"""
+        self.namespaces: SortedDict = SortedDict()
+        """namespace -> [objects, bytes], in name order"""
         self._gone: OrderedDict[int, str] = OrderedDict()
         self.host_objects = 0
         self.nvme_objects = 0

@@ -38,7 +38,7 @@ from .engine import select_engine
 from .gpu import GpuTier, detect_backend
 from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists, NotFound,
                      StaleHandle, TierstoreError)
-from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, validate_key, validate_namespace
+from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
 from .hostindex import HostIndexLog
 from .journal import Journal
 from .nvme import NvmeTier
@@ -394,7 +394,16 @@ class Store(Leasing, Puts, Movement, Recovery):
         self._key_index = value if isinstance(value, KeyIndex) else KeyIndex(value)
 
     def keys(self, prefix: str = "", *, namespace: str | None = None) -> list[str]:
-        return [k for k, _ in self._all_pages(self.key_page, prefix, namespace, lambda e: e[0])]
+        return self._all_pages(self.key_names, prefix, namespace, lambda k: k)
+
+    def key_names(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
+                  namespace: str | None = None) -> list[str]:
+        """As ``key_page``, the keys alone."""
+        if not isinstance(prefix, str) or not (after is None or isinstance(after, str)):
+            raise InvalidArgument("prefix and after must be str")
+        ns = self._ns(namespace)
+        with self._cv:
+            return self._keys.scan_keys(ns, prefix, after, limit)
 
     @staticmethod
     def _all_pages(page: Any, prefix: str, namespace: str | None, key_of: Any) -> list[Any]:
@@ -504,13 +513,19 @@ class Store(Leasing, Puts, Movement, Recovery):
         meta = self._objects.get(oid)
         return meta.nbytes if meta is not None else 0
 
-    def stat_namespaces(self) -> dict[str, dict[str, int]]:
-        """Objects and bytes per namespace, from counters kept as objects come and go: O(namespaces)."""
+    def stat_namespaces(self, after: str | None = None, limit: int | None = None) -> dict[str, dict[str, int]]:
+        """Objects and bytes per namespace, in name order, after the name ``after``, at most
+        ``limit``: from counters kept as objects come and go, O(log namespaces + what it returns)."""
         with self._cv:
-            return {ns: {"objects": c[0], "bytes": c[1]} for ns, c in self._objects.namespaces.items()}
+            table = self._objects.namespaces
+            names = sorted_from(table, "", after)
+            return {ns: {"objects": table[ns][0], "bytes": table[ns][1]}
+                    for ns in (names if limit is None else itertools.islice(names, limit))}
 
-    def stat(self) -> dict[str, Any]:
-        namespaces = self.stat_namespaces()
+    def stat(self, *, namespace_limit: int | None = None) -> dict[str, Any]:
+        """The store's state; ``namespace_limit``: the first that many namespaces by name
+        (``namespaces_total`` says how many there are; ``stat_namespaces`` gives the rest)."""
+        namespaces = self.stat_namespaces(limit=namespace_limit)
         with self._cv:  # every figure from counters kept as objects change: O(1) in objects
             host_objs, nvme_objs = self._objects.host_objects, self._objects.nvme_objects
             return {
@@ -531,6 +546,7 @@ class Store(Leasing, Puts, Movement, Recovery):
                 "prefetch": self.prefetcher.stat(),
                 "gpu_reason": self.gpu_reason,
                 "namespaces": namespaces,
+                "namespaces_total": len(self._objects.namespaces),
                 "leases": len(self._leases),
                 "reservations": len(self._reservations),
                 "policy": self.policy.name,
