@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import Config
-from tierstore.errors import Closed, PermissionDenied, ProtocolError, TierstoreError
+from tierstore.errors import Busy, Closed, PermissionDenied, ProtocolError, TierstoreError
 from tierstore.leases import WouldWait, wait_context
 from tierstore.preflight import check_dir
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
@@ -68,6 +68,8 @@ _WAIT_THREADS = 128
 """Requests waiting for another holder at once, all connections together."""
 _WAITS_PER_SESSION = 16
 """... and per connection: one connection's waits cannot take every wait thread."""
+_WAIT_BACKLOG = 1024
+"""A connection's further waits queued behind those; one more is refused (``Busy``)."""
 _MAX_REQUEST_ID = (1 << 63) - 1
 
 
@@ -513,17 +515,21 @@ class Server:
         """Give a request that must wait to a wait thread (behind its connection's other
         waits once it has ``_WAITS_PER_SESSION`` of them)."""
         with self._wait_lock:
-            if not self._stop.is_set():
-                if sess.waiting < _WAITS_PER_SESSION:
-                    sess.waiting += 1
-                    self._waits.submit(self._wait, sess, job)
-                else:
-                    sess.wait_backlog.append(job)
+            if self._stop.is_set():
+                refusal: TierstoreError = Closed("the daemon is stopping; reconnect once it is back")
+            elif sess.waiting < _WAITS_PER_SESSION:
+                sess.waiting += 1
+                self._waits.submit(self._wait, sess, job)
                 return
-        # stopping: answer now rather than start a wait
+            elif len(sess.wait_backlog) < _WAIT_BACKLOG:
+                sess.wait_backlog.append(job)
+                return
+            else:
+                refusal = Busy(f"this connection already has {_WAITS_PER_SESSION + _WAIT_BACKLOG} requests "
+                               "waiting for other holders; wait for some of them to finish")
+        # answered now rather than waiting
         _fn, _msg, rid, op, t0 = job
-        self._finish(sess, rid, reply_err(rid, Closed("the daemon is stopping; reconnect once it is back")), op,
-                     Closed.code, time.perf_counter() - t0)
+        self._finish(sess, rid, reply_err(rid, refusal), op, refusal.code, time.perf_counter() - t0)
 
     def _wait(self, sess: Session, job: tuple) -> None:
         try:

@@ -175,13 +175,18 @@ h = int(c.lookup("held"))
 futs = [c._conn.submit("checkout", handle=h, mode="r", timeout_s=3600.0, stream="default")
         for _ in range(int(sys.argv[2]))]
 print("waiting", flush=True)
+def said(f):  # as each reply comes in, whichever one the reading thread waits for
+    if f.exception() is not None:
+        print("error", type(f.exception()).__name__, f.exception(), flush=True)
+for f in futs:
+    f.add_done_callback(said)
 got = 0
 for f in futs:
     try:
         c._conn.wait(f)
         got += 1
-    except Exception as e:
-        print("error", type(e).__name__, e, flush=True)
+    except Exception:
+        pass
 print("leased", got, flush=True)
 """
 
@@ -195,10 +200,11 @@ def _start(code: str, *args: str):
 
 
 @contextlib.contextmanager
-def _parked(daemon, n: int = 16):
+def _parked(daemon, n: int = 16, waiting: int | None = None):
     """A holder of an rw lease and a client with ``n`` check-outs waiting for it (1 h
-    timeouts), both real processes; yields them once the daemon has every wait, kills
-    what is left of them at the end."""
+    timeouts), both real processes; yields them once the daemon has ``waiting`` (all)
+    of them waiting, kills what is left of them at the end."""
+    waiting = n if waiting is None else waiting
     import time
 
     holder = _start(_HOLDER, daemon.socket)
@@ -209,7 +215,7 @@ def _parked(daemon, n: int = 16):
         assert waiters.stdout.readline().strip() == "waiting", waiters.stderr.read()
         with daemon.client("watch") as w:
             deadline = time.monotonic() + 30
-            while w.stat().get("waiting", n) < n:  # (a daemon without the count: the waits are in flight)
+            while w.stat().get("waiting", n) < waiting:  # (a daemon without the count: the waits are in flight)
                 assert time.monotonic() < deadline, w.stat()
                 time.sleep(0.02)
         yield holder, waiters
@@ -267,12 +273,13 @@ def test_sigterm_stops_the_daemon_promptly_with_waiters_parked(daemon):
 
 
 def test_a_connections_waits_queue_behind_its_own_and_end_with_it(daemon):
-    """One connection with 40 check-outs waiting (more than its 16 wait threads): another
-    connection's check-out still waits on a thread of its own (its 1 s timeout is kept),
-    and when the waiting client is SIGKILLed every one of its waits ends, nothing taken."""
+    """One connection with 1041 check-outs to wait: 16 wait on threads, 1024 queue behind
+    them, the last is refused at once (``Busy``); another connection's check-out still
+    waits on a thread of its own (its 1 s timeout is kept), and when the waiting client
+    is SIGKILLed every one of its waits ends, nothing taken."""
     import time
 
-    with _parked(daemon, n=40) as (_holder, waiters):
+    with _parked(daemon, n=1041, waiting=1040) as (_holder, waiters):
         r = run_py(f"""
 import time
 from tierstore import Busy
@@ -286,7 +293,8 @@ except Busy:
 """, timeout=30)  # before the fix: behind the first connection's waits, for an hour
         assert r.returncode == 0 and 0.9 < float(r.stdout) < 5, (r.stdout, r.stderr[-2000:])
         waiters.kill()
-        waiters.communicate()
+        out, _ = waiters.communicate()
+        assert out.count("error Busy") == 1 and "requests waiting for other holders" in out, out[-2000:]
         with daemon.client("watch") as w:
             deadline = time.monotonic() + 10
             while (st := w.stat())["waiting"]:
