@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 _Item = tuple[int, int, torch.Tensor]  # (group, index, parameter)
 
+_OWNER = "_tierstore_backward_updates"
+"""A parameter's attribute naming (weakly) the hooks that update it in backward: a new
+offloaded optimizer over the same parameters (a resume in the same process) takes them
+over, so no parameter is updated twice in one backward."""
+
 
 def _reduced_after_backward(params: list[torch.Tensor]) -> bool:
     """Could a gradient still change after its post-accumulate-grad hook? Under
@@ -91,8 +96,15 @@ class BackwardUpdates:
         if self.enabled:
             for gi, g in enumerate(opt.param_groups):
                 for pi, p in enumerate(g["params"]):
-                    if p.requires_grad:
-                        self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, pi)))
+                    if not p.requires_grad:
+                        continue
+                    owner = getattr(p, _OWNER, None)
+                    old = owner() if owner is not None else None
+                    if old is not None and old is not self and old._hooks:
+                        log.info("update_in_backward: a new optimizer takes over parameters another one updated")
+                        old.remove()
+                    setattr(p, _OWNER, weakref.ref(self))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, pi)))
 
     # ------------------------------------------------------------------ public
     @contextlib.contextmanager
@@ -117,6 +129,7 @@ class BackwardUpdates:
         """From ``step()``: update what still waits, check that the gradients used in backward
         are the ones ``step()`` sees, and keep this step's order for the next one's hints."""
         self._update_waiting()
+        self._queued = False  # a backward that raised may have left its end-of-backward callback unrun
         changed = [key for key, (g, version, sample) in self._used.items() if self._grad_of(key) is not g
                    or g._version != version or not torch.equal(_sample(g), sample)]
         self._used = {}

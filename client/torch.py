@@ -13,7 +13,8 @@ prefetch / free / step.
 from __future__ import annotations
 
 from .activations import ActivationOffload, ActivationStats, offload_activations
-from .optimizer import DEFAULT_BUCKET_BYTES, OffloadedOptimizer, offload_optimizer, offloaded
+from .optimizer import DEFAULT_BUCKET_BYTES, OffloadedOptimizer, TornState, offload_optimizer, offloaded
 from .params import offload_parameters
 
-__all__ = ["ActivationOffload", "ActivationStats", "offload_activations", "OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["ActivationOffload", "ActivationStats", "offload_activations", "OffloadedOptimizer", "offload_optimizer", "offloaded", "offload_parameters", "DEFAULT_BUCKET_BYTES",
+           "TornState"]
