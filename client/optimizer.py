@@ -224,6 +224,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         self._completed = 0
         self._cur: dict[tuple[int, int], int] = {}  # (group, index) -> current state version (0 or 1)
         self.state = _PoolState(self)  # type: ignore[assignment]  # the pool's, not a dict
+        self._last_record: list[int] | None = None  # the progress record last written or resumed from
         self._in_step = _StepWork()
         if not (resume and self._resume()):
             self._clear_pool()
@@ -240,6 +241,9 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
 
     def _progress_key(self) -> str:
         return f"{self.prefix}/_progress"
+
+    def _prev_progress_key(self) -> str:
+        return f"{self.prefix}/_progress.prev"
 
     def _torn_key(self) -> str:
         return f"{self.prefix}/_torn"
@@ -360,7 +364,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             else:
                 self._cur[key] = 1 - self._cur.get(key, 0)
         self._completed += 1
-        self._put_progress()
+        self._put_progress(keep_previous=True)
         if self._torn_marked:  # the progress record names a whole step again: nothing is torn
             h = self.store.lookup(self._torn_key())
             if h is not None:
@@ -377,14 +381,21 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         if first:
             self._prefetch(first, self._cur)
 
-    def _put_progress(self) -> None:
+    def _put_progress(self, keep_previous: bool = False) -> None:
         """The progress record: [completed steps, then (group, index, current version) per
-        parameter with state]. One put, so it names one consistent set of versions."""
+        parameter with state]. One put, so it names one consistent set of versions.
+        ``keep_previous`` (a step's end, two versions kept): the record it replaces is kept
+        first as the previous one, whose versions the step left intact (``rewind_to``)."""
         rec = [self._completed]
         for (gi, pi), v in sorted(self._cur.items()):
             rec += [gi, pi, v]
+        if keep_previous and self.versions == 2 and self._last_record is not None:
+            # before the new record: a crash between the two leaves both naming the old step
+            self.store.put(torch.tensor(self._last_record, dtype=torch.int64), key=self._prev_progress_key(),
+                           replace=True, durable=self.durable)
         self.store.put(torch.tensor(rec, dtype=torch.int64), key=self._progress_key(), replace=True,
                        durable=self.durable)
+        self._last_record = rec
 
     def _prefetch(self, items: list[tuple[int, int, torch.Tensor]], versions: dict[tuple[int, int], int]) -> None:
         """Hint the pool to bring up the state ``items`` will read (one message, not waited for)."""
@@ -679,6 +690,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             return False
         rec = [int(x) for x in self.store.get(h).reshape(-1).tolist()]
         self._completed = rec[0]
+        self._last_record = rec
         torn = self.store.lookup(self._torn_key())
         if torn is not None:
             raise TornState(
@@ -704,6 +716,11 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             self._layout.setdefault((gi, pi), {})[name] = tag or "tensor"
         self._cur = {key: (self._completed % 2 if legacy else named[key]) for key in self._layout}
         self._settle_versions()
+        self._params_from_masters()
+        log.info("resumed %d parameters' optimizer state at step %d", len(self._layout), self._completed)
+        return True
+
+    def _params_from_masters(self) -> None:
         for (gi, pi), layout in self._layout.items():
             if gi >= len(self.param_groups) or pi >= len(self.param_groups[gi]["params"]):
                 raise ValueError(f"pool state under {self.prefix!r} names parameter {gi}.{pi}, which this "
@@ -713,8 +730,40 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                 with torch.no_grad():
                     m = self.store.get(self.store.lookup(self._key(gi, pi, "master", self._cur[(gi, pi)])))
                     p.copy_(m)  # parameters come back from their masters
-        log.info("resumed %d parameters' optimizer state at step %d", len(self._layout), self._completed)
-        return True
+
+    def rewind_to(self, step: int) -> None:
+        """Go back to the state after ``step``, the step before the last completed one (or
+        stay, if it is the last): a rank one step ahead of the others of its job after a
+        failure (see ``tierstore.client.distributed.agree_on_step``). Needs two versions
+        (``crash_consistent=True``): the last step wrote its state beside the previous
+        one's, and the previous progress record names those. Parameters with fp32 masters
+        come back from them; others are the caller's to restore."""
+        if step == self._completed:
+            return
+        if step != self._completed - 1:
+            raise ValueError(f"can go back one step only, from {self._completed} to {self._completed - 1}, "
+                             f"not to {step}; restore a checkpoint instead")
+        h = self.store.lookup(self._prev_progress_key()) if self.versions == 2 else None
+        rec = [int(x) for x in self.store.get(h).reshape(-1).tolist()] if h is not None else None
+        if rec is None or rec[0] != step:
+            raise ValueError(f"the state of step {step} is not kept under {self.prefix!r} (it is with "
+                             "crash_consistent=True, for the step before the last); restore a checkpoint instead")
+        named = {(rec[i], rec[i + 1]): rec[i + 2] for i in range(1, len(rec), 3)}
+        for key in list(self._layout):
+            if key in named:
+                continue
+            if "master" in self._layout[key]:  # the step wrote its first state over the value before
+                raise ValueError(f"parameter {key[0]}.{key[1]} got its state and fp32 master in step "
+                                 f"{self._completed}, so its value before that step is not kept; restore a "
+                                 "checkpoint instead")
+        for key in list(self._layout):
+            if key not in named:  # first met in the step undone: it has no state before it
+                del self._layout[key]
+        self._cur = {key: named[key] for key in self._layout}
+        self._completed = step
+        self._params_from_masters()
+        self._put_progress()
+        log.info("rewound optimizer state under %r to step %d", self.prefix, step)
 
     def _settle_versions(self) -> None:
         """After a resume, keep the versions this optimizer keeps, whatever kept the state

@@ -5,13 +5,13 @@ daemon (found by ``TIERSTORE_SOCKET``, which differs per node), resuming from th
     TIERSTORE_SOCKET=NODE_SOCKET torchrun --nnodes=2 --node-rank=N --nproc-per-node=2 \\
         --master-addr=127.0.0.1 --master-port=PORT tests/dist_nodes.py JOB TOTAL [GATE_STEP GATE_FILE]
 
-Every rank takes up its state from its daemon (``resume=True``) and all ranks must agree on
-the step they continue from. With a gate, after step GATE_STEP every rank waits (at a
-barrier, then for GATE_FILE to appear) — rank 0 prints ``gate`` once all are there — and
-each then asks its daemon for its state before the next step's collectives, so a rank whose
-daemon was killed at the gate stops before any rank completes another step. Without a
-gate the run goes to TOTAL, then trains the same model with plain AdamW from scratch and
-checks that the parameters are equal: ``rank R nodes ok from S``.
+Every rank takes up its state from its daemon (``resume=True``) and the ranks agree on the
+step they continue from (``agree_on_step``: a rank one step ahead goes back). With a gate,
+after step GATE_STEP every rank waits (at a barrier, then for GATE_FILE to appear) — rank 0
+prints ``gate`` once all are there — then goes on: a node whose daemon was killed at the
+gate fails in its next optimizer step, after the other node's ranks completed theirs.
+Without a gate the run goes to TOTAL, then trains the same model with plain AdamW from
+scratch and checks that the parameters are equal: ``rank R nodes ok from S (found F)``.
 """
 
 import datetime
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierstore.client import Client
+from tierstore.client.distributed import agree_on_step
 from tierstore.client.torch import offload_optimizer
 
 
@@ -66,12 +67,8 @@ def main():
     model = make_model()
     opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), client, tier="nvme",
                             master_weights=True, durable=True, resume=True)  # parameters come back from masters
-    start = opt.completed_steps
-    starts = [None] * dist.get_world_size()
-    dist.all_gather_object(starts, start)
-    if len(set(starts)) != 1:
-        raise RuntimeError(f"ranks resumed at different steps {starts}; restore the job from its last "
-                           "distributed checkpoint instead")
+    found = opt.completed_steps
+    start = agree_on_step(opt)  # a rank one step ahead of the others goes back to theirs
 
     def at_gate(step):
         if gate is None or step != gate[0]:
@@ -80,14 +77,13 @@ def main():
         if rank == 0:
             print("gate", flush=True)
         wait_for(gate[1])
-        client.keys(prefix="opt/_")  # a rank whose daemon is gone stops here, before the next collectives
 
     train(model, opt, start, total, at_gate)
     plain = make_model()
     train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), 0, total)
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b), "parameters differ from the plain run"
-    print(f"rank {rank} nodes ok from {start}", flush=True)
+    print(f"rank {rank} nodes ok from {start} (found {found})", flush=True)
     client.close()
     dist.destroy_process_group()
 

@@ -146,7 +146,7 @@ def test_two_nodes_train_with_their_own_daemons_equal_plain(daemon_factory):
     assert all(p.returncode == 0 for p in procs), _errors(out)
     for node, d in enumerate(daemons):
         for rank in (2 * node, 2 * node + 1):
-            assert f"rank {rank} nodes ok from 0" in out[node], out[node][-2000:]
+            assert f"rank {rank} nodes ok from 0 (found 0)" in out[node], out[node][-2000:]
         with d.client(f"nodes-job/rank{2 * node}") as c:  # each node's daemon holds its own ranks only
             own = {ns for ns in c.stat()["namespaces"] if ns.startswith("nodes-job/")}
             assert own == {f"nodes-job/rank{2 * node + r}" for r in range(2)}, own
@@ -156,9 +156,10 @@ def test_two_nodes_train_with_their_own_daemons_equal_plain(daemon_factory):
 def test_two_nodes_train_with_their_own_daemons_and_resume_after_one_daemon_is_killed(daemon_factory, tmp_path):
     """Two simulated nodes (a daemon each, separate sockets and NVMe directories; torchrun
     --nnodes 2 with a localhost rendezvous, 2 ranks per node) train data-parallel with
-    durable offloaded state; node 1's daemon is SIGKILLed after step 3 while the job waits,
-    the job fails, the daemon restarts on the same directory, and the relaunched job resumes
-    at step 3 on every rank and ends equal to plain AdamW."""
+    durable offloaded state; node 1's daemon is SIGKILLed after step 3, so node 1's ranks fail
+    in step 4's optimizer step while node 0's complete it; the daemon restarts on the same
+    directory, and the relaunched job's ranks agree on step 3 (node 0's go back one step)
+    and end equal to plain AdamW."""
     daemons = [daemon_factory(name="node0-"), daemon_factory(name="node1-")]
     gate = tmp_path / "gate"
     node0, node1 = _two_nodes(daemons, "nodes-job", 6, 3, gate)
@@ -168,7 +169,7 @@ def test_two_nodes_train_with_their_own_daemons_and_resume_after_one_daemon_is_k
     else:
         node1.kill()
         raise AssertionError("the job never reached the gate: " + node1.communicate()[0][-3000:])
-    daemons[1].kill()  # SIGKILL while every rank waits between steps 3 and 4
+    daemons[1].kill()  # SIGKILL while every rank waits between steps 3 and 4; then they go on
     gate.touch()
     out = [p.communicate(timeout=300)[0] for p in (node0, node1)]
     assert node1.returncode != 0 and "DaemonUnavailable" in out[1], out[1][-3000:]
@@ -177,8 +178,8 @@ def test_two_nodes_train_with_their_own_daemons_and_resume_after_one_daemon_is_k
     procs = _two_nodes(daemons, "nodes-job", 6)
     out = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), _errors(out)
-    for rank in range(4):
-        assert f"rank {rank} nodes ok from 3" in out[rank // 2], out[rank // 2][-2000:]
+    for rank in range(4):  # node 0's ranks had completed step 4, node 1's step 3
+        assert f"rank {rank} nodes ok from 3 (found {4 if rank < 2 else 3})" in out[rank // 2], out[rank // 2][-2000:]
     for node, d in enumerate(daemons):
         with d.client(f"nodes-job/rank{2 * node}") as c:
             assert {f"nodes-job/rank{2 * node + r}" for r in range(2)} <= set(c.stat()["namespaces"])
@@ -276,3 +277,55 @@ def test_sharded_snapshot_to_an_fsspec_url(daemon):
     for rank in (0, 1):
         with daemon.client(f"jobu/rank{rank}") as c:
             assert torch.equal(c.get(c.lookup("opt/x@0")), torch.full((4,), float(rank)))
+
+
+def test_rewind_to_goes_back_one_step_with_two_versions_only(make_store):
+    """rewind_to(completed - 1) restores the previous step's state and (fp32 masters) its
+    parameters, so continuing equals plain; further back, with single-version state, or over
+    a step that gave a parameter its first state and master, is refused."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from tierstore.client.torch import offload_optimizer
+
+    def steps(model, opt, start, end, late=-1):
+        for step in range(start, end):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            out = model[0](x) if step < late else model[1](model[0](x))  # model[1] trains from step `late` on
+            nn.functional.mse_loss(out, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def offloaded(model, prefix, **kw):
+        return offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), store, prefix=prefix, **kw)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+    off, late = copy.deepcopy(plain), copy.deepcopy(plain)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    store = make_store()
+    opt_o = offloaded(off, "r", tier="nvme", master_weights=True, crash_consistent=True)
+    steps(plain, opt_p, 0, 2)
+    steps(off, opt_o, 0, 3)
+    with pytest.raises(ValueError, match="one step only"):
+        opt_o.rewind_to(1)
+    opt_o.rewind_to(2)
+    assert opt_o.completed_steps == 2
+    with pytest.raises(ValueError, match="not kept"):
+        opt_o.rewind_to(1)  # the step before that is gone
+    steps(plain, opt_p, 2, 4)
+    steps(off, opt_o, 2, 4)
+    for a, b in zip(plain.parameters(), off.parameters()):
+        assert torch.equal(a, b)
+    opt_l = offloaded(late, "l", tier="nvme", master_weights=True, crash_consistent=True)
+    steps(late, opt_l, 0, 3, late=2)
+    with pytest.raises(ValueError, match="parameter 0.2 got its state and fp32 master in step 3"):
+        opt_l.rewind_to(2)
+    one = copy.deepcopy(plain)
+    single = offloaded(one, "s", tier="host", crash_consistent=False)
+    steps(one, single, 0, 2)
+    single.rewind_to(2)  # where it is: nothing to do
+    with pytest.raises(ValueError, match="crash_consistent=True"):
+        single.rewind_to(1)
