@@ -402,6 +402,9 @@ class Client:
         return self._pages("ls", "objects", prefix, page)
 
     def _pages(self, op: str, name: str, prefix: str, page: int | None) -> Iterator[Any]:
+        if "pages" not in self.server.get("features", ()):  # a daemon from before paged listings
+            yield from self._conn.request(op, prefix=prefix)
+            return
         after = None
         while True:
             fields: dict[str, Any] = {"prefix": prefix, "after": after, "page": True}

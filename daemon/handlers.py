@@ -109,7 +109,7 @@ class Handlers:
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.gpu_reason,
-                "features": ["ephemeral", "batch", "source", "unused", "each", "activations"]}
+                "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
