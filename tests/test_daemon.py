@@ -794,21 +794,18 @@ def test_stat_lists_sessions_and_whether_each_pinned_its_arena(daemon):
         assert r.returncode == 0 and "clients pinned: 0 of 2 that reported" in r.stdout, r.stdout + r.stderr
 
 
-def test_stat_of_a_large_store_runs_off_the_event_loop(make_store, monkeypatch):
-    """Counting objects is O(objects): above a threshold the event loop hands `stat` to a
-    worker (WouldBlock) instead of stalling every other client; below it, it answers inline."""
+def test_stat_is_answered_on_the_event_loop_whatever_the_number_of_objects(make_store):
+    """stat's counts are counters kept as objects change, O(1) in objects, so the event
+    loop answers it inline (no WouldBlock) and the counts match the objects."""
     from tierstore.daemon import handlers as hmod
-    from tierstore.store import WouldBlock
 
     s = make_store()
     for i in range(12):
-        s.put(np.zeros(4, np.float32), key=f"k{i}")
+        s.put(np.zeros(4, np.float32), key=f"k{i}", namespace=f"ns{i % 3}")
     hs = hmod.Handlers(s, lambda: {"clients": 0})
-    assert hs.stat(None, {}, True)["namespaces"]["default"]["objects"] == 12
-    monkeypatch.setattr(hmod, "_INLINE_STAT_OBJECTS", 10)
-    with pytest.raises(WouldBlock):
-        hs.stat(None, {}, True)
-    assert hs.stat(None, {}, False)["tiers"]["host"]["objects"] == 12
+    st = hs.stat(None, {}, True)
+    assert st["namespaces"] == {f"ns{j}": {"objects": 4, "bytes": 64} for j in range(3)}
+    assert st["tiers"]["host"]["objects"] == 12 and st["namespaces_total"] == 3 and st["namespaces_next"] is None
 
 
 def test_checkout_many_through_the_daemon(daemon):
