@@ -115,6 +115,7 @@ class _Entry:
     refs: int = 0  # packed handles alive
     unread: int = 0  # packed handles not yet unpacked (while > 0, buf is kept for them)
     hinted: bool = False
+    wanted: bool = False  # inside a prefetch window: keep ``src`` after the put
     dead: bool = False
     gpu_ready: Any = None  # a CUDA event after the producer's work: the put waits for it
 
@@ -197,7 +198,12 @@ class ActivationOffload:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.pop().__exit__(*exc)
-        self._report(force=True)  # the end of a forward: the most bytes in flight
+        if not self._hooks:  # the end of a forward: backward starts with the last entries
+            with self._cv:
+                hints = self._prefetch_before(len(self._order), keep=True)
+            if hints:
+                self._hint(hints)
+        self._report(force=True)  # the most bytes in flight
 
     # ------------------------------------------------------------------ pack
     def _worth(self, t: torch.Tensor) -> bool:
@@ -311,7 +317,7 @@ class ActivationOffload:
             if e.unread <= 0 and e.buf is not None:  # every handle of it read: the tensor we return holds it now
                 self._held(-e.nbytes)
                 e.buf = None
-            hints = self._prefetch_before(e)
+            hints = self._prefetch_before(self._index.get(id(e)))
         if buf.is_cuda:
             buf.record_stream(torch.cuda.current_stream(buf.device))  # fetched on a worker's stream
         if hints:
@@ -323,19 +329,24 @@ class ActivationOffload:
         """(under _cv) The entry's bytes if this process has them; cancels a put not started."""
         if e.src is not None:
             if e.queued:  # backward got here before the put: no need to make it
-                e.queued = False
-                self.stats.cancelled += 1
-                self._pending -= e.nbytes
-                self._cv.notify_all()
+                self._cancel(e)
             return e.src
         return e.buf
 
-    def _prefetch_before(self, e: _Entry) -> list[Any]:
-        """(under _cv) Start fetches of the entries saved before ``e`` (next in backward)
-        up to ``prefetch_bytes``; the handles of the window after that, to hint the pool
-        about (NVMe to host). Only entries not yet read: a retained graph's second
-        backward fetches on demand."""
-        i = self._index.get(id(e))
+    def _cancel(self, e: _Entry) -> None:
+        """(under _cv) The put of ``e`` will not be made (it has not started): its bytes stay here."""
+        e.queued = False
+        self.stats.cancelled += 1
+        self._pending -= e.nbytes
+        self._cv.notify_all()
+
+    def _prefetch_before(self, i: int | None, *, keep: bool = False) -> list[Any]:
+        """(under _cv) Start fetches of the entries saved before position ``i`` of the
+        order (next in backward) up to ``prefetch_bytes``; the handles of the window
+        after that, to hint the pool about (NVMe to host). ``keep``: the end of a
+        forward, whose last entries backward reads first: those whose put has not
+        started stay in memory (the put is cancelled) instead of going and coming back.
+        Only entries not yet read: a retained graph's second backward fetches on demand."""
         if i is None:
             return []
         ahead = hinted = 0
@@ -346,7 +357,11 @@ class ActivationOffload:
                 continue
             if ahead < self.prefetch_bytes:
                 ahead += p.nbytes
-                if p.src is None and p.buf is None and not p.fetching and p.handle is not None:
+                if p.src is not None:
+                    p.wanted = True  # a put running now does not let the bytes go: backward is near
+                    if keep and p.queued:
+                        self._cancel(p)
+                elif p.src is None and p.buf is None and not p.fetching and p.handle is not None:
                     p.fetching = True
                     self._jobs += 1  # (under _cv already)
                     self._gets.put(p)
@@ -461,9 +476,9 @@ class ActivationOffload:
                 free = None
                 e.handle = h
                 self._in_pool(e.nbytes)
-                if e.src is not None:
+                if e.src is not None and not e.wanted:
                     self._held(-e.nbytes)
-                e.src = None  # the pool has the bytes: this process lets them go
+                    e.src = None  # the pool has the bytes: this process lets them go
         if free is not None:
             self._free(free)
 

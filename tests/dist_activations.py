@@ -45,7 +45,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     client = Client.connect(socket=sock, namespace=f"{job}/rank{rank}")
-    acts = offload_activations(client, min_bytes=256)
+    acts = offload_activations(client, min_bytes=256, prefetch_bytes=4096)
     plain_losses, plain = fsdp2(None)
     off_losses, off = fsdp2(acts)
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, off_losses)), "losses differ"

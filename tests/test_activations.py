@@ -87,7 +87,7 @@ def test_training_equals_plain_bit_for_bit_and_frees_every_object(make_store):
     plain, off = _model(), _model()
     opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     opt_o = torch.optim.AdamW(off.parameters(), lr=1e-2)
-    acts = offload_activations(store, min_bytes=4096)
+    acts = offload_activations(store, min_bytes=4096, prefetch_bytes=256 << 10)
     for step in range(3):
         lp = _step(plain, _batch(step))
         lo = _step(off, _batch(step), acts)
@@ -100,6 +100,9 @@ def test_training_equals_plain_bit_for_bit_and_frees_every_object(make_store):
     assert st["kept"] > 0  # parameters and small tensors stayed
     assert st["deduped"] >= 2 * 2 * 3  # ln1's output saved by q, k and v: one object, per block and step
     assert st["peak_bytes_in_flight"] > 0
+    # the last saved, read first, stayed here (puts not started are cancelled at the forward's end)
+    # or were fetched from then on, the rest ahead of backward: nothing fetched on demand
+    assert st["misses"] == 0 and st["hits"] > 0
     acts.close()
     assert _same(list(plain.parameters()), list(off.parameters()))
 
@@ -125,7 +128,7 @@ class Save(torch.autograd.Function):
                                    torch.int64, torch.int32, torch.uint8, torch.complex64])
 def test_dtypes_views_and_strides_come_back_exactly(make_store, dtype):
     store = make_store()
-    acts = offload_activations(store, min_bytes=1)
+    acts = offload_activations(store, min_bytes=1, prefetch_bytes=0)
     def base():  # a storage of its own per case: each is its own object, no sharing
         return (torch.randn(40, 70) * 100).to(dtype) if dtype != torch.bool else torch.randn(40, 70) > 0
     cases = {"whole": base(), "transposed": base().t(), "slice": base()[3:17, 5:61], "step": base()[::3, 1::2],
@@ -150,7 +153,7 @@ def test_dtypes_views_and_strides_come_back_exactly(make_store, dtype):
 
 def test_the_same_storage_saved_twice_is_put_once(make_store):
     store = make_store()
-    acts = offload_activations(store, min_bytes=1)
+    acts = offload_activations(store, min_bytes=1, prefetch_bytes=0)
     x = torch.randn(64, 64, requires_grad=True)
     with acts:
         h = x * 3  # one tensor
@@ -166,7 +169,7 @@ def test_the_same_storage_saved_twice_is_put_once(make_store):
 def test_views_of_one_output_share_its_object(make_store):
     """q, k and v of one fused QKV projection: one object for the three (their base's bytes)."""
     store = make_store()
-    acts = offload_activations(store, min_bytes=1)
+    acts = offload_activations(store, min_bytes=1, prefetch_bytes=0)
     x = torch.randn(2, 64, 3 * 32, requires_grad=True)
     with acts:
         qkv = x * 1
@@ -182,7 +185,7 @@ def test_views_of_one_output_share_its_object(make_store):
 
 def test_small_tensors_and_parameters_stay_where_they_are(make_store):
     store = make_store()
-    acts = offload_activations(store, min_bytes=64 << 10)
+    acts = offload_activations(store, min_bytes=64 << 10, prefetch_bytes=0)
     lin = nn.Linear(256, 256)  # a 256 KiB weight: above min_bytes, kept for being a parameter
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(acts._pack(t)) or t, lambda t: t):
@@ -216,7 +219,7 @@ def test_retain_graph_and_double_backward(make_store):
         g.square().sum().backward(retain_graph=True)  # through the saved tensors again, as a graph
         y.backward()  # a third pass over the same saved tensors
         return w.grad
-    acts = offload_activations(store, min_bytes=1)
+    acts = offload_activations(store, min_bytes=1, prefetch_bytes=0)
     assert torch.equal(run(None), run(acts))
     assert acts.stats.misses + acts.stats.hits >= 6
     acts.close()
@@ -226,8 +229,8 @@ def test_retain_graph_and_double_backward(make_store):
 def test_with_activation_checkpointing_only_the_kept_inputs_go(make_store):
     store = make_store()
     plain, ck, both = _model(ckpt=False), _model(ckpt=True), _model(ckpt=True)
-    a_all = offload_activations(store, min_bytes=4096)
-    a_ck = offload_activations(store, min_bytes=4096)
+    a_all = offload_activations(store, min_bytes=4096, prefetch_bytes=64 << 10)
+    a_ck = offload_activations(store, min_bytes=4096, prefetch_bytes=64 << 10)
     lp, lc = _step(plain, _batch(0), a_all), _step(ck, _batch(0))
     lb = _step(both, _batch(0), a_ck)
     assert torch.equal(lp, lc) and torch.equal(lc, lb)
@@ -244,7 +247,7 @@ def test_with_gradient_accumulation_and_optimizer_and_parameter_offload(make_sto
     opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     undo = offload_parameters(off, store, prefix="p")
     opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-2), store, tier="nvme", prefix="o")
-    acts = offload_activations(store, min_bytes=1024)
+    acts = offload_activations(store, min_bytes=1024, prefetch_bytes=64 << 10)
     for step in range(2):
         for micro in range(3):
             lp = _step(plain, _batch(10 * step + micro), seed=micro)
@@ -294,7 +297,7 @@ def test_through_a_daemon_and_stat_and_metrics_show_bytes_in_flight(daemon_facto
     daemon = daemon_factory("--metrics-port", "0")
     with daemon.client("acts") as c:
         plain, off = _model(), _model()
-        acts = offload_activations(c, min_bytes=4096)
+        acts = offload_activations(c, min_bytes=4096, prefetch_bytes=256 << 10)
         lp = _step(plain, _batch(0))
         torch.manual_seed(7)
         with acts:
@@ -326,7 +329,7 @@ from test_activations import _model, _batch
 from tierstore.client import Client
 from tierstore.client.torch import offload_activations
 c = Client.connect(socket=sys.argv[1], namespace="dies")
-acts = offload_activations(c, min_bytes=4096)
+acts = offload_activations(c, min_bytes=4096, prefetch_bytes=256 << 10)
 with acts:
     loss = _model()(_batch(0))
 assert acts.flush(timeout_s=60)
