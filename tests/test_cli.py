@@ -63,6 +63,27 @@ def test_every_option_has_help():
     assert text.rstrip().endswith(")") and "--resume" in text and "kill PID stops it gracefully" in text
 
 
+def _all_parsers(parser):
+    yield parser
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from _all_parsers(sub)
+
+
+def test_every_help_text_renders():
+    from tierstore.client.cli import build_parser
+    from tierstore.client.demo import build_parser as demo_parser
+    from tierstore.config import daemon_parser
+
+    for top in (build_parser(), demo_parser(), daemon_parser()):
+        for p in _all_parsers(top):
+            assert p.format_help(), p.prog  # argparse %-formats each help string: a bare % raises here
+    r = subprocess.run([sys.executable, "-m", "tierstore.daemon", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "--nvme-bytes" in r.stdout and "Traceback" not in r.stderr, r.stderr
+
+
 def test_config_shows_each_setting_and_its_source(tmp_path):
     toml = tmp_path / "t.toml"
     toml.write_text('policy = "lru"\n')

@@ -361,7 +361,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         help_text = f.metadata["help"]
         if kind not in ("list",) and default not in (None, "", []) and "default" not in help_text:
             help_text += f" (default: {describe_value(f.name, default)})"
-        kw: dict[str, Any] = {"dest": f.name, "help": help_text + f"; env {env_name(f.name)}"}
+        # argparse %-formats help strings: a literal % (as in "90%") must be doubled
+        kw: dict[str, Any] = {"dest": f.name, "help": (help_text + f"; env {env_name(f.name)}").replace("%", "%%")}
         if kind == "list":
             kw.update(action="append", metavar="DIR" if f.name in _PATH_LISTS else "GROUP")
         elif kind == "choice":
