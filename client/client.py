@@ -134,6 +134,10 @@ class Client:
         self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
         # a second, read-only mapping of the same pages for the views of 'r' check-outs
         self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True)
+        # page tables filled in the background, so connecting costs O(1), not O(arena)
+        self._prefault_stop = threading.Event()
+        self._prefault = threading.Thread(target=self._prefault_mappings, name="tierstore-prefault", daemon=True)
+        self._prefault.start()
         self._executor: ThreadPoolExecutor | None = None
         # both mappings are page-locked piece by piece on the first CUDA copy through them,
         # never here: connecting touches no CUDA (fork-safe, no context on GPU 0)
@@ -477,6 +481,7 @@ class Client:
     def close(self) -> None:
         # in this order: async puts and gets copy through the mappings below, and a copy may
         # still run on a side stream after its call returned; only then do the mappings go
+        self._prefault_stop.set()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -489,6 +494,7 @@ class Client:
         self._pinning_ro.close()
         self._conn.drain()
         self._conn.close()
+        self._prefault.join()  # it stops within one chunk; the mappings must outlive it
         self._arena = self._arena_ro = np.empty(0, np.uint8)
         for mm in (self._mm, self._mm_ro):
             try:
@@ -506,6 +512,12 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _prefault_mappings(self) -> None:
+        from tierstore.arena import prefault_mapping
+
+        prefault_mapping(self._arena, self._prefault_stop)
+        prefault_mapping(self._arena_ro, self._prefault_stop, read_only=True)
+
     def _view(self, offset: int, nbytes: int, *, read_only: bool = False) -> np.ndarray:
         if nbytes == 0:
             return np.empty(0, np.uint8)

@@ -1072,3 +1072,23 @@ def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(
         c.close()
         if holder is not c:
             holder.close()
+
+
+def test_clients_fill_their_arena_page_tables_in_the_background_and_stop_at_close(daemon_factory):
+    """Connecting does not walk the whole arena (a `tierstore stat` would pay O(arena)); a
+    background thread fills the page tables and close() stops it before unmapping, so
+    connecting and closing at once, many times, never touches an unmapped range."""
+    import threading
+
+    d = daemon_factory("--host-bytes", "512MiB")
+    for _ in range(12):
+        c = d.client()
+        c.close()
+        assert not any(t.name == "tierstore-prefault" and t.is_alive() for t in threading.enumerate())
+    with d.client() as c:
+        c._prefault.join(timeout=60)
+        assert not c._prefault.is_alive()
+        h = c.put(torch.arange(1 << 20, dtype=torch.float32), key="after-prefault")
+        assert torch.equal(c.get(h), torch.arange(1 << 20, dtype=torch.float32))
+        with c.checkout(h, "r") as v:
+            assert float(v[-1]) == float((1 << 20) - 1)
