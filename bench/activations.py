@@ -25,7 +25,7 @@ setting) and the activation bytes in the pool at most; backward stall time per s
 is checked against plain training in the same process on the same batch: loss and
 every gradient compared with torch.equal ("same").
 
-Usage: python bench/activations.py [--width 256] [--layers 4] [--heads 4] [--seq 1024] [--batch 4] [--vocab 4096] [--steps 3] [--window-mib 32] [--variants a,b] [--device cpu|cuda] [--quick] [--png F]
+Usage: python bench/activations.py [--width 256] [--layers 8] [--heads 4] [--seq 1024] [--batch 2] [--vocab 1024] [--steps 3] [--window-mib 16] [--variants a,b] [--device cpu|cuda] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -267,15 +267,15 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--window-mib", type=int, default=32,
-                   help="offload_activations' inflight_bytes and prefetch_bytes, in MiB (default 32)")
+    p.add_argument("--window-mib", type=int, default=16,
+                   help="offload_activations' inflight_bytes and prefetch_bytes, in MiB (default 16)")
     p.add_argument("--min-bytes", type=int, default=1 << 20, help="offload_activations' min_bytes (default 1 MiB)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--variants", default=",".join(VARIANTS),
