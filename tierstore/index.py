@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import unicodedata
 from collections import OrderedDict
 from dataclasses import InitVar, dataclass, field
@@ -17,6 +18,8 @@ from .tensors import TensorSpec
 __all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "sorted_from", "validate_key", "validate_namespace"]
 
 _MISSING = object()
+_NO_EXTRA: dict[str, Any] = {}
+"""The ``extra`` of every replayed object that has none (shared: never changed in place)."""
 
 _ID_BITS = 48
 _GEN_MASK = 0xFFFF
@@ -100,8 +103,9 @@ class ObjectMeta:
     """The connection that put it with ``ephemeral=True``: the object goes when it does."""
     gpu_loc: int | None = None
     """Location of the GPU-tier block holding the bytes (then the only copy; see gpu.py)."""
-    record: dict[str, Any] | None = None
-    """The last journal record written for this (durable) object; compaction rewrites it."""
+    record: bytes | None = None
+    """The last journal record written for this (durable) object, packed (``journal.pack``);
+    compaction rewrites it."""
     extra: dict[str, Any] = field(default_factory=dict)
     _hv: bool = field(default=False, init=False, repr=False)
     _nv: bool = field(default=False, init=False, repr=False)
@@ -135,11 +139,20 @@ class ObjectMeta:
                 "crc": list(self.crcs or []), "extra": self.extra, "home": self.home}
 
     @classmethod
-    def from_record(cls, r: dict[str, Any]) -> "ObjectMeta":
-        spec = TensorSpec(r["kind"], r["dtype"], tuple(r["shape"]), int(r["nbytes"]))
-        return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=r["ns"], key=r.get("key"), spec=spec,
+    def from_record(cls, r: dict[str, Any], specs: dict[tuple, TensorSpec] | None = None) -> "ObjectMeta":
+        """The object a journal record describes. ``specs``: TensorSpecs (frozen) already
+        made, shared by the objects of one replay, as are their names: a million objects of
+        a few shapes hold a few specs, not a million."""
+        sk = (r["kind"], r["dtype"], tuple(r["shape"]), int(r["nbytes"]))
+        spec = None if specs is None else specs.get(sk)
+        if spec is None:
+            spec = TensorSpec(sys.intern(sk[0]), sys.intern(sk[1]), sk[2], sk[3])
+            if specs is not None:
+                specs[sk] = spec
+        extra = r.get("extra")
+        return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
                    durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
-                   nvme_valid=True, extra=dict(r.get("extra") or {}), home=r.get("home"))
+                   nvme_valid=True, extra=dict(extra) if extra else _NO_EXTRA, home=r.get("home"))
 
 
 _BAD_KEY_CHARS = frozenset({"Cc", "Cs", "Zl", "Zp"})

@@ -10,6 +10,7 @@ from typing import Any
 from .checksum import BLOCK_BYTES
 from .errors import InvalidArgument, StorageError, TierstoreError
 from .index import ObjectMeta, validate_key, validate_namespace
+from .journal import pack as pack_record
 from .units import PAGE, align_up
 from .tensors import TensorSpec
 
@@ -105,11 +106,11 @@ class Recovery:
         rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
         for r in res.records:
             rp.apply(r)
-        dropped = 0
+        dropped, specs = 0, {}
         for oid in sorted(rp.live):
             r = rp.live[oid]
-            meta = ObjectMeta.from_record(r)
-            meta.record = r
+            meta = ObjectMeta.from_record(r, specs)
+            meta.record = pack_record(r)
             try:
                 self.nvme.reserve(meta.nvme)
             except (ValueError, TierstoreError) as e:  # (validated and disjoint: not expected)
@@ -148,7 +149,7 @@ class Recovery:
         self.journal.append({"op": "open", "epoch": self._epoch, "next_id": self._next_id})
         return info
 
-    def _live_records(self) -> list[dict[str, Any]]:
+    def _live_records(self) -> list[dict[str, Any] | bytes]:
         """(under the journal lock) The journal's content as of now: the namespace claims
         (twice: first and last, so no single lost record loses one) and the durable objects."""
         with self._cv:
@@ -163,7 +164,7 @@ class Recovery:
             return
         with self.journal.lock:
             records = self._live_records()
-            est = sum(len(str(r)) for r in records)
+            est = sum(len(r) if isinstance(r, bytes) else len(str(r)) for r in records)
             if not force and size < 2 * est:
                 return
             self.journal.rewrite(iter(records))
@@ -262,7 +263,9 @@ class Replay:
             self._key[k] = oid
         for dev, off, _, n in r["ext"]:
             self._space[dev].add(off, align_up(max(n, 1), PAGE), oid)
-        self.live[oid] = {k: v for k, v in r.items() if k not in ("fr", "own")}  # (echoes are not its own)
+        if "fr" in r or "own" in r:  # (echoes are not its own)
+            r = {k: v for k, v in r.items() if k not in ("fr", "own")}
+        self.live[oid] = r
 
 
 class _Extents:
@@ -294,14 +297,23 @@ class _Extents:
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = 1 << 63) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+    # (records are decoded msgpack: an integer is exactly an int, a bool is not one)
+    return type(v) is int and lo <= v < hi
+
+
+def _ints(vs: list[Any], lo: int = 0, hi: int = 1 << 63) -> bool:
+    """Every item of ``vs`` is an int in [lo, hi) (a loop: replay checks a million of these)."""
+    for v in vs:
+        if type(v) is not int or not lo <= v < hi:
+            return False
+    return True
 
 
 def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | None:
     """Why the record cannot be applied, or None. Every field a replay reads is checked."""
     op = r.get("op")
     fr, own = r.get("fr"), r.get("own")
-    if fr is not None and not (isinstance(fr, list) and all(_is_int(x, 1, _ID_LIMIT) for x in fr)):
+    if fr is not None and not (isinstance(fr, list) and _ints(fr, 1, _ID_LIMIT)):
         return "bad 'fr'"
     if own is not None and not (isinstance(own, list) and all(
             isinstance(x, list) and len(x) == 2 and _ns_root_ok(x[0]) and _is_int(x[1], 0, 1 << 32)
@@ -334,7 +346,7 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | No
             or not 0 < len(r["dtype"]) <= 32:
         return "put: bad 'kind' or 'dtype'"
     shape, nbytes = r.get("shape"), r.get("nbytes")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(d) for d in shape)) \
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and _ints(shape)) \
             or not _is_int(nbytes):
         return "put: bad 'shape' or 'nbytes'"
     if nbytes and not all(shape):
@@ -344,10 +356,10 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | No
         return "put: bad 'ext'"
     covered = 0
     for e in ext:
-        if not (isinstance(e, list) and len(e) == 4 and all(_is_int(x) for x in e)):
+        if not (isinstance(e, list) and len(e) == 4 and _ints(e)):
             return "put: bad extent"
         dev, off, obj_off, n = e
-        if dev >= ndrives or off % PAGE or off + align_up(max(n, 1), PAGE) > drive_bytes:
+        if dev >= ndrives or off % PAGE or off + (n + PAGE - 1 if n else PAGE) // PAGE * PAGE > drive_bytes:
             return f"put: extent {e} is outside the configured NVMe tier"
         if obj_off != covered:
             return "put: extents do not tile the object"
@@ -355,7 +367,7 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | No
     if covered != nbytes:
         return "put: extents do not add up to 'nbytes'"
     if not (isinstance(crc, list) and len(crc) == -(-nbytes // BLOCK_BYTES)
-            and all(_is_int(c, 0, 1 << 32) for c in crc)):
+            and _ints(crc, 0, 1 << 32)):
         return "put: bad 'crc'"
     if r.get("extra") is not None and not isinstance(r["extra"], dict):
         return "put: bad 'extra'"

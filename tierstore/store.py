@@ -40,7 +40,7 @@ from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists,
                      StaleHandle, TierstoreError)
 from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
 from .hostindex import HostIndexLog
-from .journal import Journal
+from .journal import Journal, pack as pack_record
 from .nvme import NvmeTier
 from .policy import make_policy
 from .leases import LOCAL, LeaseInfo, Leasing, Reservation, WouldBlock
@@ -656,7 +656,7 @@ class Store(Leasing, Puts, Movement, Recovery):
         if owner is not None:
             rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
         self.journal.append(rec)
-        meta.record = rec
+        meta.record = pack_record(rec)
 
     def _check_key(self, meta: ObjectMeta, replace: bool) -> None:
         if meta.key is not None and (meta.namespace, meta.key) in self._keys and not replace:
