@@ -36,6 +36,7 @@ import msgpack
 
 from .checksum import crc32c
 from .errors import StorageError
+from .groupsync import GroupSync
 
 __all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "scan", "pack"]
 
@@ -91,6 +92,11 @@ class Journal:
         self.appended = 0
         self._pos = 0  # bytes in the file: where the next record starts
         self._echo: deque[tuple[int, str, Any]] = deque()  # (end of the original, field, value)
+        # group commit: records appended with sync=False are made durable by ``commit``,
+        # which shares one fdatasync among every caller waiting at the time
+        self._group = GroupSync(self._fdatasync)
+        self._fd_guard = threading.Lock()  # the fd is not swapped or closed under a running fdatasync
+        self._sync_failed: str | None = None
 
     # -- replay ----------------------------------------------------------------------------
     def replay(self) -> ReplayResult:
@@ -144,12 +150,16 @@ class Journal:
         _fsync_dir(self.directory)
 
     def append(self, record: dict[str, Any], *, sync: bool = True) -> None:
-        """Append one record; with ``sync`` it is on stable storage when this returns.
+        """Append one record; with ``sync`` it is on stable storage when this returns
+        (an fdatasync of its own, under the lock). Without, it is written but durable
+        only once a ``commit`` called after this returned has returned.
         A free (``op: free``) or a namespace claim (``op: ns``) is repeated by the records
         of the next ``ECHO_BYTES``."""
         with self.lock:
             if self._fd < 0:
                 raise StorageError("journal is closed")
+            if self._sync_failed is not None:
+                raise StorageError(self._sync_failed)
             while self._echo and self._echo[0][0] + ECHO_BYTES <= self._pos:
                 self._echo.popleft()
             if self._echo:
@@ -181,6 +191,33 @@ class Journal:
             elif op == "ns":
                 self._echo.append((self._pos, "own", [record["name"], record["uid"]]))
 
+    def commit(self) -> None:
+        """Group commit: return once every record appended before this call is on stable
+        storage. Call it *outside* the lock: callers that arrive while an fdatasync runs
+        share the next one. A failed fdatasync leaves the journal's state on disk unknown
+        (the kernel may have dropped the pages it could not write), so every append and
+        commit from then on fails until the store is restarted (replay then decides)."""
+        if self._sync_failed is not None:
+            raise StorageError(self._sync_failed)
+        try:
+            self._group.sync()
+        except OSError as e:
+            self._sync_failed = (f"journal sync of {self.path} failed ({os.strerror(e.errno)}); records "
+                                 "appended since the last good sync may be lost: check the drive and restart")
+            log.error("%s", self._sync_failed)
+            raise StorageError(self._sync_failed) from None
+
+    @property
+    def syncs(self) -> int:
+        """fdatasyncs run by ``commit`` (each covering every caller waiting at its start)."""
+        return self._group.rounds
+
+    def _fdatasync(self) -> None:
+        with self._fd_guard:
+            if self._fd < 0:
+                return  # closed: close fsynced every record first (or, failing, set _sync_failed)
+            os.fdatasync(self._fd)
+
     def size(self) -> int:
         try:
             return os.stat(self.path).st_size
@@ -209,9 +246,10 @@ class Journal:
             os.close(fd)
             os.replace(tmp, self.path)
             _fsync_dir(self.directory)
-            if self._fd >= 0:
-                os.close(self._fd)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            with self._fd_guard:  # the new file holds every record so far, fsynced above
+                if self._fd >= 0:
+                    os.close(self._fd)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             self._pos = os.fstat(self._fd).st_size
             self._echo.clear()  # the new file holds the state itself: nothing freed is in it
         log.info("journal compacted to %d bytes", self._pos)
@@ -224,11 +262,15 @@ class Journal:
                 except StorageError as e:
                     log.warning("journal: closing record not written: %s", e)
             if self._fd >= 0:
-                try:
-                    os.fsync(self._fd)
-                finally:
-                    os.close(self._fd)
-                    self._fd = -1
+                with self._fd_guard:
+                    try:
+                        os.fsync(self._fd)
+                    except OSError as e:
+                        self._sync_failed = f"journal sync of {self.path} at close failed ({os.strerror(e.errno)})"
+                        raise
+                    finally:
+                        os.close(self._fd)
+                        self._fd = -1
 
 
 def pack(record: dict[str, Any]) -> bytes:

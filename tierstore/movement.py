@@ -203,13 +203,15 @@ class Movement:
                 with self._cv:
                     self._check_key(meta, replace)
                 if durable:
-                    self._journal_put(meta)
+                    self._journal_put(meta, sync=False)
                 with self._cv:
                     old = self._bind(meta, replace)
                     self._objects[meta.id] = meta
         except BaseException:
             self.nvme.free(extents)
             raise
+        if durable:
+            self.journal.commit()  # group commit (see commit_put)
         self.counters["puts"] += 1
         self.counters["put_bytes"] += spec.nbytes
         if old is not None:

@@ -29,6 +29,7 @@ from .allocator import ExtentAllocator
 from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, probe_direct_io
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
+from .groupsync import GroupSync
 from .units import PAGE, align_up
 
 __all__ = ["Extent", "NvmeTier", "DATA_FILE", "LOCK_FILE"]
@@ -85,6 +86,8 @@ class _Drive:
         self.path = os.path.join(directory, DATA_FILE)
         self.file = engine.open(self.path, direct=self.direct)
         self.file_size = os.fstat(self.file.fileno()).st_size
+        # durable writes share fdatasyncs: each returns once one that began after its write completed
+        self.sync = GroupSync(self.file.sync)
         self.alloc = ExtentAllocator(capacity)
         self.grow_lock = threading.Lock()
 
@@ -273,7 +276,7 @@ class NvmeTier:
             for dev in {e.dev for e in extents}:
                 drv = self.drives[dev]
                 try:
-                    drv.file.sync()  # the journal record that names these bytes comes after this
+                    drv.sync.sync()  # the journal record that names these bytes comes after this
                 except OSError as err:
                     raise _io_error(err, drv.path, "syncing") from None
         self.bytes_written += nbytes

@@ -116,7 +116,7 @@ class Puts:
                 with self._cv:
                     self._check_key(meta, res.replace)
                 if meta.durable:
-                    self._journal_put(meta)
+                    self._journal_put(meta, sync=False)  # made durable by the commit below
                 with self._cv:
                     self._reservations.pop(rid, None)
                     old = self._bind(meta, res.replace)
@@ -140,6 +140,10 @@ class Puts:
         finally:
             if nowait:
                 self.journal.lock.release()
+        if meta.durable:
+            # group commit, outside the lock: the record is visible from here, but the put is
+            # acknowledged only once an fdatasync that covers it has completed
+            self.journal.commit()
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
         if old is not None:

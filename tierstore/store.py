@@ -649,13 +649,14 @@ class Store(Leasing, Puts, Movement, Recovery):
         old.freeing = True
         return old
 
-    def _journal_put(self, meta: ObjectMeta) -> None:
-        """Append meta's put record (caller holds the journal lock)."""
+    def _journal_put(self, meta: ObjectMeta, *, sync: bool = True) -> None:
+        """Append meta's put record (caller holds the journal lock). ``sync=False``: the
+        caller calls ``journal.commit()`` once it has let go of the lock (group commit)."""
         rec = meta.to_record()
         owner = self._ns_owner.get(meta.namespace.split("/")[0])
         if owner is not None:
             rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
-        self.journal.append(rec)
+        self.journal.append(rec, sync=sync)
         meta.record = pack_record(rec)
 
     def _check_key(self, meta: ObjectMeta, replace: bool) -> None:

@@ -1,0 +1,223 @@
+"""Group commit: concurrent durable commits share fdatasyncs, and none is acknowledged
+before an fdatasync that covers its record (and its data) has completed."""
+
+import errno
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import in_threads
+from tierstore.errors import KeyExists, StorageError
+from tierstore.groupsync import GroupSync
+
+FLUSH_S = 0.005  # a drive's cache flush: long enough that concurrent commits overlap
+
+
+def test_each_caller_returns_after_a_sync_that_began_after_it_was_called():
+    clock = itertools.count()
+    lock = threading.Lock()
+    rounds = []  # (start, end) of each fsync
+
+    def fsync():
+        with lock:
+            start = next(clock)
+        time.sleep(FLUSH_S)
+        with lock:
+            rounds.append((start, next(clock)))
+
+    g = GroupSync(fsync)
+    calls = []
+
+    def caller(k):
+        for _ in range(20):
+            with lock:
+                entered = next(clock)
+            g.sync()
+            with lock:
+                calls.append((entered, next(clock)))
+
+    assert in_threads(caller, 8) == []
+    assert len(calls) == 160 and g.rounds == len(rounds) < 160
+    for entered, returned in calls:
+        assert any(entered < s and e < returned for s, e in rounds), "returned before a sync covered it"
+
+
+def test_a_failed_sync_fails_every_caller_it_covered_and_the_next_round_retries():
+    fail = threading.Event()
+    fail.set()
+    inside, release = threading.Event(), threading.Event()
+
+    def fsync():
+        inside.set()
+        release.wait(10)
+        if fail.is_set():
+            fail.clear()
+            raise OSError(errno.EIO, "Input/output error")
+
+    g = GroupSync(fsync)
+    results = {}
+
+    def caller(k):
+        try:
+            g.sync()
+            results[k] = "ok"
+        except OSError as e:
+            results[k] = e.errno
+
+    first = threading.Thread(target=caller, args=(0,))
+    first.start()
+    assert inside.wait(10)  # round 1 runs (and will fail); the next callers wait for round 2
+    inside.clear()
+    later = [threading.Thread(target=caller, args=(k,)) for k in (1, 2, 3)]
+    for t in later:
+        t.start()
+    while g.callers < 4:
+        time.sleep(0.001)
+    release.set()
+    for t in [first, *later]:
+        t.join(10)
+    assert results == {0: errno.EIO, 1: "ok", 2: "ok", 3: "ok"}
+    assert g.rounds == 2
+
+
+def test_concurrent_durable_puts_share_journal_fsyncs(make_store, monkeypatch):
+    s = make_store()
+    real = os.fdatasync
+    synced, data_synced = [], []
+
+    def fdatasync(fd):
+        (synced if fd == s.journal._fd else data_synced).append(fd)
+        time.sleep(FLUSH_S)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    n_threads, per = 8, 15
+
+    def putter(k):
+        for i in range(per):
+            s.put(torch.full((64,), float(k * 100 + i)), key=f"t{k}/{i}", durable=True)
+
+    assert in_threads(putter, n_threads) == []
+    puts = n_threads * per
+    assert 0 < len(synced) < puts * 3 // 4, f"{len(synced)} journal fsyncs for {puts} concurrent durable puts"
+    # the data file's syncs (each put's bytes before its record) are shared the same way
+    assert 0 < len(data_synced) < puts * 3 // 4, f"{len(data_synced)} data fsyncs for {puts} durable puts"
+    for k in range(n_threads):
+        for i in range(per):
+            assert torch.equal(s.get(s.lookup(f"t{k}/{i}")), torch.full((64,), float(k * 100 + i)))
+
+
+def test_a_failed_journal_sync_fails_the_put_and_every_commit_after_it(make_store, monkeypatch):
+    s = make_store()
+    s.put(torch.ones(8), key="before", durable=True)
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        if fd == s.journal._fd:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with pytest.raises(StorageError, match="journal sync .* failed"):
+        s.put(torch.ones(8), key="x", durable=True)
+    monkeypatch.setattr(os, "fdatasync", real)
+    with pytest.raises(StorageError, match="restart"):  # the journal's state on disk is unknown now
+        s.put(torch.ones(8), key="y", durable=True)
+    s.put(torch.ones(8), key="volatile")  # volatile puts do not touch the journal
+
+
+WRITER = r"""
+import sys, threading, torch
+from tierstore import Config, Store
+s = Store(Config(host_bytes="16MiB", nvme_dirs=[sys.argv[1]], nvme_bytes="512MiB", io_chunk_bytes="1MiB",
+                 nvme_grow_bytes="16MiB"))
+out = threading.Lock()
+def run(k):
+    i = 0
+    while True:
+        n = 100 + (k * 7919 + i * 31) % 5000
+        s.put(torch.arange(n, dtype=torch.int32) + k * 1000003 + i, key=f"w{k}/{i}", durable=True,
+              tier="nvme" if i % 3 == 2 else None)
+        with out:
+            print(f"done {k} {i}", flush=True)
+        i += 1
+for k in range(8):
+    threading.Thread(target=run, args=(k,), daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def _expected(k, i):
+    n = 100 + (k * 7919 + i * 31) % 5000
+    return torch.arange(n, dtype=torch.int32) + k * 1000003 + i
+
+
+def test_sigkill_of_many_threads_putting_durably_loses_nothing_acknowledged(make_store, nvme_dir):
+    p = subprocess.Popen([sys.executable, "-c", WRITER, nvme_dir], stdout=subprocess.PIPE, text=True)
+    done = set()
+    deadline = time.monotonic() + 120
+    while len(done) < 300 and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        _, k, i = line.split()
+        done.add((int(k), int(i)))
+    os.kill(p.pid, signal.SIGKILL)  # with puts of every thread in flight
+    p.wait()
+    assert len(done) >= 300, "writer did not make progress"
+    s = make_store(host_bytes="16MiB")
+    for k, i in done:
+        h = s.lookup(f"w{k}/{i}")
+        assert h is not None, f"w{k}/{i} was acknowledged as durable but is missing after SIGKILL"
+        assert torch.equal(s.get(h), _expected(k, i))
+    for key in s.keys(prefix="w"):  # anything else (a put in flight) is whole
+        k, i = key[1:].split("/")
+        assert torch.equal(s.get(s.lookup(key)), _expected(int(k), int(i)))
+
+
+def test_sigkill_of_the_daemon_under_concurrent_durable_puts_loses_nothing_acknowledged(daemon):
+    acked = set()
+    lock = threading.Lock()
+    enough = threading.Event()
+    stop = threading.Event()
+
+    def client(k):
+        with daemon.client("job") as c:
+            i = 0
+            while not stop.is_set():
+                try:
+                    c.put(_expected(k, i), key=f"c{k}/{i}", durable=True)
+                except Exception:
+                    return  # the daemon was killed under this put
+                with lock:
+                    acked.add((k, i))
+                    if len(acked) >= 200:
+                        enough.set()
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        assert enough.wait(120), "clients did not make progress"
+        daemon.kill()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    with lock:
+        acked_now = set(acked)
+    daemon.start()
+    with daemon.client("job") as c:
+        for k, i in acked_now:
+            h = c.lookup(f"c{k}/{i}")
+            assert h is not None, f"c{k}/{i} was acknowledged as durable but is missing after SIGKILL"
+            assert torch.equal(c.get(h), _expected(k, i))
+
