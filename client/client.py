@@ -13,6 +13,7 @@ import threading
 import subprocess
 import sys
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -32,6 +33,11 @@ __all__ = ["Client", "ClientLease"]
 
 _STAGED_MAX = 64 << 10
 """Objects up to this size are put in one round trip through a per-connection staging area."""
+_SLOT_BYTES = 4096
+_SLOTS = 32
+"""``put_async`` of an object up to ``_SLOT_BYTES`` copies it into one of ``_SLOTS`` slots
+after the staging area and sends it without waiting: that many small puts in flight on
+one connection, no thread each."""
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +155,8 @@ class Client:
             self._report_pinning()
         self._staging: tuple[int, int] | None = None
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
+        self._slots: deque[int] = deque(range(_SLOTS))  # free put_async slots (deque ops are atomic)
+        self._in_flight: deque[Future] = deque()  # put_async futures sent from slots, oldest first
         self._slabmap: Any = None  # the GPU tier's slabs, opened on the first GPU-tier transfer
         self._side: Any = None  # per-device copy streams
         self._gpu_lock = threading.Lock()
@@ -370,9 +378,62 @@ class Client:
 
     def put_async(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False,
                   **kw: Any) -> Future:
-        """``put`` on a background thread; the tensor must not change until the future completes.
+        """``put`` without waiting; the future's result is the handle. A small CPU tensor (up
+        to 4 KiB) is copied and sent at once (up to 32 in flight on the connection, a 33rd
+        first waits for the oldest; the daemon serves them concurrently, so they may
+        complete in any order); anything
+        else is put on a background thread and must not change until the future completes.
         A CUDA tensor is copied after the work queued so far on the caller's current stream."""
+        fut = self._put_pipelined(tensor, key, tier, durable, kw)
+        if fut is not None:
+            return fut
         return self._pool().submit(_on_callers_stream(tensor), self.put, tensor, key, tier, durable, **kw)
+
+    def _put_pipelined(self, tensor: Any, key: str | None, tier: str | None, durable: bool,
+                       kw: dict[str, Any]) -> Future | None:
+        """A small put sent from a staging slot without waiting, or None (no slot free, or
+        not such a put)."""
+        if _is_cuda(tensor) or tier == "gpu" or kw.get("ephemeral") or set(kw) - {"replace", "wait_s", "ephemeral"}:
+            return None
+        u8, spec = to_bytes(tensor)
+        if spec.nbytes > _SLOT_BYTES:
+            return None
+        key = validate_key(key)
+        while not self._slots and self._in_flight:  # all slots in flight: wait for the oldest
+            self._in_flight.popleft().exception()
+        try:
+            slot = self._slots.pop()
+        except IndexError:  # other threads took them
+            return None
+        try:
+            off, n = self._staging_area()
+            src = _STAGED_MAX + slot * _SLOT_BYTES
+            if src + _SLOT_BYTES > n:  # an area from before slots existed
+                self._slots.append(slot)
+                return None
+            if spec.nbytes:
+                self._arena[off + src:off + src + spec.nbytes] = u8
+            sent = self._conn.submit("put_staged", src=src, kind=spec.kind, dtype=spec.dtype,
+                                     shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
+                                     durable=durable, replace=bool(kw.get("replace", False)),
+                                     wait_s=float(kw.get("wait_s", 0.0)))
+        except BaseException:
+            self._slots.append(slot)
+            raise
+        out = _ReadsReplies(self._conn)
+
+        def done(f: Future) -> None:
+            self._slots.append(slot)  # the reply came: the daemon has copied the bytes out
+            err = f.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(Handle.parse(f.result()["handle"]))
+        sent.add_done_callback(done)
+        self._in_flight.append(out)
+        while self._in_flight and self._in_flight[0].done():
+            self._in_flight.popleft()
+        return out
 
     def get_async(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Future:
         """``get`` on a background thread; a CUDA ``out`` is written after the work queued so
@@ -482,6 +543,8 @@ class Client:
         # in this order: async puts and gets copy through the mappings below, and a copy may
         # still run on a side stream after its call returned; only then do the mappings go
         self._prefault_stop.set()
+        while self._in_flight:  # pipelined puts: their replies
+            self._in_flight.popleft().exception()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -627,7 +690,7 @@ class Client:
 
     def _staging_area(self) -> tuple[int, int]:
         if self._staging is None:
-            r = self._conn.request("scratch", nbytes=_STAGED_MAX)
+            r = self._conn.request("scratch", nbytes=_STAGED_MAX + _SLOTS * _SLOT_BYTES)
             self._staging = (int(r["offset"]), int(r["nbytes"]))
         return self._staging
 
@@ -635,6 +698,28 @@ class Client:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-client")
         return self._executor
+
+
+class _ReadsReplies(Future):
+    """The future of a request sent without waiting: ``result``/``exception`` read the
+    connection's replies until it is done (nobody else may be reading them)."""
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__()
+        self._conn = conn
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done() and timeout is None:
+            self._conn.wait(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done() and timeout is None:
+            try:
+                self._conn.wait(self)
+            except BaseException:  # the failure is the future's own
+                pass
+        return super().exception(timeout)
 
 
 def _is_cuda(t: Any) -> bool:

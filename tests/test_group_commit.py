@@ -221,3 +221,23 @@ def test_sigkill_of_the_daemon_under_concurrent_durable_puts_loses_nothing_ackno
             assert h is not None, f"c{k}/{i} was acknowledged as durable but is missing after SIGKILL"
             assert torch.equal(c.get(h), _expected(k, i))
 
+
+def test_put_async_keeps_small_puts_in_flight_on_one_connection(daemon):
+    with daemon.client("job") as c:
+        for durable in (False, True):
+            futs = [c.put_async(_expected(k, 1)[:500], key=f"p{int(durable)}/{k}", durable=durable)
+                    for k in range(100)]
+            assert c._executor is None  # no thread per put: they were sent from slots
+            handles = [f.result() for f in futs]
+            assert len(set(handles)) == 100
+            for k, h in enumerate(handles):
+                assert c.lookup(f"p{int(durable)}/{k}") == h
+                assert torch.equal(c.get(h), _expected(k, 1)[:500])
+        with pytest.raises(KeyExists):  # an error comes back through the future
+            c.put_async(torch.ones(4), key="p0/0").result()
+        big = torch.arange(10_000.0)  # over a slot: a background put, as before
+        assert torch.equal(c.get(c.put_async(big, key="big").result()), big)
+    daemon.kill()
+    daemon.start()
+    with daemon.client("job") as c:  # the durable ones were on disk when their futures completed
+        assert sorted(c.keys(prefix="p1/")) == sorted(f"p1/{k}" for k in range(100))
