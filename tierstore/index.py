@@ -218,8 +218,12 @@ class KeyIndex:
     def __init__(self, items: Any = ()) -> None:
         self._ns: dict[str, SortedDict] = {}
         self._n = 0
-        for k, oid in (items.items() if isinstance(items, dict) else items):
-            self[k] = oid
+        by_ns: dict[str, dict[str, int]] = {}  # (each namespace's map sorted once, not key by key)
+        for (ns, key), oid in (items.items() if isinstance(items, dict) else items):
+            by_ns.setdefault(ns, {})[key] = oid
+        for ns, d in by_ns.items():
+            self._ns[ns] = SortedDict(d)
+            self._n += len(d)
 
     def __len__(self) -> int:
         return self._n

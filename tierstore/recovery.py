@@ -200,9 +200,10 @@ class Replay:
         self.malformed = self.superseded = self.owner_conflicts = 0
         self._space = [_Extents() for _ in range(ndrives)]
         self._key: dict[tuple[str, str], int] = {}
+        self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
 
     def apply(self, r: dict[str, Any]) -> None:
-        why = _check_record(r, self.ndrives, self.drive_bytes)
+        why = _check_record(r, self.ndrives, self.drive_bytes, self._ns_ok)
         if why is not None:
             self.malformed += 1
             log.error("journal record skipped (%s): %.200r", why, r)
@@ -309,7 +310,7 @@ def _ints(vs: list[Any], lo: int = 0, hi: int = 1 << 63) -> bool:
     return True
 
 
-def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | None:
+def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[str] | None = None) -> str | None:
     """Why the record cannot be applied, or None. Every field a replay reads is checked."""
     op = r.get("op")
     fr, own = r.get("fr"), r.get("own")
@@ -336,7 +337,11 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int) -> str | No
     if not _is_int(r.get("id"), 1, _ID_LIMIT) or not _is_int(r.get("gen"), 0, 0x10000):
         return "put: bad 'id' or 'gen'"
     try:
-        validate_namespace(r.get("ns"))
+        ns = r.get("ns")
+        if ns_ok is None or type(ns) is not str or ns not in ns_ok:
+            validate_namespace(ns)
+            if ns_ok is not None:
+                ns_ok.add(ns)
         validate_key(r.get("key"))
     except InvalidArgument:
         return "put: bad 'ns' or 'key'"
