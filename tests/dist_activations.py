@@ -50,6 +50,7 @@ def main():
     off_losses, off = fsdp2(acts)
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, off_losses)), "losses differ"
     assert all(torch.equal(a, b) for a, b in zip(plain, off)), "parameters differ"
+    assert acts.flush(timeout_s=120), "queued puts/frees did not finish"  # frees run on a worker
     st = acts.snapshot()
     assert st["offloaded"] > 0 and st["bytes_in_flight"] == 0, st
     acts.close()
