@@ -23,7 +23,7 @@ import numpy as np
 from tierstore.arena import map_arena_fd
 from tierstore.batch import LeaseGroup, check_each
 from tierstore.config import default_socket_path
-from tierstore.errors import DaemonUnavailable, InvalidArgument, TierstoreError
+from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, TierstoreError
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
@@ -141,6 +141,7 @@ class Client:
         # a second, read-only mapping of the same pages for the views of 'r' check-outs
         self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True)
         # page tables filled in the background, so connecting costs O(1), not O(arena)
+        self._closing = False
         self._prefault_stop = threading.Event()
         self._prefault = threading.Thread(target=self._prefault_mappings, name="tierstore-prefault", daemon=True)
         self._prefault.start()
@@ -215,6 +216,8 @@ class Client:
             raise InvalidArgument(f"the daemon (tierstore {self.server.get('server_version', '?')}) predates "
                                   "ephemeral objects: restart it with this version")
         eph = {"ephemeral": True} if ephemeral else {}  # daemons without the field still take plain puts
+        if self._closing:  # (a put copies into the arena before its first message: say why here)
+            raise Closed("this client is closed: connect again")
         if _is_cuda(tensor) or tier == "gpu":
             return self._put_cuda(tensor, key, tier, durable, replace, wait_s, eph)
         u8, spec = to_bytes(tensor)
@@ -542,6 +545,7 @@ class Client:
     def close(self) -> None:
         # in this order: async puts and gets copy through the mappings below, and a copy may
         # still run on a side stream after its call returned; only then do the mappings go
+        self._closing = True
         self._prefault_stop.set()
         while self._in_flight:  # pipelined puts: their replies
             self._in_flight.popleft().exception()

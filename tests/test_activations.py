@@ -302,8 +302,8 @@ def test_through_a_daemon_and_stat_and_metrics_show_bytes_in_flight(daemon_facto
         torch.manual_seed(7)
         with acts:
             lo = off(_batch(0))
-        acts._report(force=True)
-        # the puts finish in the background: stat shows them once the report after them is in
+        assert acts.flush(timeout_s=120)  # the puts finish in the background
+        acts._report(force=True)  # stat shows them once the report after them is in
         st = c.stat()
         a = st["activations"]
         assert a["clients"] == 1 and "backward_stall_s" in a and a["peak_bytes_in_flight"] >= 0

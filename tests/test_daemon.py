@@ -1092,3 +1092,14 @@ def test_clients_fill_their_arena_page_tables_in_the_background_and_stop_at_clos
         assert torch.equal(c.get(h), torch.arange(1 << 20, dtype=torch.float32))
         with c.checkout(h, "r") as v:
             assert float(v[-1]) == float((1 << 20) - 1)
+
+
+def test_a_put_after_close_is_a_typed_error(daemon):
+    from tierstore import Closed
+
+    c = daemon.client()
+    c.put(torch.ones(4), key="before")  # the staging area exists: a later put would copy into it first
+    c.close()
+    for t in (torch.ones(4), torch.ones(1 << 20)):
+        with pytest.raises(Closed):
+            c.put(t)
