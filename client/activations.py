@@ -28,6 +28,9 @@ Life of a saved tensor:
 4. free: when autograd drops the packed handle (after the node that needed it ran, or
    when a retained graph goes), the object is freed. Objects are ephemeral: a process
    that dies takes its activations with it.
+
+Length: one concept, the saved-tensor hooks with their put/fetch worker and the
+counters they report; the pieces share one lock and one queue.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Tensor bytes never cross the socket. At hello the daemon passes the host arena's
 memfd; the client maps it once and copies straight into (put) or out of (get) the
 block the daemon names, or hands out a view of it (checkout).
+
+Length: one class mirroring ``Store``'s API over the socket (one method per call);
+CUDA copies are in ``gpu``/``cuda``, read-only views in ``readonly``, the connection in
+``connection``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ This module owns the step's order, the state versions (two, crash-consistent, or
 the state-dict format; the GPU update path is in ``optimizer_gpu``. It talks to the
 pool only through put / get / checkout / checkout_each / lookup / keys / prefetch /
 free / step, so a daemon ``Client`` and an in-process ``Store`` both work.
+
+Length: one concept, the offloaded optimizer's step; update in backward is in
+``backward``, the CUDA update path in ``optimizer_gpu``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ Three pools, so that no one's wait holds up anyone else's work:
   daemon stops (``Store.cancel_waits``).
 - control threads run what releases memory and leases: a closed connection's
   clean-up, lease revocation and reservation expiry. They never queue behind requests.
+
+Length: the connection lifecycle (accept, read, dispatch, outbox, close) and the
+three thread pools it hands work to; the request handlers themselves are in
+``handlers``.
 """
 
 from __future__ import annotations

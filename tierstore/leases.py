@@ -1,6 +1,11 @@
 """Leases and namespace ownership: the store's bookkeeping of who holds what, and
 what goes when a holder goes. Part of ``Store`` (a mixin); puts are reserved and
-committed in ``puts``, bytes move in ``movement``, state is recovered in ``recovery``."""
+committed in ``puts``, bytes move in ``movement``, state is recovered in ``recovery``.
+
+Length: one concept (who holds what, and the waits for it) whose acquire, release,
+revoke and wait paths share their checks; splitting waits from leases would put one
+lock's invariants in two files. The component split is planned in docs/architecture.md.
+"""
 
 from __future__ import annotations
 

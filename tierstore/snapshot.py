@@ -17,6 +17,9 @@ temporary name and renamed into place when complete; other URLs get ``complete``
 only at the end. ``restore`` refuses anything not complete and verifies every
 object's CRC32C; a corrupted object makes it take back everything it had put (with
 ``overwrite``, everything is verified before the first write instead).
+
+Length: one concept, the Zarr snapshot format, written and read in one place so the
+writer and the checks that restore makes (paths, sizes, CRCs) cannot drift apart.
 """
 
 from __future__ import annotations

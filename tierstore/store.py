@@ -1,19 +1,24 @@
-"""The store: one pool of tiers (host arena + NVMe), an object index, leases and placement.
+"""The store: one pool of tiers (host arena, NVMe, GPU where present), an object index, leases and placement.
 
 The store owns the invariants: where each object lives, who holds it, what may move.
 Bytes move through ``Arena`` (memory) and ``NvmeTier`` (disk); the eviction order
 comes from a policy object. The daemon serves this same class over a socket; the
 in-process API below is the same contract as ``tierstore.client.Client``.
 
-``Store`` is assembled from mixins, one concern each: ``leases`` (reservations,
-leases, namespaces), ``movement`` (moving bytes between tiers, prefetch worker,
-demoter) and ``recovery`` (journal replay, host-index adoption). This module holds
+``Store`` is assembled from four mixins, one concern each: ``leases`` (leases, waits,
+namespaces), ``puts`` (two-phase puts, reservations, staging areas), ``movement``
+(moving bytes between tiers, prefetch worker, demoter) and ``recovery`` (journal
+replay, host-index adoption). This module holds
 the public API and the index primitives they share.
 
 Locking: one condition variable (``_cv``) guards every index field. Disk I/O and
 large copies run with it released; an object being moved is flagged ``moving`` and
 an object being copied holds a ``pin``, and whoever waits on those waits on ``_cv``.
 The journal lock is always taken before ``_cv``, never the other way around.
+
+Length: the public API of the store (one method per user-facing call, each short)
+plus the index primitives the mixins share; docs/architecture.md lists the planned
+split into components.
 """
 
 from __future__ import annotations
