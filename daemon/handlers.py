@@ -133,7 +133,7 @@ class Handlers:
                 "durable": field(msg, "durable", bool, False), "replace": field(msg, "replace", bool, False),
                 "ephemeral": field(msg, "ephemeral", bool, False),
                 "wait_s": float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600)),
-                "namespace": sess.namespace, "owner": sess, "owner_uid": sess.cred.uid, "nowait": nowait}
+                "namespace": sess.namespace, "owner": sess, "nowait": nowait}
         if self.store.namespace_owner(sess.namespace) is None:
             if nowait:
                 raise WouldBlock()  # the first put claims the namespace: a journal append

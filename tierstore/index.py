@@ -18,8 +18,6 @@ from .tensors import TensorSpec
 __all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "sorted_from", "validate_key", "validate_namespace"]
 
 _MISSING = object()
-_NO_EXTRA: dict[str, Any] = {}
-"""The ``extra`` of every replayed object that has none (shared: never changed in place)."""
 
 _ID_BITS = 48
 _GEN_MASK = 0xFFFF
@@ -98,7 +96,6 @@ class ObjectMeta:
     """The move in flight is a prefetch (whoever waits for it is a 'late' hit)."""
     version: int = 0
     """Bumped by every rw check-in, so a concurrent demotion of old bytes is discarded."""
-    owner_uid: int | None = None
     ephemeral: Any = None
     """The connection that put it with ``ephemeral=True``: the object goes when it does."""
     gpu_loc: int | None = None
@@ -106,7 +103,6 @@ class ObjectMeta:
     record: bytes | None = None
     """The last journal record written for this (durable) object, packed (``journal.pack``);
     compaction rewrites it."""
-    extra: dict[str, Any] = field(default_factory=dict)
     _hv: bool = field(default=False, init=False, repr=False)
     _nv: bool = field(default=False, init=False, repr=False)
     _table: Any = field(default=None, init=False, repr=False)
@@ -136,7 +132,7 @@ class ObjectMeta:
         return {"op": "put", "id": self.id, "gen": self.gen, "ns": self.namespace, "key": self.key,
                 "kind": self.spec.kind, "dtype": self.spec.dtype, "shape": list(self.spec.shape),
                 "nbytes": self.spec.nbytes, "ext": [e.to_wire() for e in self.nvme or []],
-                "crc": list(self.crcs or []), "extra": self.extra, "home": self.home}
+                "crc": list(self.crcs or []), "home": self.home}
 
     @classmethod
     def from_record(cls, r: dict[str, Any], specs: dict[tuple, TensorSpec] | None = None) -> "ObjectMeta":
@@ -149,10 +145,9 @@ class ObjectMeta:
             spec = TensorSpec(sys.intern(sk[0]), sys.intern(sk[1]), sk[2], sk[3])
             if specs is not None:
                 specs[sk] = spec
-        extra = r.get("extra")
         return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
                    durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
-                   nvme_valid=True, extra=dict(extra) if extra else _NO_EXTRA, home=r.get("home"))
+                   nvme_valid=True, home=r.get("home"))
 
 
 _BAD_KEY_CHARS = frozenset({"Cc", "Cs", "Zl", "Zp"})

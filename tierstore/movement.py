@@ -129,7 +129,7 @@ class Movement:
             if m.moving or m.pins or m.readers or m.writer or m.freeing or (clean_only and not m.nvme_valid):
                 continue
             if admit_distance is not None:
-                if oid in self.prefetcher.protected:
+                if self.prefetcher.is_protected(oid):
                     continue
                 d = self.policy.distance(oid)
                 if d is not None and d <= admit_distance:
@@ -205,7 +205,7 @@ class Movement:
                 if durable:
                     self._journal_put(meta, sync=False)
                 with self._cv:
-                    old = self._bind(meta, replace)
+                    old = self._bind(meta)
                     self._objects[meta.id] = meta
         except BaseException:
             self.nvme.free(extents)
@@ -329,12 +329,12 @@ class Movement:
     def _prefetch_fetch(self, oid: int) -> None:
         """Worker side of a queued prefetch: promote ``oid`` at prefetch priority."""
         with self._cv:
-            q = self.prefetcher.queued.get(oid)
             meta = self._objects.get(oid)
-            if (q is None or meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed
+            if not self.prefetcher.wanted(oid):
+                return
+            if (meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed
                     or meta.gpu_loc is not None):
-                if q is not None:
-                    self.prefetcher.done(oid, q[0], 0, fetched=False)
+                self.prefetcher.done(oid, 0, fetched=False)
                 return
             d = self.policy.distance(oid)
         fetched = False
@@ -356,23 +356,12 @@ class Movement:
             log.debug("prefetch of %s skipped: %s", meta.handle, e)
         finally:
             with self._cv:
-                self.prefetcher.done(oid, q[0], meta.nbytes, fetched)
+                self.prefetcher.done(oid, meta.nbytes, fetched)
                 self._cv.notify_all()
 
     def _await_prefetch(self, oids: list[int]) -> int:
-        pf = self.prefetcher
-
-        def settled() -> bool:
-            if self._closed:
-                return True
-            if any(o in pf.queued for o in oids):
-                return False
-            # hinted ones still waiting for a slot are issued as fetches in flight finish; with
-            # none in flight the budget holds them back until prefetched objects are used
-            return not pf.queued or not pf.pending(oids)
-
         with self._cv:
-            self._cv.wait_for(settled)
+            self._cv.wait_for(lambda: self._closed or self.prefetcher.settled(oids))
             return sum(1 for o in oids if o in self._objects and self._objects[o].host_valid)
 
     # ------------------------------------------------------------------ GPU tier
@@ -425,7 +414,7 @@ class Movement:
             with self._cv:
                 m = self._objects.get(oid)
                 if (m is None or not m.host_valid or m.host_off is None or m.moving or m.pins or m.readers
-                        or m.writer or m.freeing or oid in self.prefetcher.protected):
+                        or m.writer or m.freeing or self.prefetcher.is_protected(oid)):
                     continue
                 m.moving = True
                 self.prefetcher.forget(oid)

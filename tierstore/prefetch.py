@@ -1,9 +1,12 @@
 """The prefetcher: turns each recorded access into fetches of what the trace predicts
 next, within a byte budget, and serves them on its own worker threads.
 
-State here is guarded by the store's lock (every method but the worker loop is
-called with it held); the bytes move through the store's promotion path, whose
-reads run at prefetch priority so demand reads overtake them on the I/O engine.
+Its dependencies are two callables given at construction: ``lookup`` (the object
+index's ``objects.get``: what an object id names now) and ``fetch`` (placement's
+promotion of one queued object, whose reads run at prefetch priority so demand reads
+overtake them on the I/O engine). State here is guarded by the object index's lock
+(every method but the worker loop is called with it held); the rest of the store
+asks through the methods below, never through its tables.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ import collections
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .trace import HORIZON, Trace, TraceBook
 
 if TYPE_CHECKING:
     from .config import Config
-    from .store import Store
+    from .index import ObjectMeta
 
 __all__ = ["Prefetcher"]
 
@@ -32,8 +35,9 @@ log = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, store: "Store", config: "Config") -> None:
-        self.store = store
+    def __init__(self, config: "Config", lookup: Callable[[int], "ObjectMeta | None"],
+                 fetch: Callable[[int], None]) -> None:
+        self._lookup, self._fetch = lookup, fetch
         self.enabled = config.prefetch
         self.budget_bytes = config.prefetch_budget_bytes
         self.max_inflight = config.prefetch_max_inflight
@@ -149,9 +153,9 @@ class Prefetcher:
             return 0
         sums = self._sums.get(id(trace))
         if sums is None or sums[0] is not trace or sums[1] != trace.version:
-            objects, acc, run = self.store._objects, 0, [0]
+            lookup, acc, run = self._lookup, 0, [0]
             for j in range(2 * n):
-                meta = objects.get(trace.learned[j % n])
+                meta = lookup(trace.learned[j % n])
                 acc += meta.nbytes if meta is not None else 0
                 run.append(acc)
             sums = self._sums[id(trace)] = (trace, trace.version, run)
@@ -192,7 +196,7 @@ class Prefetcher:
     def _offer(self, owner: Any, oid: int) -> object:
         """Queue ``oid`` if it needs fetching: _QUEUED, _DONE (nothing to do), _AGAIN (being
         moved down: look again later) or _FULL (budget or in-flight limit reached)."""
-        meta = self.store._objects.get(oid)
+        meta = self._lookup(oid)
         if meta is None or meta.freeing or oid in self.queued or meta.gpu_loc is not None:
             return _DONE
         if meta.moving:
@@ -211,15 +215,42 @@ class Prefetcher:
         self.counters["issued"] += 1
         self._q.put(oid)
 
-    def done(self, oid: int, owner: Any, nbytes: int, fetched: bool) -> None:
+    def wanted(self, oid: int) -> bool:
+        """Whether a fetch of ``oid`` is queued and still wanted (its client did not go away)."""
+        return oid in self.queued
+
+    def is_protected(self, oid: int) -> bool:
+        """Whether ``oid`` was prefetched and not yet used (eviction and spill leave it be)."""
+        return oid in self.protected
+
+    def idle(self) -> bool:
+        """Nothing queued or in flight."""
+        return not self.queued
+
+    def settled(self, oids: list[int]) -> bool:
+        """Whether the fetches issued for a hint of ``oids`` are done: none of them in flight,
+        and none still waiting for a slot (hinted ones are issued as fetches in flight
+        finish; with none in flight the budget holds them back until prefetched objects
+        are used)."""
+        if any(o in self.queued for o in oids):
+            return False
+        return not self.queued or not self.pending(oids)
+
+    def done(self, oid: int, nbytes: int, fetched: bool) -> None:
+        """The worker's fetch of ``oid`` ended (``fetched``: it is host-resident now)."""
         q = self.queued.pop(oid, None)
-        if q is not None:
-            self.queued_bytes -= q[1]
+        if q is None:  # its client went away meanwhile: nothing of it is kept
+            if not fetched:
+                self.counters["dropped"] += 1
+            else:
+                self.counters["prefetched_bytes"] += nbytes
+            return
+        self.queued_bytes -= q[1]
+        owner = q[0]
         if fetched:
             self.counters["prefetched_bytes"] += nbytes
-            if q is not None:  # still wanted (its client did not go away)
-                self.protected[oid] = (owner, nbytes)
-                self.protected_bytes += nbytes
+            self.protected[oid] = (owner, nbytes)
+            self.protected_bytes += nbytes
         else:
             self.counters["dropped"] += 1
         if owner in self._hints:  # a slot came free: the next hinted object
@@ -247,7 +278,7 @@ class Prefetcher:
             if oid is None:
                 return
             try:
-                self.store._prefetch_fetch(oid)
+                self._fetch(oid)
             except Exception:  # one failed fetch must not stop the worker
                 log.exception("prefetch of object %d failed", oid)
 

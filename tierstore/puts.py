@@ -23,7 +23,7 @@ class Puts:
     """Store methods for two-phase puts and scratch staging (mixed into ``Store``)."""
 
     def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
-                    namespace: str, owner: Any, wait_s: float = 0.0, owner_uid: int | None = None,
+                    namespace: str, owner: Any, wait_s: float = 0.0,
                     nowait: bool = False, device: int = 0, ephemeral: bool = False) -> Reservation:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
         object; the caller fills it, then ``commit_put``. ``ephemeral``: the object is
@@ -45,7 +45,7 @@ class Puts:
                                     "pass replace=True to overwrite it or free it first")
         if tier == "gpu":
             res = self._reserve_gpu(spec, key=key, durable=durable, replace=replace, namespace=namespace,
-                                    owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait, device=device)
+                                    owner=owner, wait_s=wait_s, nowait=nowait, device=device)
             res.meta.ephemeral = owner if ephemeral else None
             return res
         if nowait and spec.nbytes:
@@ -58,7 +58,7 @@ class Puts:
         with self._cv:
             oid = self._new_id()
             meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
-                              durable=durable, owner_uid=owner_uid, home="nvme" if tier == "nvme" else None,
+                              durable=durable, home="nvme" if tier == "nvme" else None,
                               ephemeral=owner if ephemeral else None)
             meta.host_off = None if off < 0 else off
             res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace,
@@ -67,7 +67,7 @@ class Puts:
             return res
 
     def _reserve_gpu(self, spec: TensorSpec, *, key: str | None, durable: bool, replace: bool, namespace: str,
-                     owner: Any, wait_s: float, owner_uid: int | None, nowait: bool, device: int) -> Reservation:
+                     owner: Any, wait_s: float, nowait: bool, device: int) -> Reservation:
         if durable:
             raise InvalidArgument("the gpu tier is volatile: put durable objects to 'host' or 'nvme'")
         if nowait:
@@ -80,7 +80,7 @@ class Puts:
         with self._cv:
             oid = self._new_id()
             meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
-                              durable=False, owner_uid=owner_uid)
+                              durable=False)
             res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace, gpu_loc=loc,
                               since=time.monotonic())
             self._reservations[oid] = res
@@ -119,7 +119,7 @@ class Puts:
                     self._journal_put(meta, sync=False)  # made durable by the commit below
                 with self._cv:
                     self._reservations.pop(rid, None)
-                    old = self._bind(meta, res.replace)
+                    old = self._bind(meta)
                     meta.host_valid = res.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
                     if res.gpu_loc is not None:
                         meta.gpu_loc = res.gpu_loc
@@ -173,7 +173,7 @@ class Puts:
 
     def put_from_scratch(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
                          durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
-                         owner_uid: int | None = None, nowait: bool = False, ephemeral: bool = False) -> Handle:
+                         nowait: bool = False, ephemeral: bool = False) -> Handle:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
         with self._cv:
             area = self._scratch.get(owner)
@@ -182,7 +182,7 @@ class Puts:
         if nowait and (durable or tier == "nvme"):
             raise WouldBlock()
         res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
-                               owner=owner, wait_s=wait_s, owner_uid=owner_uid, nowait=nowait, ephemeral=ephemeral)
+                               owner=owner, wait_s=wait_s, nowait=nowait, ephemeral=ephemeral)
         if spec.nbytes:
             self.arena.view(res.host_off, spec.nbytes)[:] = self.arena.view(area[0] + src, spec.nbytes)
         try:

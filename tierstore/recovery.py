@@ -374,7 +374,7 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[
     if not (isinstance(crc, list) and len(crc) == -(-nbytes // BLOCK_BYTES)
             and _ints(crc, 0, 1 << 32)):
         return "put: bad 'crc'"
-    if r.get("extra") is not None and not isinstance(r["extra"], dict):
+    if r.get("extra") is not None and not isinstance(r["extra"], dict):  # (written by earlier versions; unused)
         return "put: bad 'extra'"
     if r.get("home") not in (None, "nvme"):
         return "put: bad 'home'"

@@ -197,7 +197,7 @@ class Store(Leasing, Puts, Movement, Recovery):
         except BaseException:
             self.engine.close()
             raise
-        self.prefetcher = Prefetcher(self, cfg)
+        self.prefetcher = Prefetcher(cfg, self._objects.get, lambda oid: self._prefetch_fetch(oid))
         self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.journal = Journal(cfg.nvme_dirs[0])
@@ -505,7 +505,7 @@ class Store(Leasing, Puts, Movement, Recovery):
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         """Block until no prefetch is queued or in flight (benchmarks, tests). False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self.prefetcher.queued or self._closed, timeout=timeout_s)
+            return self._cv.wait_for(lambda: self.prefetcher.idle() or self._closed, timeout=timeout_s)
 
     def step(self, *, owner: Any = _LOCAL) -> None:
         """Iteration boundary of ``owner``'s loop: the prefetcher compares it with the last."""
@@ -641,7 +641,7 @@ class Store(Leasing, Puts, Movement, Recovery):
             raise StaleHandle(f"handle {h} is stale (the object now has generation {meta.gen})")
         return meta
 
-    def _bind(self, meta: ObjectMeta, replace: bool) -> ObjectMeta | None:
+    def _bind(self, meta: ObjectMeta) -> ObjectMeta | None:
         """Bind meta's key (under _cv, after ``_check_key``); returns the object it replaced."""
         if meta.key is None:
             return None
