@@ -163,29 +163,34 @@ def _quiet_broken_pipe() -> int:
 
 
 def _config_command(args: argparse.Namespace) -> int:
-    from tierstore.config import describe_value, env_name, flag_name, sourced_config_from_args
+    from dataclasses import fields
+
+    from tierstore.config import SECTIONS, describe_value, sourced_config_from_args
 
     cfg, sources = sourced_config_from_args(args)
     resolved = cfg.resolved()
-    rows = []
-    for name in type(cfg).field_names():
-        value = getattr(resolved, name)
-        shown = describe_value(name, value)
-        src = sources[name]
-        if src == "default" and getattr(cfg, name) != value:
-            src = "default (this machine)"
-        if name == "nvme_bytes" and value is None:
-            shown = "auto (64.0 GiB or the free space)"
-        rows.append({"name": name, "value": value, "shown": shown, "source": src, "env": env_name(name),
-                     "flag": flag_name(name)})
+    rows: dict[str, list[dict]] = {}
+    for section in SECTIONS:
+        for f in fields(getattr(cfg, section)):
+            name, value = f.name, resolved.get(f.name)
+            shown = describe_value(name, value)
+            src = sources[name]
+            if src == "default" and cfg.get(name) != value:
+                src = "default (this machine)"
+            if name == "nvme_bytes" and value is None:
+                shown = "auto (64.0 GiB or the free space)"
+            rows.setdefault(section, []).append({"name": name, "value": value, "shown": shown, "source": src})
     if args.json:
-        print(json.dumps({r["name"]: {"value": r["value"], "source": r["source"]} for r in rows}, indent=2))
+        print(json.dumps({section: {r["name"]: {"value": r["value"], "source": r["source"]} for r in section_rows}
+                          for section, section_rows in rows.items()}, indent=2))
         return 0
     config_file = args.config or os.environ.get("TIERSTORE_CONFIG") or "(none)"
     print(f"tierstore {__version__} settings (precedence: flags > TIERSTORE_* variables > TOML file > defaults; "
           f"TOML file: {config_file})")
-    for r in rows:
-        print(f"  {r['name']:22} {r['shown']:40} {r['source']}")
+    for section, section_rows in rows.items():
+        print(f"[{section}]")
+        for r in section_rows:
+            print(f"  {r['name']:22} {r['shown']:40} {r['source']}")
     return 0
 
 

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                   "source)", e)
         return 2
     given = {k: v for k, v in sources.items() if v != "default"}
-    log.info("settings: %s", "; ".join(f"{k}={describe_value(k, getattr(cfg, k))} ({v})" for k, v in given.items())
+    log.info("settings: %s", "; ".join(f"{k}={describe_value(k, cfg.get(k))} ({v})" for k, v in given.items())
              if given else "all defaults")
     from tierstore.errors import TierstoreError
     from tierstore.preflight import check_daemon_start

@@ -120,14 +120,15 @@ class Server:
     def __init__(self, config: Config, *, notifier: Notifier | None = None) -> None:
         self.config = config.resolved()
         self.notifier = notifier or Notifier()
-        self.allowed_gids = resolve_groups(self.config.allowed_groups)
+        self.allowed_gids = resolve_groups(self.config.daemon.allowed_groups)
         self.store: Store | None = None
         self._sel = selectors.DefaultSelector()
         self._listen: socket.socket | None = None
         self._sessions: dict[int, Session] = {}
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
-        self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.io_threads), thread_name_prefix="tierstore-op")
+        self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.store.io_threads),
+                                        thread_name_prefix="tierstore-op")
         self._waits = ThreadPoolExecutor(max_workers=_WAIT_THREADS, thread_name_prefix="tierstore-wait")
         self._wait_lock = threading.Lock()  # guards every session's waiting / wait_backlog
         self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-ctl")
@@ -159,7 +160,7 @@ class Server:
            start line in the log) follows when that is done, so systemd's ready means
            the promise holds: every page of the host tier is there.
         """
-        path = self.config.socket
+        path = self.config.daemon.socket
         self.notifier.status("checking the configuration")
         self._check_no_live_daemon(path)
         check_dir(os.path.dirname(path) or ".", mode=0o750, what="socket directory", flag="--socket")
@@ -179,16 +180,16 @@ class Server:
         except BaseException:
             self.store.close()
             raise
-        if self.config.metrics_port >= 0:
+        if self.config.daemon.metrics_port >= 0:
             try:
-                self.metrics_server, self.metrics_port = serve_metrics(self._full_stat, self.config.metrics_port,
-                                                                       self.config.metrics_addr)
+                self.metrics_server, self.metrics_port = serve_metrics(
+                    self._full_stat, self.config.daemon.metrics_port, self.config.daemon.metrics_addr)
             except OSError as e:
                 self._listen.close()
                 os.unlink(path)
                 self.store.close()
-                raise DaemonAlreadyRunning(f"cannot serve metrics on {self.config.metrics_addr}:"
-                                           f"{self.config.metrics_port}: {e}") from None
+                raise DaemonAlreadyRunning(f"cannot serve metrics on {self.config.daemon.metrics_addr}:"
+                                           f"{self.config.daemon.metrics_port}: {e}") from None
         self._sel.register(self._listen, selectors.EVENT_READ, ("listen", None))
         self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         log.info("accepting connections on %s after %.2f s; populating the %s host arena", path,
@@ -220,10 +221,11 @@ class Server:
         nvme = t["nvme"]
         gpu = (f"gpu {format_size(t['gpu']['capacity_bytes'])}" if "gpu" in t
                else f"gpu none ({st.get('gpu_reason') or 'gpu_bytes is 0'})")
-        return (f"serving on {self.config.socket}, ready in {time.monotonic() - self._started:.1f} s: "
+        ready_s = time.monotonic() - self._started
+        return (f"serving on {self.config.daemon.socket}, ready in {ready_s:.1f} s: "
                 f"host {format_size(t['host']['capacity_bytes'])} (shared memfd, "
                 f"{'adopted' if self.store.arena.adopted else 'populated'} in {populate_s:.1f} s), "
-                f"nvme {format_size(nvme['capacity_bytes'])} in {', '.join(self.config.nvme_dirs)} "
+                f"nvme {format_size(nvme['capacity_bytes'])} in {', '.join(self.config.store.nvme_dirs)} "
                 f"(engine {nvme['engine']}, O_DIRECT {'on' if nvme.get('direct_io') else 'off'}), {gpu}; "
                 f"{self.store.replay_info['objects']} durable objects recovered, "
                 f"{self.store.replay_info['adopted']} host-resident objects adopted")
@@ -286,7 +288,7 @@ class Server:
                 log.info("session %d (pid %d) sent no hello in %.0f s; closing", sess.cid, sess.cred.pid,
                          _HELLO_TIMEOUT_S)
                 self._close(sess)
-        if (self.config.lease_timeout_s > 0 or self.config.reservation_timeout_s > 0) and \
+        if (self.config.daemon.lease_timeout_s > 0 or self.config.daemon.reservation_timeout_s > 0) and \
                 (self._expiring is None or self._expiring.done()):
             self._expiring = self._control.submit(self._expire)
 
@@ -297,7 +299,7 @@ class Server:
             self._sel.unregister(self._listen)
             self._listen.close()
             try:
-                os.unlink(self.config.socket)
+                os.unlink(self.config.daemon.socket)
             except FileNotFoundError:
                 pass
         if self.metrics_server is not None:
@@ -384,13 +386,13 @@ class Server:
                                           "of your groups to allowed_groups")
             elif len(self._sessions) >= self._room_for(cred.uid):
                 reason = TierstoreError(f"the daemon already serves {len(self._sessions)} connections "
-                                        f"(max_clients {self.config.max_clients}, the last "
-                                        f"{_root_reserve(self.config.max_clients)} kept for root); "
+                                        f"(max_clients {self.config.daemon.max_clients}, the last "
+                                        f"{_root_reserve(self.config.daemon.max_clients)} kept for root); "
                                         "close idle clients or raise the limit")
             elif (cred.uid != 0
                   and sum(1 for x in self._sessions.values() if x.cred.uid == cred.uid)
-                  >= self.config.max_clients_per_uid):
-                reason = TierstoreError(f"uid {cred.uid} already holds {self.config.max_clients_per_uid} "
+                  >= self.config.daemon.max_clients_per_uid):
+                reason = TierstoreError(f"uid {cred.uid} already holds {self.config.daemon.max_clients_per_uid} "
                                         "connections (max_clients_per_uid); close idle clients")
             if reason is not None:
                 self.refused += 1
@@ -417,10 +419,10 @@ class Server:
     def _room_for(self, uid: int) -> int:
         """Connections at once beyond which ``uid`` is refused: root may use the last few,
         so a full daemon can still be inspected and stopped."""
-        return self.config.max_clients - (0 if uid == 0 else _root_reserve(self.config.max_clients))
+        return self.config.daemon.max_clients - (0 if uid == 0 else _root_reserve(self.config.daemon.max_clients))
 
     def _read(self, sess: Session) -> None:
-        limit = self.config.max_message_bytes
+        limit = self.config.daemon.max_message_bytes
         deadline = time.perf_counter() + _READ_BUDGET_S
         for _ in range(64):  # bounded, so one chatty client cannot starve the others
             if time.perf_counter() > deadline:
@@ -444,7 +446,7 @@ class Server:
 
     def _handle(self, sess: Session, data: bytes) -> None:
         try:
-            msg = decode(data, self.config.max_message_bytes)
+            msg = decode(data, self.config.daemon.max_message_bytes)
         except ProtocolError as e:
             self._fatal(sess, e)
             return
@@ -655,10 +657,10 @@ class Server:
     def _expire(self) -> None:
         """(a control thread, once a second) Revoke old leases, drop old reservations."""
         try:
-            if self.config.lease_timeout_s > 0:
-                self.store.expire_leases(self.config.lease_timeout_s)
-            if self.config.reservation_timeout_s > 0:
-                self.store.expire_reservations(self.config.reservation_timeout_s)
+            if self.config.daemon.lease_timeout_s > 0:
+                self.store.expire_leases(self.config.daemon.lease_timeout_s)
+            if self.config.daemon.reservation_timeout_s > 0:
+                self.store.expire_reservations(self.config.daemon.reservation_timeout_s)
         except Exception:  # logged; the next tick tries again
             log.exception("expiring leases and reservations failed")
 
@@ -692,7 +694,7 @@ class Server:
                     for s in list(self._sessions.values())]
         waiting = sum(s.waiting + len(s.wait_backlog) for s in list(self._sessions.values()))
         return {"clients": len(self._sessions), "sessions": sessions, "activations": _sum_activations(sessions),
-                "waiting": waiting, "pid": os.getpid(), "socket": self.config.socket,
+                "waiting": waiting, "pid": os.getpid(), "socket": self.config.daemon.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
                 "connections_accepted": self.accepted, "connections_refused": self.refused,
                 "ops": self.latency.snapshot(), "metrics_port": self.metrics_port}

@@ -93,7 +93,7 @@ def test_config_shows_each_setting_and_its_source(tmp_path):
     assert "flag --io-threads" in rows["io_threads"] and "env TIERSTORE_NVME_BYTES" in rows["nvme_bytes"]
     assert "2.0 GiB" in rows["nvme_bytes"] and f"file {toml}" in rows["policy"] and "default" in rows["lease_wait_s"]
     got = json.loads(cli("config", "--json", env={"TIERSTORE_NVME_BYTES": "2GiB"}).stdout)
-    assert got["nvme_bytes"] == {"value": 2 << 30, "source": "env TIERSTORE_NVME_BYTES"}
+    assert got["store"]["nvme_bytes"] == {"value": 2 << 30, "source": "env TIERSTORE_NVME_BYTES"}
 
 
 def test_a_bad_variable_is_one_line_naming_it():

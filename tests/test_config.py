@@ -31,7 +31,7 @@ def test_precedence_toml_env_flags(tmp_path):
     toml = tmp_path / "t.toml"
     toml.write_text('host_bytes = "1GiB"\nnvme_bytes = "10GiB"\npolicy = "trace"\nio_threads = 4\n')
     env = {"TIERSTORE_NVME_BYTES": "20GiB", "TIERSTORE_NVME_DIRS": "/a:/b", "TIERSTORE_PROMOTE_ON_GET": "no"}
-    cfg = Config.load(toml, env=env, overrides={"io_threads": 2, "socket": None})
+    cfg = Config.load(toml, env=env, overrides={"io_threads": 2, "socket": None}).store
     assert cfg.host_bytes == 1 << 30
     assert cfg.nvme_bytes == 20 << 30
     assert cfg.nvme_dirs == ["/a", "/b"]
@@ -51,9 +51,9 @@ def test_resolved_defaults(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     cfg = Config().resolved()
-    assert cfg.socket == str(tmp_path / "run" / "tierstore" / "tierstore.sock")
-    assert cfg.nvme_dirs == [str(tmp_path / "data" / "tierstore" / "nvme")]
-    assert 64 << 20 <= cfg.host_bytes <= 16 << 30
+    assert cfg.daemon.socket == str(tmp_path / "run" / "tierstore" / "tierstore.sock")
+    assert cfg.store.nvme_dirs == [str(tmp_path / "data" / "tierstore" / "nvme")]
+    assert 64 << 20 <= cfg.store.host_bytes <= 16 << 30
 
 
 # -- one field list: flags, variables, parsing, sources ------------------------------------
@@ -70,14 +70,17 @@ def _parser():
 def test_every_field_has_a_flag_a_variable_and_help():
     from dataclasses import fields
 
-    from tierstore.config import env_name, flag_name
+    from tierstore.config import SECTIONS, env_name, flag_name
 
     p = _parser()
-    by_dest = {a.dest: a for a in p._actions}
-    for f in fields(Config):
-        action = by_dest[f.name]
-        assert flag_name(f.name) in action.option_strings
-        assert action.help and env_name(f.name) in action.help, f.name
+    names = [f.name for section in SECTIONS.values() for f in fields(section)]
+    assert names == Config.field_names() and len(names) == len(set(names)) == 28  # unique across sections
+    for name in names:
+        flag = flag_name(name)
+        args = p.parse_args([flag, "1"])  # every setting has its flag, and the flag sets that setting
+        assert getattr(args, name) in ("1", ["1"]), name
+        assert env_name(name) in p.format_help(), name
+        assert f"{flag} " in p.format_help(), name
     assert flag_name("nvme_dirs") == "--nvme-dir" and flag_name("allowed_groups") == "--allowed-group"
     assert flag_name("prefetch_max_inflight") == "--prefetch-max-inflight"
 
@@ -89,9 +92,9 @@ def test_flags_parse_with_the_same_rules_as_everything_else():
                                  "--high-watermark", "0.8", "--lease-wait-s", "2.5", "--policy", "lru",
                                  "--max-message-bytes", "2MiB", "--allowed-group", "wheel"])
     cfg, sources = sourced_config_from_args(args, env={})
-    assert (cfg.host_bytes, cfg.nvme_dirs, cfg.prefetch, cfg.high_watermark) == (1 << 30, ["/a", "/b"], False, 0.8)
-    assert (cfg.lease_wait_s, cfg.policy, cfg.max_message_bytes, cfg.allowed_groups) == (2.5, "lru", 2 << 20,
-                                                                                         ["wheel"])
+    st, d = cfg.store, cfg.daemon
+    assert (st.host_bytes, st.nvme_dirs, st.prefetch, st.high_watermark) == (1 << 30, ["/a", "/b"], False, 0.8)
+    assert (st.lease_wait_s, st.policy, d.max_message_bytes, d.allowed_groups) == (2.5, "lru", 2 << 20, ["wheel"])
     assert sources["nvme_dirs"] == "flag --nvme-dir" and sources["io_threads"] == "default"
 
 
@@ -130,7 +133,8 @@ def test_precedence_and_sources(tmp_path):
     toml.write_text('host_bytes = "1GiB"\nnvme_bytes = "10GiB"\nio_threads = 3\npolicy = "lru"\n')
     env = {"TIERSTORE_NVME_BYTES": "20GiB", "TIERSTORE_IO_THREADS": "5", "TIERSTORE_CONFIG": str(toml)}
     cfg, src = sourced_config_from_args(_parser().parse_args(["--io-threads", "7"]), env=env)
-    assert (cfg.host_bytes, cfg.nvme_bytes, cfg.io_threads, cfg.policy, cfg.lease_wait_s) == (
+    st = cfg.store
+    assert (st.host_bytes, st.nvme_bytes, st.io_threads, st.policy, st.lease_wait_s) == (
         1 << 30, 20 << 30, 7, "lru", 30.0)
     assert src["host_bytes"] == f"file {toml}" and src["nvme_bytes"] == "env TIERSTORE_NVME_BYTES"
     assert src["io_threads"] == "flag --io-threads" and src["lease_wait_s"] == "default"
@@ -141,7 +145,9 @@ def test_choices_are_literal_types():
 
     from tierstore.config import choices
 
-    assert typing.get_origin(typing.get_type_hints(Config)["policy"]) is typing.Literal
+    from tierstore.config import StoreConfig
+
+    assert typing.get_origin(typing.get_type_hints(StoreConfig)["policy"]) is typing.Literal
     assert choices("policy") == ("trace", "lru") and choices("direct_io") == ("auto", "on", "off")
 
 
@@ -152,8 +158,8 @@ def test_host_bytes_zero_is_refused_and_auto_is_explicit():
         Config(host_bytes=0)
     with pytest.raises(ConfigError, match="TIERSTORE_HOST_BYTES='0': 0 would leave no host tier"):
         Config.load(env={"TIERSTORE_HOST_BYTES": "0"})
-    assert Config(host_bytes="auto").host_bytes is None
-    assert Config.load(env={"TIERSTORE_HOST_BYTES": "auto"}).host_bytes is None
+    assert Config(host_bytes="auto").store.host_bytes is None
+    assert Config.load(env={"TIERSTORE_HOST_BYTES": "auto"}).store.host_bytes is None
 
 
 def test_default_host_size_is_stable(monkeypatch):
@@ -166,3 +172,80 @@ def test_default_host_size_is_stable(monkeypatch):
     assert config_mod.default_host_bytes() == 16 << 30
     monkeypatch.setattr(config_mod, "total_memory_bytes", lambda: 128 << 20)
     assert config_mod.default_host_bytes() == 64 << 20
+
+
+# -- sections -------------------------------------------------------------------------------
+def test_flat_settings_go_to_their_section_and_sections_can_be_given_whole():
+    from tierstore.config import DaemonConfig, StoreConfig
+
+    cfg = Config(host_bytes="8MiB", nvme_dirs=["/a"], socket="/s.sock", max_clients=4)
+    assert (cfg.store.host_bytes, cfg.store.nvme_dirs, cfg.daemon.socket, cfg.daemon.max_clients) == (
+        8 << 20, ["/a"], "/s.sock", 4)
+    same = Config(store=StoreConfig(host_bytes="8MiB", nvme_dirs=["/a"]), daemon={"socket": "/s.sock"},
+                  max_clients=4)
+    assert same == cfg and cfg.get("socket") == "/s.sock"
+    assert cfg.replace(policy="lru").store.policy == "lru" and cfg.store.policy == "trace"
+    with pytest.raises(TypeError, match="unknown settings \\['hots_bytes'\\]"):
+        Config(hots_bytes=1)
+    with pytest.raises(TypeError):
+        StoreConfig(socket="/s.sock")  # a daemon setting is not the store's
+
+
+def test_a_store_reads_only_its_section(tmp_path):
+    from tierstore import Store
+
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[str(tmp_path)], nvme_bytes="64MiB", socket="/unused"),
+               policy="lru") as s:
+        assert s.config.policy == "lru" and s.config.host_bytes == 8 << 20
+        assert not hasattr(s.config, "socket")
+
+
+def test_toml_tables_and_the_older_flat_keys_both_read(tmp_path):
+    from tierstore.config import sourced_config_from_args
+
+    tables = tmp_path / "tables.toml"
+    tables.write_text('[store]\nhost_bytes = "1GiB"\nnvme_dirs = ["/a"]\n[daemon]\nsocket = "/s.sock"\n')
+    flat = tmp_path / "flat.toml"
+    flat.write_text('host_bytes = "1GiB"\nnvme_dirs = ["/a"]\nsocket = "/s.sock"\n')
+    assert Config.load(tables, env={}) == Config.load(flat, env={}) == Config(host_bytes="1GiB", nvme_dirs=["/a"],
+                                                                              socket="/s.sock")
+    cfg, src = sourced_config_from_args(_parser().parse_args(["--config", str(tables), "--socket", "/f.sock"]),
+                                        env={"TIERSTORE_HOST_BYTES": "2GiB"})
+    assert (cfg.store.host_bytes, cfg.store.nvme_dirs, cfg.daemon.socket) == (2 << 30, ["/a"], "/f.sock")
+    assert (src["host_bytes"], src["nvme_dirs"], src["socket"]) == (
+        "env TIERSTORE_HOST_BYTES", f"file {tables}", "flag --socket")
+
+
+def test_a_toml_key_in_the_wrong_table_is_named(tmp_path):
+    from tierstore.config import ConfigError
+
+    toml = tmp_path / "t.toml"
+    toml.write_text('[store]\nsocket = "/s.sock"\n')
+    with pytest.raises(ConfigError, match=r"unknown keys \['\[store\] socket \(it belongs in \[daemon\]\)'\]"):
+        Config.load(toml, env={})
+    toml.write_text('[daemon]\nio_threads = "many"\n[store]\n')
+    with pytest.raises(ConfigError, match="belongs in \\[store\\]"):
+        Config.load(toml, env={})
+    toml.write_text('[store]\nio_threads = "many"\n')
+    with pytest.raises(ConfigError, match=r"^.*t\.toml: \[store\] io_threads = 'many': expected an integer$"):
+        Config.load(toml, env={})
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "toml", "python"])
+def test_a_choice_outside_its_literal_is_one_line_naming_the_setting(tmp_path, how):
+    from tierstore.config import ConfigError, sourced_config_from_args
+
+    with pytest.raises(ConfigError) as e:
+        if how == "flag":
+            sourced_config_from_args(_parser().parse_args(["--direct-io", "maybe"]), env={})
+        elif how == "env":
+            Config.load(env={"TIERSTORE_DIRECT_IO": "maybe"})
+        elif how == "toml":
+            (tmp_path / "t.toml").write_text('[store]\ndirect_io = "maybe"\n')
+            Config.load(tmp_path / "t.toml", env={})
+        else:
+            Config(direct_io="maybe")
+    named = {"flag": "--direct-io maybe", "env": "TIERSTORE_DIRECT_IO='maybe'",
+             "toml": "[store] direct_io = 'maybe'", "python": "direct_io"}[how]
+    assert named in str(e.value) and "expected one of auto, on, off" in str(e.value)
+    assert "\n" not in str(e.value)

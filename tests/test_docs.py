@@ -18,6 +18,7 @@ from dataclasses import fields
 import pytest
 
 from tierstore import Config
+from tierstore.config import SECTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^```(python|bash) runnable[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -59,13 +60,15 @@ def test_the_systemd_unit_sets_nothing_behind_the_toml_files_back():
     example = ROOT / "docs" / "examples" / "tierstore.toml"
     cfg = Config.load(example, env={})  # every key is a setting
     runtime = re.search(r"^RuntimeDirectory=(\S+)$", unit, re.M).group(1)
-    assert cfg.socket == f"/run/{runtime}/tierstore.sock"
-    assert "nvme_dirs" in tomllib.loads(example.read_text())
+    assert cfg.daemon.socket == f"/run/{runtime}/tierstore.sock"
+    assert "nvme_dirs" in tomllib.loads(example.read_text())["store"]
     assert f"install -D -m 0644 docs/examples/tierstore.toml {conf}" in (ROOT / "docs" / "daemon.md").read_text()
 
 
 def test_the_settings_table_lists_every_setting():
     text = (ROOT / "docs" / "store.md").read_text()
-    table = text[text.index("| field | default | meaning |"):].split("\n\n")[0]
-    listed = [name for row in re.findall(r"^\| ([^|]+) \|", table, re.M) for name in re.findall(r"`(\w+)`", row)]
-    assert sorted(listed) == sorted(f.name for f in fields(Config))
+    for section, cls in SECTIONS.items():
+        table = text[text.index(f"| `[{section}]` setting | default | meaning |"):].split("\n\n")[0]
+        listed = [name for row in re.findall(r"^\| ([^|]+) \|", table, re.M)[1:]
+                  for name in re.findall(r"`(\w+)`", row)]
+        assert sorted(listed) == sorted(f.name for f in fields(cls)), section

@@ -66,7 +66,7 @@ def test_an_unset_nvme_size_shrinks_to_the_free_space_and_says_so(tmpfs, caplog)
     from tierstore.preflight import check_start
 
     with caplog.at_level(logging.WARNING, "tierstore.preflight"):
-        cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB").resolved())
+        cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB").resolved().store)
     assert 0 < cfg.nvme_bytes <= 24 << 20 and "has room for less than the default 64.0 GiB" in caplog.text
 
 
@@ -86,7 +86,7 @@ def test_a_set_nvme_size_beyond_the_free_space_is_a_warning_when_files_grow(tmpf
 
     with caplog.at_level(logging.WARNING, "tierstore.preflight"):
         cfg = check_start(Config(nvme_dirs=[tmpfs], host_bytes="16MiB", nvme_bytes="10TiB",
-                                 nvme_grow_bytes="1MiB").resolved())
+                                 nvme_grow_bytes="1MiB").resolved().store)
     assert cfg.nvme_bytes == 10 << 40
     assert "nvme_bytes is 10.0 TiB but the filesystem of" in caplog.text and "lower nvme_bytes to at most 24.0 MiB" \
         in caplog.text
@@ -97,7 +97,7 @@ def test_a_file_where_the_nvme_dir_should_be_is_refused(tmp_path):
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(InvalidArgument, match="exists and is not a directory"):
-        check_start(Config(nvme_dirs=[str(tmp_path / "f")], host_bytes="16MiB").resolved())
+        check_start(Config(nvme_dirs=[str(tmp_path / "f")], host_bytes="16MiB").resolved().store)
 
 
 def test_arena_populates_later_when_asked(tmp_path):

@@ -1,9 +1,14 @@
-"""Configuration: one dataclass, the single source of every knob.
+"""Configuration: the single source of every knob, in two typed sections.
 
-Each ``Config`` field is one setting. Its name is the TOML key; ``TIERSTORE_`` + the
-upper-cased name is its environment variable; the dashed name is its flag
-(``--nvme-dir`` and ``--allowed-group`` are singular and may be repeated). Flags and
-variables are generated from the field list, and every source's text goes through one
+``Config`` holds a ``store`` section (``StoreConfig``: tiers, NVMe I/O, placement,
+leases, journal, prefetcher; all an in-process ``Store`` reads) and a ``daemon``
+section (``DaemonConfig``: socket, admission, time limits, metrics). Each field of a
+section is one setting, its name unique across sections. Its name is the TOML key (in
+the section's table, ``[store]`` or ``[daemon]``; flat keys at the top level are read
+too); ``TIERSTORE_`` + the upper-cased name is its environment variable; the dashed
+name is its flag (``--nvme-dir`` and ``--allowed-group`` are singular and may be
+repeated). Flags and variables are generated from the fields, so every setting has
+both, and every source's text goes through one
 parser per field (``parse_setting``), so ``"8GiB"`` means the same everywhere and an
 error names the setting as it was given (``TIERSTORE_IO_THREADS='abc': expected an
 integer``). Precedence, lowest first: embedded defaults, TOML file, environment,
@@ -23,7 +28,8 @@ from typing import Any, Literal, Mapping
 
 from .units import format_size, parse_size
 
-__all__ = ["Config", "ConfigError", "ArgumentParser", "daemon_parser", "default_socket_path", "default_nvme_dir", "default_host_bytes",
+__all__ = ["Config", "StoreConfig", "DaemonConfig", "SECTIONS", "ConfigError", "ArgumentParser", "daemon_parser",
+           "default_socket_path", "default_nvme_dir", "default_host_bytes",
            "DEFAULT_NVME_BYTES", "add_config_flags", "config_from_args", "sourced_config_from_args",
            "parse_setting", "env_name", "flag_name", "describe_value"]
 
@@ -86,9 +92,23 @@ def _knob(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = 
     return field(default=default, metadata=meta)
 
 
+def _check(section: Any) -> None:
+    """Parse a section's values given as text (or sizes as ints or text) and check minimums."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if _kind(f.name) in ("list", "size") or (isinstance(value, str) and _kind(f.name) != "str"):
+            setattr(section, f.name, parse_setting(f.name, value))
+    for f in fields(section):
+        low = f.metadata.get("minimum")
+        value = getattr(section, f.name)
+        if low is not None and value is not None and value < low:
+            raise ConfigError(f"must be at least {low:g}", field=f.name, value=value)
+
+
 @dataclass(kw_only=True, slots=True)
-class Config:
-    """Everything a store or daemon needs to start. Sizes accept ints or "8GiB"."""
+class StoreConfig:
+    """The ``store`` section: what an in-process ``Store`` (and so the daemon's) uses —
+    the tiers, NVMe I/O, placement, leases, the journal and the prefetcher."""
 
     host_bytes: int | None = _knob(None, "capacity of the shared host arena, e.g. 8GiB (default: a quarter of "
                                          "total memory, at most 16GiB; 'auto' says so explicitly)")
@@ -101,8 +121,6 @@ class Config:
                                          "IPC handle each)")
     policy: Literal["trace", "lru"] = _knob("trace", "eviction order: trace (next use in each client's learned "
                                                      "access order; LRU until one is learned) or lru")
-    socket: str = _knob("", "daemon socket path (default: $XDG_RUNTIME_DIR/tierstore/tierstore.sock, else "
-                            "/run/tierstore/tierstore.sock)")
     engine: Literal["auto", "posix", "kvikio"] = _knob("auto", "NVMe I/O engine: auto (kvikio where CUDA works, "
                                                                "else posix), posix or kvikio")
     direct_io: Literal["auto", "on", "off"] = _knob("auto", "O_DIRECT: auto (probe each directory), on (fail if "
@@ -122,6 +140,34 @@ class Config:
     prefetch: bool = _knob(True, "learn each client's access order and fetch the next objects ahead of use")
     prefetch_budget_bytes: int = _knob(256 << 20, "bytes the prefetcher may have in flight or resident but unused")
     prefetch_max_inflight: int = _knob(8, "prefetch reads in flight at once", minimum=1)
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.host_bytes == 0:
+            raise ConfigError("0 would leave no host tier, which every object passes through; give a size such "
+                              "as 8GiB, or leave it unset (auto: a quarter of total memory, at most 16GiB)",
+                              field="host_bytes")
+        if self.io_chunk_bytes < (1 << 20) or self.io_chunk_bytes % (1 << 20):
+            raise ConfigError("must be a positive multiple of 1 MiB", field="io_chunk_bytes",
+                              value=self.io_chunk_bytes)
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1",
+                              field="low_watermark", value=self.low_watermark)
+
+    def resolved(self) -> "StoreConfig":
+        """A copy with the machine-dependent defaults filled in (``nvme_bytes`` stays
+        unset until the start-up checks have seen the filesystem: ``tierstore.preflight``)."""
+        return dataclasses.replace(self, host_bytes=self.host_bytes or default_host_bytes(),
+                                   nvme_dirs=list(self.nvme_dirs) or [default_nvme_dir()])
+
+
+@dataclass(kw_only=True, slots=True)
+class DaemonConfig:
+    """The ``daemon`` section: what only the node daemon uses — its socket, who it
+    admits and how many, time limits on what a connection holds, metrics."""
+
+    socket: str = _knob("", "daemon socket path (default: $XDG_RUNTIME_DIR/tierstore/tierstore.sock, else "
+                            "/run/tierstore/tierstore.sock)")
     allowed_groups: list[str] = _knob(help="admit members of this group (name or gid) besides the daemon's own "
                                            "uid and root; repeatable", factory=list, flag="--allowed-group")
     lease_timeout_s: float = _knob(0.0, "revoke leases held longer than this many seconds (0: only when the "
@@ -138,41 +184,64 @@ class Config:
     metrics_addr: str = _knob("127.0.0.1", "address the metrics endpoint binds")
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if _kind(f.name) in ("list", "size") or (isinstance(value, str) and _kind(f.name) != "str"):
-                object.__setattr__(self, f.name, parse_setting(f.name, value))
-        for f in fields(self):
-            low = f.metadata.get("minimum")
-            value = getattr(self, f.name)
-            if low is not None and value is not None and value < low:
-                raise ConfigError(f"must be at least {low:g}", field=f.name, value=value)
-        if self.host_bytes == 0:
-            raise ConfigError("0 would leave no host tier, which every object passes through; give a size such "
-                              "as 8GiB, or leave it unset (auto: a quarter of total memory, at most 16GiB)",
-                              field="host_bytes")
-        if self.io_chunk_bytes < (1 << 20) or self.io_chunk_bytes % (1 << 20):
-            raise ConfigError("must be a positive multiple of 1 MiB", field="io_chunk_bytes",
-                              value=self.io_chunk_bytes)
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1",
-                              field="low_watermark", value=self.low_watermark)
+        _check(self)
+
+    def resolved(self) -> "DaemonConfig":
+        return dataclasses.replace(self, socket=self.socket or default_socket_path())
+
+
+SECTIONS: dict[str, type] = {"store": StoreConfig, "daemon": DaemonConfig}
+"""Section name (the ``Config`` attribute and the TOML table) -> its dataclass."""
+
+_SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+_FIELDS: dict[str, dataclasses.Field] = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
+
+
+@dataclass(init=False, slots=True)
+class Config:
+    """Everything a store or daemon needs to start, in two sections: ``store``
+    (``StoreConfig``) and ``daemon`` (``DaemonConfig``). Each setting's name is unique
+    across sections, so settings may also be given flat: ``Config(host_bytes="8GiB",
+    socket="/run/x.sock")`` is ``Config(store=StoreConfig(host_bytes="8GiB"),
+    daemon=DaemonConfig(socket="/run/x.sock"))``. Sizes accept ints or "8GiB"."""
+
+    store: StoreConfig
+    daemon: DaemonConfig
+
+    def __init__(self, *, store: StoreConfig | Mapping[str, Any] | None = None,
+                 daemon: DaemonConfig | Mapping[str, Any] | None = None, **settings: Any) -> None:
+        given = {"store": store, "daemon": daemon}
+        unknown = sorted(set(settings) - set(_SECTION_OF))
+        if unknown:
+            raise TypeError(f"Config() got unknown settings {unknown}; the settings are listed by "
+                            "`tierstore config`")
+        for name, cls in SECTIONS.items():
+            section, own = given[name], {k: v for k, v in settings.items() if _SECTION_OF[k] == name}
+            if section is None or isinstance(section, Mapping):
+                section = cls(**{**(section or {}), **own})
+            elif own:
+                section = dataclasses.replace(section, **own)
+            setattr(self, name, section)
+
+    def replace(self, **settings: Any) -> "Config":
+        """A copy with some settings (by their flat names) changed."""
+        return Config(store=self.store, daemon=self.daemon, **settings)
+
+    def get(self, name: str) -> Any:
+        """The value of setting ``name`` (``cfg.get("socket")`` is ``cfg.daemon.socket``)."""
+        return getattr(getattr(self, _SECTION_OF[name]), name)
 
     # -- resolution of embedded defaults -------------------------------------------------
     def resolved(self) -> "Config":
         """A copy with the machine-dependent defaults filled in (``nvme_bytes`` stays
         unset until the start-up checks have seen the filesystem: ``tierstore.preflight``)."""
-        return dataclasses.replace(
-            self,
-            host_bytes=self.host_bytes or default_host_bytes(),
-            nvme_dirs=list(self.nvme_dirs) or [default_nvme_dir()],
-            socket=self.socket or default_socket_path(),
-        )
+        return Config(store=self.store.resolved(), daemon=self.daemon.resolved())
 
     # -- loading -------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """Every setting's name, section by section."""
+        return list(_SECTION_OF)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
@@ -184,17 +253,17 @@ class Config:
     def load_sourced(cls, path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
                      overrides: Mapping[str, Any] | None = None,
                      override_source: Mapping[str, str] | None = None) -> tuple["Config", dict[str, str]]:
-        """``load``, and where each field's value came from: ``default``, ``file PATH``,
+        """``load``, and where each setting's value came from: ``default``, ``file PATH``,
         ``env TIERSTORE_X`` or (``override_source``, default ``argument``) the flag."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         sources = dict.fromkeys(cls.field_names(), "default")
-        given: dict[str, str] = {}  # field -> the setting as written, for errors found after parsing
+        given: dict[str, str] = {}  # setting -> as written, for errors found after parsing
         if not path and env.get("TIERSTORE_CONFIG"):
             path = env["TIERSTORE_CONFIG"]
         if path:
-            for name, value in _read_toml(path).items():
-                given[name], sources[name] = f"{path}: {name} = {value!r}", f"file {path}"
+            for name, (key, value) in _read_toml(path).items():
+                given[name], sources[name] = f"{path}: {key} = {value!r}", f"file {path}"
                 values[name] = _parse_from(name, value, given[name])
         for name in cls.field_names():
             raw = env.get(env_name(name))
@@ -215,7 +284,10 @@ class Config:
             raise
 
 
-def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
+def _read_toml(path: str | os.PathLike) -> dict[str, tuple[str, Any]]:
+    """setting -> (its key as written in the file, value). A ``[store]`` or ``[daemon]``
+    table holds that section's settings; flat keys at the top (or under ``[tierstore]``)
+    are read too, as before sections existed."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -226,11 +298,24 @@ def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     data = data.get("tierstore", data)
-    unknown = sorted(set(data) - set(Config.field_names()))
+    out: dict[str, tuple[str, Any]] = {}
+    unknown: list[str] = []
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for name, v in value.items():
+                if _SECTION_OF.get(name) != key:
+                    where = f" (it belongs in [{_SECTION_OF[name]}])" if name in _SECTION_OF else ""
+                    unknown.append(f"[{key}] {name}{where}")
+                else:
+                    out[name] = (f"[{key}] {name}", v)
+        elif key in _SECTION_OF:
+            out[key] = (key, value)
+        else:
+            unknown.append(key)
     if unknown:
         raise ConfigError(f"config file {path}: unknown keys {unknown}; valid keys are the settings listed by "
-                          "`tierstore config`")
-    return data
+                          "`tierstore config`, in their [store] or [daemon] table")
+    return out
 
 
 # -- one parser per field, whatever the source --------------------------------------------
@@ -240,7 +325,7 @@ _HINTS: dict[str, Any] | None = None
 def _hints() -> dict[str, Any]:
     global _HINTS
     if _HINTS is None:
-        _HINTS = typing.get_type_hints(Config)
+        _HINTS = {k: v for cls in SECTIONS.values() for k, v in typing.get_type_hints(cls).items()}
     return _HINTS
 
 
@@ -267,7 +352,7 @@ def env_name(name: str) -> str:
 
 
 def flag_name(name: str) -> str:
-    f = next(f for f in fields(Config) if f.name == name)
+    f = _FIELDS[name]
     return f.metadata.get("flag") or "--" + name.replace("_", "-")
 
 
@@ -355,7 +440,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     after argparse, so a bad value is reported as ``--flag VALUE: problem``."""
     g = p.add_argument_group("configuration (flags override TIERSTORE_* variables, which override the TOML file)")
     g.add_argument("--config", metavar="FILE", help="TOML file of settings (default: $TIERSTORE_CONFIG)")
-    for f in fields(Config):
+    groups = {name: p.add_argument_group(f"{name} settings ([{name}] in the TOML file)") for name in SECTIONS}
+    for f in _FIELDS.values():
+        g = groups[_SECTION_OF[f.name]]
         kind = _kind(f.name)
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata["help"]

@@ -17,7 +17,7 @@ import fcntl
 import logging
 import os
 
-from .config import DEFAULT_NVME_BYTES, Config, total_memory_bytes
+from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes
 from .errors import InvalidArgument
 from .units import PAGE, format_size
 
@@ -33,8 +33,8 @@ _AUTO_NVME_SHARE = 0.9
 the journal and for whatever else lives there."""
 
 
-def check_start(cfg: Config) -> Config:
-    """Check a resolved config against the machine; return it with ``nvme_bytes`` set
+def check_start(cfg: StoreConfig) -> StoreConfig:
+    """Check a resolved store section against the machine; return it with ``nvme_bytes`` set
     (64 GiB, or less with a warning where the filesystems have less room)."""
     for d in cfg.nvme_dirs:
         check_dir(d)
@@ -84,8 +84,8 @@ def check_start(cfg: Config) -> Config:
 def check_daemon_start(cfg: Config) -> None:
     """``check_start`` plus the daemon's socket directory (made if missing, writable)."""
     resolved = cfg.resolved()
-    check_dir(os.path.dirname(resolved.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
-    check_start(resolved)
+    check_dir(os.path.dirname(resolved.daemon.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
+    check_start(resolved.store)
 
 
 def nvme_room(dirs: list[str]) -> list[tuple[int, int, list[str]]]:

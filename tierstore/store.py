@@ -38,7 +38,7 @@ from ._version import __version__
 from .allocator import ExtentAllocator
 from .batch import LeaseGroup
 from .arena import Arena
-from .config import Config
+from .config import Config, StoreConfig
 from .engine import select_engine
 from .gpu import GpuTier, detect_backend
 from .errors import (Busy, CapacityExceeded, Closed, InvalidArgument, KeyExists, NotFound,
@@ -134,7 +134,7 @@ class _NamespaceView:
 class Store(Leasing, Puts, Movement, Recovery):
     """An in-process tiered tensor store (host arena + NVMe), usable without a daemon."""
 
-    def __init__(self, config: Config | None = None, *, namespace: str = "default",
+    def __init__(self, config: Config | StoreConfig | None = None, *, namespace: str = "default",
                  inherited_fds: dict[str, int] | None = None, gpu_backend: Any = None,
                  populate_host: bool = True, **overrides: Any) -> None:
         """Start-up checks (``tierstore.preflight``: directories, their locks, free disk,
@@ -144,11 +144,14 @@ class Store(Leasing, Puts, Movement, Recovery):
         ``inherited_fds`` (``{"arena": fd, "index": fd}``, from systemd's fd store) hands
         back the host arena and its index of a previous daemon: its host-resident objects,
         volatile ones included, are adopted instead of lost. ``gpu_backend``: the CUDA
-        calls of the GPU tier (default: ``tierstore.gpu.detect_backend()``)."""
-        cfg = config or Config()
+        calls of the GPU tier (default: ``tierstore.gpu.detect_backend()``). ``config`` is
+        a ``Config`` (the store reads its ``store`` section, kept as ``self.config``) or a
+        ``StoreConfig``; ``overrides`` are store settings by name."""
+        cfg = (config or Config()).store if not isinstance(config, StoreConfig) else config
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
-        self.config = cfg = check_start(cfg.resolved())
+        self.config: StoreConfig = check_start(cfg.resolved())
+        cfg = self.config
         self.namespace = validate_namespace(namespace)
         self._started = time.monotonic()
         self._cv = threading.Condition(threading.Lock())
