@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from tierstore.contract import Pool, ReportsActivations
 from tierstore.errors import InvalidArgument, TierstoreError
 
 __all__ = ["ActivationOffload", "ActivationStats", "offload_activations"]
@@ -154,17 +155,13 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 class ActivationOffload:
     """Saved-tensor hooks that keep activations in a tierstore pool; see ``offload_activations``."""
 
-    def __init__(self, store: Any, *, min_bytes: int, tier: str | None, inflight_bytes: int, prefetch_bytes: int,
+    def __init__(self, store: Pool, *, min_bytes: int, tier: str | None, inflight_bytes: int, prefetch_bytes: int,
                  threads: int, wait_s: float) -> None:
         if min_bytes < 0 or inflight_bytes <= 0 or prefetch_bytes < 0 or threads < 1 or wait_s < 0:
             raise InvalidArgument("min_bytes and prefetch_bytes must be >= 0, inflight_bytes > 0, threads >= 1, "
                                   "wait_s >= 0")
         if tier not in (None, "host", "nvme"):
             raise InvalidArgument(f"tier must be None, 'host' or 'nvme' for activations, got {tier!r}")
-        features = getattr(store, "server", {}).get("features") if hasattr(store, "server") else None
-        if features is not None and "ephemeral" not in features:
-            raise InvalidArgument("the daemon predates ephemeral objects, which activation offload needs "
-                                  "(they go with a process that dies): restart it with this version")
         self.store = store
         self.min_bytes, self.tier, self.wait_s = min_bytes, tier, wait_s
         self.inflight_bytes, self.prefetch_bytes = inflight_bytes, prefetch_bytes
@@ -188,7 +185,8 @@ class ActivationOffload:
                          for k in range(threads)]
         for w in self._workers:
             w.start()
-        self._reporter = getattr(store, "report_activations", None)  # a daemon Client: counters for `stat`
+        # a daemon Client shows the counters in `stat`; an in-process Store has no one to show them to
+        self._reporter = store.report_activations if isinstance(store, ReportsActivations) else None
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "ActivationOffload":
@@ -516,11 +514,8 @@ class ActivationOffload:
     def _read(self, handle: Any, e: _Entry) -> torch.Tensor:
         if e.device.type == "cuda":
             buf = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-            if hasattr(self.store, "_get_cuda"):  # a daemon client: side-stream copy from the pinned arena
-                self.store.get(handle, out=buf, stream=_STREAM)
-            else:  # an in-process Store reads to host memory
-                buf.copy_(self.store.get(handle, stream=_STREAM))
-            return buf
+            # a daemon Client copies on a side stream from the pinned arena; a Store through host memory
+            return self.store.get(handle, out=buf, stream=_STREAM)
         return self.store.get(handle, stream=_STREAM)
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -580,7 +575,7 @@ class ActivationOffload:
                 self._gets.put(None)
 
 
-def offload_activations(client: Any, *, min_bytes: int = 1 << 20, tier: str | None = None,
+def offload_activations(client: Pool, *, min_bytes: int = 1 << 20, tier: str | None = None,
                         inflight_bytes: int = 256 << 20, prefetch_bytes: int = 128 << 20, threads: int = 2,
                         wait_s: float = 0.0) -> ActivationOffload:
     """Keep the tensors autograd saves for backward in the pool (``client``: a daemon

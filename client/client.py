@@ -20,14 +20,15 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from tierstore.arena import map_arena_fd
 from tierstore.batch import LeaseGroup, check_each
 from tierstore.config import default_socket_path
-from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, TierstoreError
+from tierstore._version import __version__
+from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
@@ -42,6 +43,11 @@ _SLOTS = 32
 """``put_async`` of an object up to ``_SLOT_BYTES`` copies it into one of ``_SLOTS`` slots
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
+
+_NEEDS = frozenset({"ephemeral", "batch", "source", "each", "activations", "pages"})
+"""What this client asks of the daemon beyond the protocol version (``hello``'s
+``features``): a daemon without one of them is refused at connect, so no call has to
+fall back for it."""
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +213,13 @@ class Client:
         except BaseException:
             conn.close()
             raise
+        missing = _NEEDS - set(hello.get("features", ()))
+        if missing:
+            conn.close()
+            os.close(fd)
+            raise ProtocolError(f"the daemon on {path} (tierstore {hello.get('server_version', '?')}) lacks "
+                                f"{', '.join(sorted(missing))}, which this client (tierstore {__version__}) uses; "
+                                "install matching tierstore versions and restart the daemon")
         return cls(conn, ns, hello, fd)
 
     # ------------------------------------------------------------------ data
@@ -216,10 +229,7 @@ class Client:
         frees the object when this connection ends, however it ends (not with ``durable``)."""
         if tier == "gpu" and not self.server.get("gpu_tier"):
             raise InvalidArgument(f"the daemon has no GPU tier: {self.server.get('gpu_reason', 'not configured')}")
-        if ephemeral and "ephemeral" not in self.server.get("features", ()):
-            raise InvalidArgument(f"the daemon (tierstore {self.server.get('server_version', '?')}) predates "
-                                  "ephemeral objects: restart it with this version")
-        eph = {"ephemeral": True} if ephemeral else {}  # daemons without the field still take plain puts
+        eph = {"ephemeral": True} if ephemeral else {}  # the field only when set: most puts stay one field shorter
         if self._closing:  # (a put copies into the arena before its first message: say why here)
             raise Closed("this client is closed: connect again")
         if _is_cuda(tensor) or tier == "gpu":
@@ -301,9 +311,6 @@ class Client:
         if source is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
-            if "source" not in self.server.get("features", ()):
-                raise InvalidArgument("this daemon has no check-out from a source (an older version); check the "
-                                      "source out 'r' and copy it into a 'w' lease, or upgrade the daemon")
             fields["source"] = _wire(source)
         return fields
 
@@ -312,51 +319,23 @@ class Client:
         """Several independent check-outs in one message: one round trip instead of one
         per object. Each request is ``(handle, mode, source)`` as ``checkout`` takes them
         (``source`` None for none); each is a check-out of its own, recorded in the order
-        given. If any fails, the others are given back unused (unchanged, as
+        given. If any fails, the daemon gives the others back unused (unchanged, as
         ``checkout_many`` gives back a failed batch, but for a check-out from a source:
         that object then holds the source's bytes) and the first error is raised.
         Returns a ``LeaseGroup`` (``release()`` checks every lease still held in with one
-        message). A daemon without the ``each`` feature gets the check-outs back to back."""
+        message)."""
         reqs = list(requests)
         check_each(reqs)
         fields = [self._checkout_fields(h, m, timeout_s, stream, src) for h, m, src in reqs]
-        if "each" in self.server.get("features", ()):
-            r = self._conn.request("checkout_each", requests=[[f["handle"], f["mode"], f.get("source")]
-                                                              for f in fields],
-                                   timeout_s=timeout_s, stream=stream)
-            leases = []
-            for (_, mode, _), one in zip(reqs, r["leases"]):
-                one["mode"] = mode
-                leases.append(ClientLease(self, one))
-            return LeaseGroup(leases, self._release_many)
-        futs = [self._conn.submit("checkout", **f) for f in fields]
+        r = self._conn.request("checkout_each", requests=[[f["handle"], f["mode"], f.get("source")] for f in fields],
+                               timeout_s=timeout_s, stream=stream)
         leases = []
-        failed: BaseException | None = None
-        for (_, mode, _), fut in zip(reqs, futs):
-            try:
-                r = self._conn.wait(fut)
-            except BaseException as e:  # the others are still answered: take them, then give them back
-                failed = failed or e
-                continue
-            r["mode"] = mode
-            leases.append(ClientLease(self, r))
-        if failed is not None:
-            unused = "unused" in self.server.get("features", ())
-            for lease in leases:  # never used: given back as if not taken (an older daemon: checked in)
-                token = lease._take()
-                if token is None:
-                    continue
-                try:
-                    if unused:
-                        self._conn.submit("release", lid=token[0], unused=True).add_done_callback(_log_release_error)
-                    else:
-                        self._conn.request("release", lid=token[0])
-                except TierstoreError as e:
-                    log.warning("giving back a check-out after another failed: %s", e)
-            raise failed
+        for (_, mode, _), one in zip(reqs, r["leases"]):
+            one["mode"] = mode
+            leases.append(ClientLease(self, one))
         return LeaseGroup(leases, self._release_many)
 
-    def checkout_many(self, handles: Iterable[Handle | int | str], mode: str | Iterable[str] = "r", *,
+    def checkout_many(self, handles: Sequence[Handle | int | str], mode: str | Sequence[str] = "r", *,
                       timeout_s: float | None = None, stream: str = "default") -> LeaseGroup:
         """Check out several objects in one round trip (``mode``: one for all, or one per
         object): all of them or, on an error, none. Returns a ``LeaseGroup`` whose
@@ -366,9 +345,6 @@ class Client:
         for m in [modes] if isinstance(modes, str) else modes:
             if m not in ("r", "rw", "w"):
                 raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {m!r}")
-        if "batch" not in self.server.get("features", ()):
-            raise InvalidArgument("this daemon has no batch check-out (an older version); use checkout() per "
-                                  "object, or upgrade the daemon")
         r = self._conn.request("checkout_many", handles=hs, modes=modes, timeout_s=timeout_s, stream=stream)
         leases = []
         for i, one in enumerate(r["leases"]):
@@ -413,11 +389,8 @@ class Client:
         except IndexError:  # other threads took them
             return None
         try:
-            off, n = self._staging_area()
+            off, _ = self._staging_area()
             src = _STAGED_MAX + slot * _SLOT_BYTES
-            if src + _SLOT_BYTES > n:  # an area from before slots existed
-                self._slots.append(slot)
-                return None
             if spec.nbytes:
                 self._arena[off + src:off + src + spec.nbytes] = u8
             sent = self._conn.submit("put_staged", src=src, kind=spec.kind, dtype=spec.dtype,
@@ -474,9 +447,6 @@ class Client:
         return self._pages("ls", "objects", prefix, page)
 
     def _pages(self, op: str, name: str, prefix: str, page: int | None) -> Iterator[Any]:
-        if "pages" not in self.server.get("features", ()):  # a daemon from before paged listings
-            yield from self._conn.request(op, prefix=prefix)
-            return
         after = None
         while True:
             fields: dict[str, Any] = {"prefix": prefix, "after": after, "page": True}
@@ -516,9 +486,8 @@ class Client:
 
     def report_activations(self, counters: dict[str, Any]) -> None:
         """Tell the daemon this process's activation-offload counters, for ``stat`` and the
-        metrics (no reply awaited; a daemon that predates them is not told)."""
-        if "activations" in self.server.get("features", ()):
-            self._conn.submit("client_info", activations=counters).add_done_callback(_log_hint_error)
+        metrics (no reply awaited)."""
+        self._conn.submit("client_info", activations=counters).add_done_callback(_log_hint_error)
 
     def stat(self, *, ops: bool = False) -> dict[str, Any]:
         """The daemon's state (see DESIGN.md); ``ops=True`` adds per-op counts and latency histograms."""

@@ -3,8 +3,8 @@
 
 This module owns the step's order, the state versions (two, crash-consistent, or one), buckets, resume and
 the state-dict format; the GPU update path is in ``optimizer_gpu``. It talks to the
-pool only through put / get / checkout / checkout_each / lookup / keys / prefetch /
-free / step, so a daemon ``Client`` and an in-process ``Store`` both work.
+pool only through ``tierstore.contract.Pool``, so a daemon ``Client`` and an
+in-process ``Store`` both work.
 
 Length: one concept, the offloaded optimizer's step; update in backward is in
 ``backward``, the CUDA update path in ``optimizer_gpu``.
@@ -16,12 +16,16 @@ import contextlib
 import inspect
 import logging
 from collections.abc import MutableMapping
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
+from tierstore.contract import Pool, PoolLease
 from tierstore.errors import CapacityExceeded, NotFound, StaleHandle, TierstoreError
 from tierstore.units import align_up, format_size
+
+if TYPE_CHECKING:
+    from tierstore.batch import LeaseGroup
 
 from .backward import BackwardUpdates
 from .optimizer_gpu import GpuUpdates, _GpuItem
@@ -38,15 +42,6 @@ together, up to this many bytes of state at a time."""
 _BUCKET_MAX = 256
 """Most parameters in one bucket (each has a few state tensors: well below one
 ``checkout_each`` list's 4096)."""
-
-
-def _release_all(leases: Any) -> None:
-    """Check in a ``LeaseGroup`` (one message) or a list of leases (one each)."""
-    if hasattr(leases, "release"):
-        leases.release()
-    else:
-        for lease in leases:
-            lease.release()
 
 
 def _pytag(v: Any) -> tuple[str, torch.Tensor]:
@@ -180,7 +175,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
     parameter back to the GPU.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, store: Any, *, tier: str | None = "nvme",
+    def __init__(self, inner: torch.optim.Optimizer, store: Pool, *, tier: str | None = "nvme",
                  prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
                  resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  crash_consistent: bool | None = None, update_in_backward: bool = False) -> None:
@@ -197,7 +192,6 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         self._bucket_limit = bucket_bytes  # lowered when a bucket does not fit in the host tier at once
         self._streams: Any = None  # per-device copy streams, made on first GPU update
         self._handles: dict[str, Any] = {}  # key -> handle, so a step does not look every key up
-        self._has_source: bool | None = None
         closure = inspect.signature(inner.step).parameters.get("closure")
         if closure is not None and closure.default is inspect.Parameter.empty:
             raise TypeError(f"{type(inner).__name__} needs a closure for every step and keeps one state for all "
@@ -374,8 +368,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                 self.store.free(h)
             self._torn_marked = False
         self._in_step = _StepWork()
-        if hasattr(self.store, "step"):
-            self.store.step()
+        self.store.step()
         # the next step starts where this one did: its first state comes up meanwhile (during the
         # forward pass, and the backward up to the first update when updating in backward)
         first = self.backward.first_items() if self.backward is not None else []
@@ -422,8 +415,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         return n * align_up(max(4 * _local(p)[1].numel(), 1)) + (len(layout) - n) * align_up(8)
 
     def _bucketable(self, gi: int, pi: int, p: torch.Tensor) -> bool:
-        return ((gi, pi) in self._layout and not self._on_gpu(p) and (self._sourced() or self.versions == 1)
-                and self._state_bytes(gi, pi, p) <= self._bucket_limit)
+        return (gi, pi) in self._layout and not self._on_gpu(p) and self._state_bytes(gi, pi, p) <= self._bucket_limit
 
     def _bucket_end(self, work: list[tuple[int, int, torch.Tensor]], k: int) -> int:
         """End (exclusive) of the bucket starting at ``work[k]``: the parameters after it in
@@ -474,13 +466,13 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                 i += len(layout)
             self._update_many(self.param_groups[gi], updates)
         finally:
-            _release_all(leases)
+            leases.release()
 
     def _step_one(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> None:
         group = self.param_groups[gi]
         layout = self._layout.get((gi, pi))
         master_needed = self._needs_master(p)
-        leases = []
+        leases = None
         try:
             host_update = p.is_cuda and not self._on_gpu(p)
             if layout is None:
@@ -506,35 +498,20 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                     p.copy_(target)
                     target.grad = None
                 return
-            views: dict[str, torch.Tensor] = {}
             try:
-                # two versions: out of place, version `read` stays intact until the step completes;
-                # one version: in place (`write` is `read`)
-                if self._sourced() or read == write:  # the pool hands version `read`'s bytes to `write`
-                    group_leases = self._checkout_states([(gi, pi, name, write, read) for name in layout])
-                    leases.append(group_leases)
-                    views.update((name, lease.tensor) for name, lease in zip(layout, group_leases))
-                else:
-                    for name in layout:
-                        with self._checkout_state(gi, pi, name, read, "r") as s:
-                            lease = self._checkout_state(gi, pi, name, write, "w")  # fully overwritten: not read
-                            leases.append(lease)
-                            lease.tensor.copy_(s)
-                        views[name] = lease.tensor
+                # two versions: out of place, version `read` stays intact until the step completes
+                # (the pool hands its bytes to version `write`); one version: in place (`write` is `read`)
+                leases = self._checkout_states([(gi, pi, name, write, read) for name in layout])
             except CapacityExceeded as e:
-                sizes = [int(self.store.info(self._lookup(gi, pi, n, write))["nbytes"]) for n in layout]
-                copied = not self._sourced() and read != write
-                held = ("and the old version of one at a time" if copied else
-                        "(each made from the old version in place)")
-                need = sum(sizes) + (max(sizes) if copied else 0)
+                need = sum(int(self.store.info(self._lookup(gi, pi, n, write))["nbytes"]) for n in layout)
                 raise CapacityExceeded(
                     f"{e}. Updating parameter {gi}.{pi} holds the new version of each of its {len(layout)} state "
-                    f"tensors {held}: the host tier needs at least about {format_size(need)} free for it "
-                    "(plus the prefetch budget)") from None
-            self._update(group, p, layout, views)
+                    f"tensors (each made from the old version in place): the host tier needs at least about "
+                    f"{format_size(need)} free for it (plus the prefetch budget)") from None
+            self._update(group, p, layout, {name: lease.tensor for name, lease in zip(layout, leases)})
         finally:
-            for lease in leases:
-                _release_all(lease)
+            if leases is not None:
+                leases.release()
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, layout: dict[str, str],
                 views: dict[str, torch.Tensor]) -> None:
@@ -583,20 +560,6 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                 if target is not p:
                     target.grad = None
 
-    def _checkout(self, h: Any, mode: str, source: Any = None) -> Any:
-        if source is not None:
-            return self.store.checkout(h, mode, stream=_OPT_STREAM, source=source)
-        return self.store.checkout(h, mode, stream=_OPT_STREAM)
-
-    def _sourced(self) -> bool:
-        """Whether the pool takes ``checkout(..., source=)`` (an in-process store, or a daemon
-        that offers it): the update then needs no copy of the old version in this process."""
-        if self._has_source is None:
-            server = getattr(self.store, "server", None)
-            self._has_source = "source" in server.get("features", ()) if isinstance(server, dict) else \
-                hasattr(self.store, "acquire_from")
-        return self._has_source
-
     def _put_both(self, gi: int, pi: int, name: str, t: torch.Tensor) -> None:
         """Put ``t`` as every version kept of a state tensor (both, or version 0 alone)."""
         t = t.detach().contiguous()
@@ -614,48 +577,28 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
                 self._handles[key] = h
         return h
 
-    def _checkout_state(self, gi: int, pi: int, name: str, version: int, mode: str,
-                        source: int | None = None) -> Any:
-        """Check out one state tensor's ``version`` (``source``: starting with the bytes of
-        that other version)."""
-        keys = [self._key(gi, pi, name, v) for v in (version, source) if v is not None]
+    def _checkout_state(self, gi: int, pi: int, name: str, version: int, mode: str) -> PoolLease:
+        """Check out one state tensor's ``version`` (the GPU update path)."""
+        key = self._key(gi, pi, name, version)
 
-        def handles() -> list[Any]:
-            hs = [self._lookup(gi, pi, name, v) for v in (version, source) if v is not None]
-            for k, h in zip(keys, hs):
-                if h is None:
-                    raise RuntimeError(f"optimizer state {k} is missing from the pool; "
-                                       "was it freed, or is this prefix used by another job?")
-            return hs
+        def checkout() -> PoolLease:
+            h = self._lookup(gi, pi, name, version)
+            if h is None:
+                raise RuntimeError(f"optimizer state {key} is missing from the pool; "
+                                   "was it freed, or is this prefix used by another job?")
+            return self.store.checkout(h, mode, stream=_OPT_STREAM)
 
-        hs = handles()
         try:
-            return self._checkout(hs[0], mode, *hs[1:])
+            return checkout()
         except (NotFound, StaleHandle):
-            for k in keys:
-                self._handles.pop(k, None)  # a key was re-bound behind our back: look it up again
-            hs = handles()
-            return self._checkout(hs[0], mode, *hs[1:])
+            self._handles.pop(key, None)  # the key was re-bound behind our back: look it up again
+            return checkout()
 
-    def _checkout_states(self, wanted: list[tuple[int, int, str, int, int]]) -> Any:
+    def _checkout_states(self, wanted: list[tuple[int, int, str, int, int]]) -> LeaseGroup:
         """Leases on state tensors to update, ``(group, index, name, version, source)`` each:
         ``w`` on that version starting with the bytes of version ``source``, or ``rw`` on it
         where ``source`` is ``version`` (single-version state, updated in place); sent together
-        where the pool takes a list of check-outs (through a daemon, one message). Returns
-        them in order, as a ``LeaseGroup`` where the pool made one (``_release_all`` checks
-        them in)."""
-        each = getattr(self.store, "checkout_each", None)
-        if each is None or len(wanted) == 1:
-            out: list[Any] = []
-            try:
-                for gi, pi, name, version, source in wanted:
-                    out.append(self._checkout_state(gi, pi, name, version, "rw") if source == version else
-                               self._checkout_state(gi, pi, name, version, "w", source=source))
-            except BaseException:
-                for lease in out:
-                    lease.release()
-                raise
-            return out
+        (through a daemon, one message). Returns them in order, as a ``LeaseGroup``."""
 
         def requests() -> list[tuple[Any, str, Any]]:
             reqs = []
@@ -669,12 +612,12 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
             return reqs
 
         try:
-            return each(requests(), stream=_OPT_STREAM)
+            return self.store.checkout_each(requests(), stream=_OPT_STREAM)
         except (NotFound, StaleHandle):
             for gi, pi, name, version, source in wanted:  # a key was re-bound behind our back: look them up again
                 for v in (version, source):
                     self._handles.pop(self._key(gi, pi, name, v), None)
-            return each(requests(), stream=_OPT_STREAM)
+            return self.store.checkout_each(requests(), stream=_OPT_STREAM)
 
     # ------------------------------------------------------------------ resume / cleanup
     def _clear_pool(self) -> None:
@@ -901,7 +844,7 @@ class OffloadedOptimizer(GpuUpdates, torch.optim.Optimizer):
         self._cur = {}
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: str | None = "nvme",
+def offload_optimizer(optimizer: torch.optim.Optimizer, client: Pool, *, tier: str | None = "nvme",
                       prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
                       resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       crash_consistent: bool | None = None, update_in_backward: bool = False) -> OffloadedOptimizer:
@@ -928,7 +871,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, client: Any, *, tier: st
                               crash_consistent=crash_consistent, update_in_backward=update_in_backward)
 
 
-def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Any, *, tier: str | None = "nvme",
+def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Pool, *, tier: str | None = "nvme",
               prefix: str = "opt", **offload_kw: Any) -> Callable[..., OffloadedOptimizer]:
     """An optimizer *class* stand-in, for APIs that construct the optimizer themselves,
     e.g. ``ZeroRedundancyOptimizer(params, optimizer_class=offloaded(AdamW, client), lr=...)``."""

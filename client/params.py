@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tierstore.contract import Pool
 from tierstore.errors import NotFound, StaleHandle
 
 __all__ = ["offload_parameters"]
@@ -37,7 +38,7 @@ def _quiet_output_only_backward_hooks() -> None:
 class _ParamOffload:
     """Module hooks that keep parameters in the pool and materialise them per submodule."""
 
-    def __init__(self, model: torch.nn.Module, store: Any, tier: str | None, prefix: str) -> None:
+    def __init__(self, model: torch.nn.Module, store: Pool, tier: str | None, prefix: str) -> None:
         self.model = model
         self.store = store
         self.prefix = prefix.rstrip("/")
@@ -133,10 +134,7 @@ class _ParamOffload:
             lease.release()
             return buf
         buf = torch.empty(shape, dtype=dtype, device=device)
-        if buf.is_cuda and not hasattr(self.store, "_get_cuda"):  # an in-process Store reads to the host
-            buf.copy_(self._by_handle(p, lambda h: self.store.get(h, stream=_PARAM_STREAM)).reshape(shape))
-        else:
-            self._by_handle(p, lambda h: self.store.get(h, out=buf, stream=_PARAM_STREAM))
+        self._by_handle(p, lambda h: self.store.get(h, out=buf, stream=_PARAM_STREAM))
         return buf
 
     def _by_handle(self, p: torch.Tensor, fn: Callable[[Any], Any]) -> Any:
@@ -309,7 +307,7 @@ class _OnDemand(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def offload_parameters(model: torch.nn.Module, client: Any, *, tier: str | None = "host",
+def offload_parameters(model: torch.nn.Module, client: Pool, *, tier: str | None = "host",
                        prefix: str = "params") -> Callable[[], None]:
     """Keep ``model``'s parameters in the pool; each submodule's are brought in just
     before its forward and backward, released after, and the next submodule's are

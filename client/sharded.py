@@ -24,6 +24,7 @@ import socket as _socket
 import tempfile
 from typing import Any, Callable
 
+from tierstore.contract import Pool
 from tierstore.errors import InvalidArgument, NotFound
 
 __all__ = ["snapshot_job", "restore_job", "read_index", "INDEX_DIR"]
@@ -111,7 +112,7 @@ def _read_fragments(dest: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def snapshot_job(connect: Callable[[str], Any], job: str, dest: str, *, node: str | None = None,
+def snapshot_job(connect: Callable[[str], Pool], job: str, dest: str, *, node: str | None = None,
                  progress: bool | None = False) -> dict[str, Any]:
     """Snapshot every namespace ``JOB/...`` of this node's daemon into ``dest`` (a shared
     directory), one Zarr store each, and write this node's index fragment. ``connect(ns)``
@@ -165,7 +166,7 @@ def read_index(dest: str) -> dict[str, Any]:
     return {"job": job, "namespaces": merged, "ranks": dict(sorted(ranks.items()))}
 
 
-def restore_job(connect: Callable[[str], Any], src: str, *, node: str | None = None, overwrite: bool = False,
+def restore_job(connect: Callable[[str], Pool], src: str, *, node: str | None = None, overwrite: bool = False,
                 progress: bool | None = False) -> dict[str, Any]:
     """Restore the namespaces the index places on ``node`` (this host's name by default)
     into this node's daemon, each from its own store. Returns ``{namespace: result}``."""

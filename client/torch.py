@@ -5,9 +5,9 @@
 ``optimizer_gpu``); ``offload_parameters`` keeps a module's parameters in the store
 and brings each submodule's in just before it runs (``params``);
 ``offload_activations`` keeps the tensors autograd saves for backward in the store
-between forward and backward (``activations``). All work with a daemon ``Client`` or
-an in-process ``tierstore.Store``: they use only put / get / checkout / lookup / keys /
-prefetch / free / step.
+between forward and backward (``activations``). All are written against
+``tierstore.contract.Pool``, so a daemon ``Client`` and an in-process ``tierstore.Store``
+both work.
 """
 
 from __future__ import annotations

@@ -1005,11 +1005,9 @@ def test_a_revoked_lease_cannot_reach_other_objects_memory(daemon_factory):
         assert (a.get(a.lookup("y")) == 22).all()  # the revoked durable check-in was journaled
 
 
-@pytest.mark.parametrize("where", ["daemon", "daemon-pipelined", "in-process"])
+@pytest.mark.parametrize("where", ["daemon", "in-process"])
 def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(daemon, make_store, where):
     c = daemon.client("each") if where != "in-process" else make_store()
-    if where == "daemon-pipelined":  # as against a daemon without the one-message list: back-to-back check-outs
-        c.server["features"] = [f for f in c.server["features"] if f != "each"]
     holder = daemon.client("each") if where != "in-process" else c
     try:
         a = c.put(torch.arange(1000.0), key="a")
@@ -1026,10 +1024,9 @@ def test_checkout_each_sends_check_outs_together_and_gives_back_all_on_an_error(
         c.free(gone)
         with pytest.raises((NotFound, StaleHandle)):
             c.checkout_each([(a, "rw", None), (n, "w", None), (b, "w", s), (gone, "r", None)])
-        # a list is checked before anything is taken; sent back to back, the others were served first
-        # and given back unused: unchanged, but b, from its source
+        # a list is checked before anything is taken
         assert torch.equal(c.get(n), torch.full((1000,), 3.0)) and torch.equal(c.get(a), torch.arange(1000.0))
-        assert torch.equal(c.get(b), torch.full((1000,), 7.0 if where == "daemon-pipelined" else 8.0))
+        assert torch.equal(c.get(b), torch.full((1000,), 8.0))
         with c.checkout(b, "rw") as v:
             v.fill_(8.0)
         held = c.put(torch.full((1000,), 5.0), key="held")

@@ -236,7 +236,7 @@ def test_prefetch_never_exceeds_its_budget(make_store):
 
 def test_lru_with_prefetch_and_explicit_hints(make_store):
     s, hs = _cyclic_store(make_store, "lru", True, n_objs=8, host="16MiB")
-    assert s.prefetch(hs[:4]).result(timeout=30) == 4
+    assert s.prefetch_tracked(hs[:4]).result(timeout=30) == 4
     assert all("host" in s.info(h)["residency"] for h in hs[:4])
     st = s.stat()["prefetch"]
     assert st["prefetched_bytes"] == 4 * OBJ and st["queued"] == 0
@@ -248,7 +248,7 @@ def test_a_hint_longer_than_the_in_flight_limit_is_fetched_whole_within_the_budg
     s = make_store(host_bytes="16MiB", policy="lru", prefetch=True, prefetch_budget_bytes=str(3 * OBJ),
                    prefetch_max_inflight=1, high_watermark=1.0, low_watermark=0.9)
     hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}", tier="nvme") for i in range(6)]
-    assert s.prefetch(hs).result(timeout=30) == 3  # one at a time, up to the budget's three
+    assert s.prefetch_tracked(hs).result(timeout=30) == 3  # one at a time, up to the budget's three
     st = s.stat()["prefetch"]
     assert st["prefetched_bytes"] == 3 * OBJ and st["protected_bytes"] == 3 * OBJ and st["hinted"] == 3
     assert ["host" in s.info(h)["residency"] for h in hs] == [True] * 3 + [False] * 3
@@ -265,7 +265,7 @@ def test_a_hint_longer_than_the_in_flight_limit_is_fetched_whole_within_the_budg
     for h in hs[3:]:
         with s.checkout(h, "r"):
             pass
-    assert s.prefetch([big, *rest]).result(timeout=30) == 2
+    assert s.prefetch_tracked([big, *rest]).result(timeout=30) == 2
     assert s.stat()["prefetch"]["hinted"] == 0 and "host" not in s.info(big)["residency"]
 
 

@@ -316,7 +316,7 @@ def test_prefetch_promotes(make_store):
     s = make_store(host_bytes="4MiB")
     hs = [s.put(torch.full((100_000,), float(i)), tier="nvme") for i in range(3)]
     assert all(s.info(h)["residency"] == ["nvme"] for h in hs)
-    assert s.prefetch(hs).result(timeout=30) == 3
+    assert s.prefetch_tracked(hs).result(timeout=30) == 3
     assert all("host" in s.info(h)["residency"] for h in hs)
 
 
@@ -534,7 +534,7 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
     # src prefetched (clean in host), dst resident and dirty: dst's block goes, src's is handed over
     s._drain_spill()
     cache = s.put(torch.full((mib,), 5.0), tier=None)  # host only
-    assert s.prefetch([src]).result(timeout=10) == 1
+    assert s.prefetch_tracked([src]).result(timeout=10) == 1
     assert "host" in _resident(s, src) and _resident(s, cache) == ["host"]
     used = s.host.used_bytes
     with s.checkout(cache, "w", source=src) as t:

@@ -570,12 +570,10 @@ def test_a_host_tier_too_small_for_one_update_says_how_much_it_needs(make_store)
     assert type(e.value).__name__ == "CapacityExceeded"
 
 
-@pytest.mark.parametrize("sourced", [True, False], ids=["source-checkout", "older-daemon"])
-def test_offloaded_adamw_through_a_daemon_under_eviction_matches_plain_every_step(daemon_factory, sourced):
+def test_offloaded_adamw_through_a_daemon_under_eviction_matches_plain_every_step(daemon_factory):
     """The whole path — client, socket, daemon, host tier far smaller than the state,
     NVMe, trace prefetch — against plain AdamW, parameters compared bit for bit after
-    every step. Each new state version is checked out from the old one (``source=``), or,
-    against a daemon without that, read and copied in this process."""
+    every step. Each new state version is checked out from the old one (``source=``)."""
     import random
 
     from tierstore.client import Client
@@ -590,8 +588,6 @@ def test_offloaded_adamw_through_a_daemon_under_eviction_matches_plain_every_ste
                        "--prefetch-budget-bytes", "1MiB")
     assert 2 * state > 6 * (4 << 20)  # both versions of the state are several times the host tier
     with Client.connect(socket=d.socket, namespace="parity/rank0") as c:
-        if not sourced:
-            c.server["features"] = [f for f in c.server["features"] if f != "source"]
         opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01), c, tier="nvme")
         plain = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
         g = torch.Generator().manual_seed(8)
@@ -607,6 +603,5 @@ def test_offloaded_adamw_through_a_daemon_under_eviction_matches_plain_every_ste
         assert st["tiers"]["nvme"]["bytes_read"] > 10 * state  # the state really came up from NVMe
         assert st["prefetch"]["hits"] > 0
         moved = st["counters"]["source_handovers"] + st["counters"]["source_copies"]
-        assert (moved > 14 * len(list(model.parameters()))) if sourced else moved == 0
-        if sourced:  # prefetched old versions change owner: no copy
-            assert st["counters"]["source_handovers"] > 0.5 * moved
+        assert moved > 14 * len(list(model.parameters()))
+        assert st["counters"]["source_handovers"] > 0.5 * moved  # prefetched old versions change owner: no copy

@@ -34,7 +34,7 @@ import sys
 import time
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from .errors import ChecksumMismatch, InvalidArgument, KeyExists, StorageError, 
 from .index import validate_key, validate_namespace
 from .tensors import TensorSpec, aligned_empty, from_bytes, to_bytes
 from .units import PAGE
+
+if TYPE_CHECKING:
+    from .contract import Objects
 
 __all__ = ["snapshot", "restore", "open_snapshot", "snapshot_namespace", "SMALL_BYTES"]
 
@@ -249,9 +252,9 @@ def _is_local(dest: str) -> bool:
     return "://" not in dest or dest.startswith("file://")
 
 
-def snapshot(source: Any, dest: str, *, namespace: str, prefix: str = "",
+def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
              progress: bool | None = None) -> dict[str, Any]:
-    """Write every object of ``source`` (a Store or Client, in ``namespace``) under
+    """Write every object of ``source`` (a ``Pool``, or a store's view of ``namespace``) under
     ``prefix`` to the Zarr v3 store ``dest`` (a directory, ``*.zip``, or a URL)."""
     import zarr
 
@@ -443,10 +446,9 @@ def _open_complete(src: str) -> tuple[Any, dict[str, Any]]:
     return root, attrs
 
 
-def restore(target: Any, src: str, *, overwrite: bool = False, progress: bool | None = None,
-            key_exists: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """Put every object of the snapshot ``src`` into ``target`` (a Store or Client; its
-    namespace is the target, whatever the snapshot's attributes say).
+def restore(target: Objects, src: str, *, overwrite: bool = False, progress: bool | None = None) -> dict[str, Any]:
+    """Put every object of the snapshot ``src`` into ``target`` (a ``Pool``, or a store's view
+    of a namespace; its namespace is the target, whatever the snapshot's attributes say).
 
     Nothing in the snapshot is trusted: every entry is checked (a valid key, a known
     dtype, ``nbytes`` that agrees with shape and dtype, paths that stay inside the

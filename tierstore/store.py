@@ -493,17 +493,26 @@ class Store(Leasing, Puts, Movement, Recovery):
         return len(old)
 
     def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None,
-                 owner: Any = _LOCAL, wait: bool = True) -> Future | None:
+                 owner: Any = _LOCAL, wait: bool = True) -> None:
         """Hint: bring these objects into the host tier now, through the prefetch queue
-        (and within its byte budget). The future resolves, once the fetches issued
-        for this hint are done, to how many of the objects are host-resident
-        (``wait=False``: fire and forget, no future)."""
+        (and within its byte budget). In process the hint is queued before this returns,
+        ``wait`` or not (the contract's ``wait=False`` matters through a daemon);
+        ``prefetch_tracked`` also says when the fetches are done."""
+        self._queue_hint(handles, namespace, owner)
+
+    def prefetch_tracked(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None,
+                         owner: Any = _LOCAL) -> Future:
+        """``prefetch``, with a future that resolves, once the fetches issued for this hint
+        are done, to how many of the objects are host-resident (benchmarks, tests)."""
+        return self._pool.submit(self._await_prefetch, self._queue_hint(handles, namespace, owner))
+
+    def _queue_hint(self, handles: Iterable[Handle | int | str], namespace: str | None, owner: Any) -> list[int]:
         hs = [Handle.parse(h) for h in handles]
         ns = self._ns(namespace)
         with self._cv:
             oids = [self._get_meta(h, ns).id for h in hs]
             self.prefetcher.hint(owner, oids)
-        return self._pool.submit(self._await_prefetch, oids) if wait else None
+        return oids
 
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         """Block until no prefetch is queued or in flight (benchmarks, tests). False on timeout."""

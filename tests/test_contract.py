@@ -1,0 +1,146 @@
+"""``Store`` and ``Client`` both satisfy ``tierstore.contract.Pool``, with the contract's
+own signatures: a parameter, default or return type that drifts on one side fails here."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierstore import Store
+from tierstore.client import Client
+from tierstore.contract import Objects, Pool, PoolLease, ReportsActivations
+
+_KW = inspect.Parameter.KEYWORD_ONLY
+
+
+def _members(proto: type) -> list[str]:
+    """The methods a protocol lists (its own and those of the protocols it extends)."""
+    names = {n for c in proto.__mro__ if c in (Objects, Pool, PoolLease)
+             for n, v in vars(c).items() if callable(v) and (not n.startswith("_") or n in ("__enter__", "__exit__"))}
+    return sorted(names)
+
+
+def _satisfies_lease(cls: Any) -> bool:
+    return isinstance(cls, type) and all(callable(getattr(cls, n, None)) for n in _members(PoolLease))
+
+
+def _resolve(impl: type, name: str) -> Any:
+    return vars(sys.modules[impl.__module__]).get(name.strip("'\""))
+
+
+def drift(impl: type, proto: type = Pool) -> list[str]:
+    """How ``impl``'s methods differ from ``proto``'s. Positional parameters must match
+    in order, name, kind, default and annotation; keyword-only ones by name; a side may
+    add keyword-only parameters with defaults (``Store``'s ``namespace=``). Return
+    types match, except that a lease is the side's own class with a lease's methods,
+    and ``__enter__`` returns the class itself."""
+    out = []
+    for name in _members(proto):
+        fn = getattr(impl, name, None)
+        if not callable(fn):
+            out.append(f"{impl.__name__} has no {name}")
+            continue
+        want, got = inspect.signature(getattr(proto, name)), inspect.signature(fn)
+        wp = [p for p in want.parameters.values() if p.kind != _KW]
+        gp = [p for p in got.parameters.values() if p.kind != _KW]
+        if [(p.name, p.kind, p.default, p.annotation) for p in wp] != \
+                [(p.name, p.kind, p.default, p.annotation) for p in gp]:
+            out.append(f"{impl.__name__}.{name}: positional parameters {gp} != {wp}")
+        wk = {p.name: p for p in want.parameters.values() if p.kind == _KW}
+        gk = {p.name: p for p in got.parameters.values() if p.kind == _KW}
+        for n, p in wk.items():
+            q = gk.get(n)
+            if q is None or (q.default, q.annotation) != (p.default, p.annotation):
+                out.append(f"{impl.__name__}.{name}: keyword {n}: {q} != {p}")
+        for n, q in gk.items():
+            if n not in wk and q.default is inspect.Parameter.empty:
+                out.append(f"{impl.__name__}.{name}: its own keyword {n} has no default")
+        if name == "__enter__":
+            ok = _resolve(impl, got.return_annotation) is impl
+        elif want.return_annotation == "PoolLease":
+            ok = _satisfies_lease(_resolve(impl, got.return_annotation))
+        else:
+            ok = got.return_annotation == want.return_annotation
+        if not ok:
+            out.append(f"{impl.__name__}.{name} returns {got.return_annotation}, the contract "
+                       f"{want.return_annotation}")
+    return out
+
+
+@pytest.mark.parametrize("impl", [Store, Client], ids=["Store", "Client"])
+def test_store_and_client_have_the_contracts_signatures(impl):
+    assert drift(impl) == []
+
+
+def test_a_drifted_signature_is_found():
+    class Drifted(Client):
+        def prefetch(self, handles, *, wait: bool = True) -> Any:  # returns something else
+            return None
+
+        def keys(self, prefix: str = "", limit: int = 0) -> list[str]:  # a positional parameter more
+            return []
+
+        def stat(self, *, ops: bool) -> dict[str, Any]:  # a keyword of its own without a default
+            return {}
+
+    found = " ".join(drift(Drifted))
+    assert "prefetch" in found and "keys" in found and "own keyword ops" in found
+
+
+def test_instances_satisfy_the_contract_and_only_a_client_reports_activations(make_store, daemon):
+    s = make_store()
+    with daemon.client("contract") as c:
+        for pool in (s, c):
+            assert isinstance(pool.namespace, str)
+            with pool.checkout(pool.put(np.ones(4), key="k")) as t:
+                assert t.sum() == 4
+            lease = pool.checkout(pool.lookup("k"))
+            assert {"tensor", "handle", "mode"} <= set(vars(lease))
+            lease.release()
+            assert pool.prefetch([pool.lookup("k")]) is None  # a hint on both sides
+        assert isinstance(c, ReportsActivations) and not isinstance(s, ReportsActivations)
+
+
+def test_a_daemon_without_a_feature_this_client_uses_is_refused_at_connect(tmp_path):
+    """No call falls back for an older daemon: one that lacks a feature is refused at
+    ``connect``, with what it lacks and what to do."""
+    import os
+    import socket
+    import threading
+
+    from tierstore import ProtocolError
+    from tierstore.protocol import PROTOCOL_VERSION, reply_ok
+
+    path = str(tmp_path / "old.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(1)
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, 1 << 20)
+    closed = threading.Event()
+
+    def old_daemon() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(4096)  # hello
+            hello = {"version": PROTOCOL_VERSION, "server_version": "0.0.1", "arena_bytes": 1 << 20, "session": 1,
+                     "pid": os.getpid(), "gpu_tier": False, "gpu_reason": "none",
+                     "features": ["batch", "source", "each", "activations", "pages"]}  # no "ephemeral"
+            socket.send_fds(conn, [reply_ok(0, hello)], [fd])
+            if conn.recv(4096) == b"":  # the client hung up instead of mapping the arena
+                closed.set()
+
+    t = threading.Thread(target=old_daemon)
+    t.start()
+    try:
+        with pytest.raises(ProtocolError, match="lacks ephemeral.*install matching tierstore versions"):
+            Client.connect(socket=path, timeout_s=5)
+        t.join(timeout=10)
+        assert closed.is_set()
+    finally:
+        srv.close()
+        os.close(fd)
