@@ -26,7 +26,6 @@ import numpy as np
 
 from tierstore.arena import map_arena_fd
 from tierstore.batch import LeaseGroup, check_each
-from tierstore.config import default_socket_path
 from tierstore._version import __version__
 from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
 from tierstore.index import Handle, validate_key, validate_namespace
@@ -158,7 +157,7 @@ class Client:
         self._executor: ThreadPoolExecutor | None = None
         # both mappings are page-locked piece by piece on the first CUDA copy through them,
         # never here: connecting touches no CUDA (fork-safe, no context on GPU 0)
-        from .cuda import ArenaPinning
+        from .gpu import ArenaPinning
 
         self._pinning = ArenaPinning(self._arena.ctypes.data, self._arena.nbytes)
         self._pinning_ro = ArenaPinning(self._arena_ro.ctypes.data, self._arena_ro.nbytes, read_only=True)
@@ -200,7 +199,11 @@ class Client:
         ``autostart=True`` starts a daemon with the defaults in the background when
         none is listening (its log goes to ``~/.cache/tierstore/daemon.log``).
         """
-        path = socket or os.environ.get("TIERSTORE_SOCKET") or default_socket_path()
+        path = socket or os.environ.get("TIERSTORE_SOCKET")
+        if not path:
+            from tierstore.config import default_socket_path  # here: the settings module is not needed otherwise
+
+            path = default_socket_path()
         ns = validate_namespace(namespace)
         try:
             conn = Connection(path, timeout_s=timeout_s)

@@ -4,6 +4,7 @@ own signatures: a parameter, default or return type that drifts on one side fail
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 from typing import Any
 
@@ -144,3 +145,33 @@ def test_a_daemon_without_a_feature_this_client_uses_is_refused_at_connect(tmp_p
     finally:
         srv.close()
         os.close(fd)
+
+
+def test_the_client_loads_only_the_core_modules_it_uses(daemon):
+    """A process that only talks to a daemon imports the handles, the arena mapping, the
+    wire codec and the tensor helpers of the core, not the store, its NVMe tier (and its
+    checksum library), the I/O engines or the settings."""
+    from conftest import run_py
+
+    code = """
+import json, sys, numpy as np
+from tierstore.client import Client
+def core():
+    return {m for m in sys.modules if m.startswith("tierstore.") and not m.startswith(("tierstore.client", "tierstore.daemon"))}
+imported = core()
+with Client.connect(socket=sys.argv[1]) as c:
+    h = c.put(np.ones(8), key="k")
+    assert c.get(h).sum() == 8 and c.keys() == ["k"]
+    with c.checkout(h, "rw") as t:
+        t += 1
+    c.free(h)
+print(json.dumps([sorted(imported), sorted(core())]))
+"""
+    r = run_py(code, daemon.socket, timeout=120)
+    assert r.returncode == 0, r.stderr
+    imported, used = (set(names) for names in json.loads(r.stdout.splitlines()[-1]))
+    heavy = {"tierstore.store", "tierstore.nvme", "tierstore.checksum", "tierstore.engine", "tierstore.config",
+             "tierstore.journal", "tierstore.allocator"}
+    assert not (imported | used) & heavy, sorted((imported | used) & heavy)
+    assert imported <= {"tierstore._version", "tierstore.errors", "tierstore.arena", "tierstore.batch",
+                        "tierstore.index", "tierstore.protocol", "tierstore.tensors", "tierstore.units"}

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore.client import cuda as client_cuda
+from tierstore.client import gpu as client_gpu
 
 
 def test_no_cuda_means_pageable_with_a_reason(daemon):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: tests/test_gpu.py covers the pinned path")
-    pieces, why = client_cuda.register_host_memory(1 << 20, 1 << 20)
+    pieces, why = client_gpu.register_host_memory(1 << 20, 1 << 20)
     assert pieces == [] and "no CUDA device" in why
     with daemon.client("cpu") as c:
         assert c.pinned is False and "not page-locked yet" in c.pinned_reason
-    assert client_cuda.clear_cuda_error() is False  # no runtime loaded here: said, not raised
+    assert client_gpu.clear_cuda_error() is False  # no runtime loaded here: said, not raised
 
 
 class FakeCudart:
@@ -53,16 +53,16 @@ def test_a_refused_registration_clears_the_cuda_error_it_left(fake_cuda, monkeyp
     """cudaHostRegister's failure stays the thread's last CUDA error; PyTorch's next kernel
     launch check would raise it. The pageable fallback clears it."""
     cleared = []
-    monkeypatch.setattr(client_cuda, "clear_cuda_error", lambda: cleared.append(1) or True)
+    monkeypatch.setattr(client_gpu, "clear_cuda_error", lambda: cleared.append(1) or True)
     fake_cuda.refuse_after = 1
-    pieces, why = client_cuda.register_host_memory(1 << 40, 3 << 30)  # three pieces; the second is refused
+    pieces, why = client_gpu.register_host_memory(1 << 40, 3 << 30)  # three pieces; the second is refused
     assert pieces == [] and "cudaHostRegister failed with error 2" in why and "MEMLOCK" in why
     assert cleared == [1] and fake_cuda.unregistered == [1 << 40]  # the first piece was given back
 
 
 def test_the_arena_is_page_locked_piece_by_piece_on_first_use(fake_cuda):
-    G = client_cuda.REGISTER_CHUNK
-    p = client_cuda.ArenaPinning(1 << 40, 3 * G + 4096)
+    G = client_gpu.REGISTER_CHUNK
+    p = client_gpu.ArenaPinning(1 << 40, 3 * G + 4096)
     assert not p.pinned and "not page-locked yet" in p.reason and fake_cuda.registered == []
     assert p.ensure(G - 10, 20)  # straddles pieces 0 and 1
     assert [a for a, _, _ in fake_cuda.registered] == [1 << 40, (1 << 40) + G] and p.pinned
@@ -77,12 +77,12 @@ def test_the_arena_is_page_locked_piece_by_piece_on_first_use(fake_cuda):
     p.close()
     assert sorted(fake_cuda.unregistered) == sorted(a for a, _, _ in fake_cuda.registered)
     fake_cuda.refuse_after = None
-    ro = client_cuda.ArenaPinning(1 << 41, G, read_only=True)
+    ro = client_gpu.ArenaPinning(1 << 41, G, read_only=True)
     assert ro.ensure(0, 1) and fake_cuda.registered[-1][2] == 0x01 | 0x08  # cudaHostRegisterReadOnly
 
 
 def test_check_out_views_are_page_locked_only_where_cuda_is_already_initialised(fake_cuda, monkeypatch):
-    p = client_cuda.ArenaPinning(1 << 40, 1 << 20)
+    p = client_gpu.ArenaPinning(1 << 40, 1 << 20)
     assert not p.ensure_if_cuda(0, 4096) and fake_cuda.registered == []  # no context: none made for it
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert p.ensure_if_cuda(0, 4096) and len(fake_cuda.registered) == 1
@@ -211,6 +211,6 @@ def test_devices_are_matched_by_uuid_across_cuda_visible_devices():
 def test_no_loaded_cuda_runtime_is_found_on_a_cpu_host():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    assert client_cuda._loaded_cudart() is None
+    assert client_gpu._loaded_cudart() is None
     assert os.path.exists("/proc/self/maps")
     np.zeros(1)  # (numpy loaded: the maps scan saw real libraries and matched none)

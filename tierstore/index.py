@@ -7,13 +7,28 @@ import unicodedata
 from collections import OrderedDict
 from dataclasses import InitVar, dataclass, field
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedDict
 
 from .errors import InvalidArgument, InvalidKey
-from .nvme import Extent
 from .tensors import TensorSpec
+
+if TYPE_CHECKING:
+    from .nvme import Extent
+
+_Extent: Any = None
+"""``nvme.Extent``, imported on the first journal record read: the client imports this
+module for ``Handle`` and must not load the NVMe tier (and its checksum library) with it."""
+
+
+def _extent() -> Any:
+    global _Extent
+    from .nvme import Extent
+
+    _Extent = Extent
+    return Extent
+
 
 __all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "sorted_from", "validate_key", "validate_namespace"]
 
@@ -146,7 +161,7 @@ class ObjectMeta:
             if specs is not None:
                 specs[sk] = spec
         return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
-                   durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
+                   durable=True, nvme=[(_Extent or _extent()).from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
                    nvme_valid=True, home=r.get("home"))
 
 
