@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import torch
+from conftest import poll_until
 
 OBJ = 512 * 1024  # bytes per object
 
@@ -70,9 +71,14 @@ def test_the_rotation_is_spread_over_the_step(make_store):
     """A tier too small for the loop rotates objects spread over the step, not one
     stretch of it: the objects that leave the tier during a step (and are read back)
     are spread over the step after its head, so the disk reads and writes back at about
-    the step's average rate everywhere. The head stays resident."""
+    the step's average rate everywhere. The head stays resident.
+
+    Which objects leave is a function of the access order alone here: one prefetch read
+    at a time (concurrent reads would pick their victims in whatever order their
+    workers run), each finished before the next access (wait_prefetch), and the
+    background demoter never woken (high_watermark 1.0)."""
     s = make_store(host_bytes="12MiB", policy="trace", prefetch=True, prefetch_budget_bytes="2MiB",
-                   high_watermark=1.0, low_watermark=0.9)
+                   prefetch_max_inflight=1, high_watermark=1.0, low_watermark=0.9)
     hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}") for i in range(32)]  # room for 24
     order = list(enumerate(hs))
     _run_steps(s, order, 3)
@@ -388,14 +394,9 @@ def test_candidate_walk_follows_the_eviction_order():
     assert list(LRUPolicy().candidates()) == []
 
 
-def _wait_taken(engine) -> None:
-    """Until the engine's workers have taken every request submitted so far."""
-    import time
-
-    deadline = time.monotonic() + 10
-    while engine.queued():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+def _wait_queued(engine, n: int) -> None:
+    """Until exactly ``n`` requests wait in the engine's queue (its one worker is held)."""
+    poll_until(lambda: engine.queued() == n, f"{n} requests queued on the engine")
 
 
 def test_a_late_hit_is_counted_with_its_wait(make_store):
@@ -410,15 +411,16 @@ def test_a_late_hit_is_counted_with_its_wait(make_store):
     block = threading.Event()
     try:
         s.engine.submit(block.wait, priority=1)  # holds the only worker
-        _wait_taken(s.engine)
+        _wait_queued(s.engine, 0)
         s.engine.submit(lambda: None)  # a demand request waiting: the prefetch read queues behind it
         s.prefetch([h], wait=False)
-        time.sleep(0.3)
+        _wait_queued(s.engine, 2)  # the prefetch read (one chunk) is queued
         assert s.info(h)["residency"] == ["nvme"]  # in flight, not there yet
-        got = {}
-        reader = threading.Thread(target=lambda: got.setdefault("t", s.get(h)))
+        got, reading = {}, threading.Event()
+        reader = threading.Thread(target=lambda: reading.set() or got.setdefault("t", s.get(h)))
         reader.start()
-        time.sleep(0.3)
+        assert reading.wait(10)
+        time.sleep(0.3)  # not a synchronisation: the reader's wait, which must be counted
     finally:
         block.set()  # never leave the worker blocked (a failure would hang the teardown)
     reader.join(timeout=30)
@@ -463,16 +465,16 @@ def test_demand_io_overtakes_queued_prefetch_io(make_store):
     block = threading.Event()
     try:
         s.engine.submit(block.wait, priority=1)  # hold the only worker while the backlog forms
-        _wait_taken(s.engine)
+        _wait_queued(s.engine, 0)
         # with a demand request waiting, even one-chunk prefetch reads queue (an idle engine
         # would see them issued at once from the prefetch workers)
         s.engine.submit(lambda: None)
         s.prefetch(others)
-        time.sleep(0.3)  # the prefetch reads are queued now
+        _wait_queued(s.engine, 1 + len(others))  # the prefetch reads are queued now
         got = {}
         reader = threading.Thread(target=lambda: got.setdefault("t", s.get(hb)))
         reader.start()
-        time.sleep(0.3)  # and the demand read's four chunks behind them
+        _wait_queued(s.engine, 1 + len(others) + 4)  # and the demand read's four chunks behind them
     finally:
         block.set()
     reader.join(timeout=30)
