@@ -84,6 +84,22 @@ def in_threads(fn, n: int) -> list[BaseException]:
     return errors
 
 
+def poll_until(ok, what: str, timeout_s: float = 30.0, every_s: float = 0.01):
+    """Call ``ok()`` until it returns something true, and return that; fail naming
+    ``what`` after ``timeout_s``. For state another thread or process changes, where no
+    event says when: a deadline, never a bare sleep."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = ok()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(every_s)
+
+
 def run_py(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, **kw)
 

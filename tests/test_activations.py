@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from conftest import poll_until
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -347,10 +347,9 @@ def test_a_process_that_dies_takes_its_activations_with_it(daemon):
             assert c.stat()["namespaces"]["dies"]["objects"] > 0
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=60)
-            deadline = time.monotonic() + 30  # a closed connection's ephemeral objects go asynchronously
-            while c.stat()["namespaces"].get("dies", {}).get("objects", 0) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert c.stat()["namespaces"].get("dies", {}).get("objects", 0) == 0
+            # a closed connection's ephemeral objects go asynchronously
+            poll_until(lambda: not c.stat()["namespaces"].get("dies", {}).get("objects", 0),
+                       "the dead connection's ephemeral objects go")
     finally:
         p.kill()
         p.wait()

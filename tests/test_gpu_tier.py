@@ -10,6 +10,7 @@ import ctypes
 
 import numpy as np
 import pytest
+from conftest import poll_until
 
 from tierstore import Config, Store
 from tierstore.errors import CapacityExceeded, InvalidArgument
@@ -204,12 +205,7 @@ def test_background_demoter_brings_the_gpu_tier_under_its_watermark(tmp_path):
                  gpu_slab_bytes=4 << 20, high_watermark=0.6, low_watermark=0.3)
     with Store(cfg, gpu_backend=be) as s:
         hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(3)]
-        import time
-
-        deadline = time.monotonic() + 10
-        while s.gpu.used() > 0.3 * s.gpu.capacity() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert s.gpu.used() <= 0.3 * s.gpu.capacity()
+        poll_until(lambda: s.gpu.used() <= 0.3 * s.gpu.capacity(), "the demoter brings the GPU tier down")
         for i, h in enumerate(hs):
             assert (s.get(h) == i).all()
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import in_threads
+from conftest import in_threads, poll_until
 from tierstore.errors import KeyExists, StorageError
 from tierstore.groupsync import GroupSync
 
@@ -78,8 +78,7 @@ def test_a_failed_sync_fails_every_caller_it_covered_and_the_next_round_retries(
     later = [threading.Thread(target=caller, args=(k,)) for k in (1, 2, 3)]
     for t in later:
         t.start()
-    while g.callers < 4:
-        time.sleep(0.001)
+    poll_until(lambda: g.callers == 4, "four callers wait for the round")
     release.set()
     for t in [first, *later]:
         t.join(10)

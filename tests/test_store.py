@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import poll_until
 
 from tierstore.leases import WouldBlock
 from tierstore import (Busy, CapacityExceeded, ChecksumMismatch, Handle, InvalidArgument, KeyExists, NotFound,
@@ -330,8 +331,6 @@ def test_object_larger_than_1gib(make_store):
 
 
 def test_nvme_homed_objects_go_back_down_after_use(make_store):
-    import time
-
     s = make_store(host_bytes="16MiB")
     h = s.put(torch.ones(100_000), tier="nvme")
     cached = s.put(torch.ones(100_000))
@@ -339,10 +338,7 @@ def test_nvme_homed_objects_go_back_down_after_use(make_store):
     with s.checkout(h, "rw") as v:
         assert "host" in s.info(h)["residency"]
         v.add_(1)
-    deadline = time.monotonic() + 10
-    while "host" in s.info(h)["residency"] and time.monotonic() < deadline:
-        time.sleep(0.01)  # the background demoter writes it back
-    assert s.info(h)["residency"] == ["nvme"]
+    poll_until(lambda: s.info(h)["residency"] == ["nvme"], "the background demoter writes it back")
     assert torch.equal(s.get(h), torch.full((100_000,), 2.0))
     assert s.info(h)["residency"] == ["nvme"]  # a get does not pull it up either
     assert "host" in s.info(cached)["residency"]  # tier=None objects stay cached
@@ -361,7 +357,12 @@ def test_a_store_placed_object_put_on_nvme_for_want_of_room_is_cached_later(make
     s.free(first)
     with s.checkout(second, "rw") as v:
         v.add_(1)
-    time.sleep(0.3)  # the background demoter would have taken a home-NVMe object back by now
+    # a witness: a tier="nvme" object used after it goes back down in the same or a later
+    # pass of the demoter, so once it has, the demoter has looked at everything released before it
+    witness = s.put(torch.zeros(1024), tier="nvme")
+    with s.checkout(witness, "rw") as w:
+        w.add_(1)
+    poll_until(lambda: s.info(witness)["residency"] == ["nvme"], "the witness goes back to NVMe")
     assert "host" in s.info(second)["residency"]
     assert torch.equal(s.get(second), torch.full((3 << 18,), 3.0))
 
@@ -456,10 +457,10 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     hs = [s.put(torch.full((mib,), float(i)), key=f"k{i}", tier="nvme" if i >= 3 else None) for i in range(6)]
     with s.checkout_many(hs[:4], ["r", "rw", "w", "r"]) as ts:
         assert [float(t[0]) for t in (ts[0], ts[1], ts[3])] == [0.0, 1.0, 3.0]
-        assert len(s._leases) == 4
+        assert s.stat()["leases"] == 4
         ts[1].add_(10)
         ts[2].fill_(20)
-    assert not s._leases
+    assert s.stat()["leases"] == 0
     assert float(s.get(hs[1])[0]) == 11.0 and float(s.get(hs[2])[0]) == 20.0
 
     # a freed block of another object's bytes, so a blank lease's host block holds them
@@ -471,7 +472,7 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     with pytest.raises(Busy, match="object #2 of the batch.*no object was checked out"):
         s.checkout_many([hs[4], hs[0], hs[5]], ["w", "rw", "r"], timeout_s=0.3)
     assert time.monotonic() - t0 < 3
-    assert list(s._leases) == [held._info.lid]
+    assert s.stat()["leases"] == 1  # only the one held before
     held.release()
     assert torch.equal(s.get(hs[4]), torch.full((mib,), 4.0))  # not the blank block's bytes
     assert torch.equal(s.get(hs[0]), torch.full((mib,), 0.0))
@@ -483,7 +484,7 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     g[2].release()
     g.release()
     g.release()
-    assert not s._leases
+    assert s.stat()["leases"] == 0
 
     # refused before anything is leased
     with pytest.raises(InvalidArgument, match="twice"):
@@ -500,11 +501,16 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     with pytest.raises(CapacityExceeded, match="cannot all be checked out at once"):
         s.checkout_many(big, "r")  # 9 MiB of objects in an 8 MiB host tier: would wait forever
     assert time.monotonic() - t0 < 1
-    assert not s._leases
+    assert s.stat()["leases"] == 0
 
 
 def _resident(s, h) -> list[str]:
     return s.info(h)["residency"]
+
+
+def _wait_down(s, *hs) -> None:
+    """Until the demoter has taken these tier="nvme" objects back to NVMe only."""
+    poll_until(lambda: all(_resident(s, h) == ["nvme"] for h in hs), "the demoter takes them back to NVMe")
 
 
 def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
@@ -515,8 +521,7 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
     mib = 1 << 18  # float32 elements in 1 MiB
     src = s.put(torch.arange(mib, dtype=torch.float32), key="src", tier="nvme")
     dst = s.put(torch.full((mib,), -1.0), key="dst", tier="nvme")
-    s._drain_spill()  # both on NVMe only
-    assert _resident(s, src) == ["nvme"] and _resident(s, dst) == ["nvme"]
+    _wait_down(s, src, dst)  # both on NVMe only
     misses = s.stat()["prefetch"]["misses"]
 
     # src read up from NVMe into a block that becomes dst's: one block in use, not two
@@ -532,7 +537,7 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
     assert torch.equal(s.get(dst), 2 * torch.arange(mib, dtype=torch.float32))
 
     # src prefetched (clean in host), dst resident and dirty: dst's block goes, src's is handed over
-    s._drain_spill()
+    _wait_down(s, src, dst)
     cache = s.put(torch.full((mib,), 5.0), tier=None)  # host only
     assert s.prefetch_tracked([src]).result(timeout=10) == 1
     assert "host" in _resident(s, src) and _resident(s, cache) == ["host"]
@@ -565,7 +570,7 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
     with pytest.raises(Busy):
         s.checkout(dst, "w", source=src, timeout_s=0.2)
     held.release()
-    assert not s._leases
+    assert s.stat()["leases"] == 0
 
     # refused up front
     small = s.put(torch.zeros(16))
@@ -577,10 +582,9 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
         s.checkout(dst, "rw", source=src)
     with pytest.raises(NotFound):
         s.checkout(dst, "w", source=Handle(10**6, 1))
-    assert not s._leases
+    assert s.stat()["leases"] == 0
 
     # nothing leaked: once everything is freed the host tier is empty
     for h in (src, dst, hot, small):
         s.free(h)
-    s._drain_spill()
-    assert s.host.used_bytes == 0
+    poll_until(lambda: s.stat()["tiers"]["host"]["used_bytes"] == 0, "the host tier empties")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from .trace import HORIZON, Trace, TraceBook
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import StoreConfig
     from .index import ObjectMeta
 
 __all__ = ["Prefetcher"]
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, config: "Config", lookup: Callable[[int], "ObjectMeta | None"],
+    def __init__(self, config: "StoreConfig", lookup: Callable[[int], "ObjectMeta | None"],
                  fetch: Callable[[int], None]) -> None:
         self._lookup, self._fetch = lookup, fetch
         self.enabled = config.prefetch
