@@ -148,14 +148,14 @@ class Handlers:
 
     def scratch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
-        off, n = self.store.scratch(sess, nbytes)
+        off, n = self.store.staging_area(sess, nbytes)
         return {"offset": off, "nbytes": n}
 
     def put_staged(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         spec = _spec(msg)
         src = field(msg, "src", int, min_value=0)
         args = self._put_args(sess, msg, nowait)
-        h = self.store.put_from_scratch(args.pop("owner"), src, spec, **args)
+        h = self.store.put_staged(args.pop("owner"), src, spec, **args)
         return {"handle": int(h)}
 
     def put_commit(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
@@ -171,7 +171,7 @@ class Handlers:
         h = _handle(msg)
         stream = field(msg, "stream", str, "default")
         if field(msg, "staged", bool, False):
-            spec = self.store.get_to_scratch(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
+            spec = self.store.get_staged(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
             if spec is not None:  # the bytes wait in the staging area; no lease to release
                 return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                         "nbytes": spec.nbytes}
@@ -262,7 +262,7 @@ class Handlers:
                 field(msg, "limit", int, most, min_value=1, max_value=most))
 
     def _whole_list(self, sess: "Session", nowait: bool) -> None:
-        if nowait and self.store._keys.count(sess.namespace) > _INLINE_LIST:
+        if nowait and self.store.key_count(sess.namespace) > _INLINE_LIST:
             raise WouldBlock()  # an unpaged listing of a big namespace would hold up the event loop
 
     def keys(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

@@ -16,7 +16,7 @@ def test_fault_rounds_short(tmp_path):
 
 
 def _extent_file(s, h):
-    e = s._objects[h.id].nvme[0]
+    e = s.index.objects[h.id].nvme[0]
     return s.nvme.drives[e.dev].path, e
 
 

@@ -183,7 +183,7 @@ def test_a_full_gpu_tier_moves_least_recently_used_objects_to_host(gpu_store):
     assert s.counters["gpu_demotions"] >= 4
     for h, x in zip(hs, xs):
         np.testing.assert_array_equal(s.get(h), x)
-    on_gpu = [int(m.id) for m in s._objects.values() if m.gpu_loc is not None]
+    on_gpu = [int(m.id) for m in s.index.objects.values() if m.gpu_loc is not None]
     assert on_gpu and all(h.id in on_gpu for h in hs[-len(on_gpu):])  # the newest stayed up
 
 
@@ -193,7 +193,7 @@ def test_leased_gpu_objects_never_move(gpu_store):
     leases = [s.acquire(h, "r", owner="c", device=True) for h in hs]
     with pytest.raises(CapacityExceeded, match="GPU tier full"):
         s.put(np.zeros(1 << 20, np.uint8), tier="gpu", wait_s=0.1)
-    assert all(s._objects[h.id].gpu_loc is not None for h in hs)
+    assert all(s.index.objects[h.id].gpu_loc is not None for h in hs)
     for ls in leases:
         s.release(ls.lid, owner="c")
     s.release_owner("c")
@@ -346,13 +346,13 @@ def test_a_device_get_of_an_nvme_object_reads_through_device_io_and_checks_every
             return f.pread_into(buf.numpy(), pos)  # (a CPU view: the O_DIRECT path takes aligned buffers)
         monkeypatch.setattr(f, "pread_device", pread_device, raising=False)
     monkeypatch.setattr(s.engine, "gds", True, raising=False)
-    meta = s._objects[h.id]
+    meta = s.index.objects[h.id]
     out = torch.from_numpy(np.frombuffer(__import__("mmap").mmap(-1, x.nbytes), np.float32))  # page-aligned
-    assert s._read_to_device(meta, out) is False
+    assert s.placement.read_to_device(meta, out) is False
     assert (out.numpy() == x).all() and len(reads) == 3 and s.counters["nvme_reads"] == 1
     ext = meta.nvme[0]
     with open(s.nvme.drives[ext.dev].path, "r+b") as f:  # one block damaged on the drive
         f.seek(ext.file_offset + (1 << 20) + 4096)
         f.write(b"\xff" * 64)
     with pytest.raises(ChecksumMismatch, match="block 1 "):
-        s._read_to_device(meta, out)
+        s.placement.read_to_device(meta, out)

@@ -39,10 +39,10 @@ def test_flipped_free_record_with_its_extent_reused_keeps_the_later_object(tmp_p
     d = tmp_path / "nvme"
     with Store(_cfg(d)) as s:
         a = s.put(torch.full((50_000,), 1.0), key="a", tier="nvme", durable=True)
-        ext_a = s._objects[a.id].nvme
+        ext_a = s.index.objects[a.id].nvme
         s.free(a)
         b = s.put(torch.full((50_000,), 2.0), key="b", tier="nvme", durable=True)
-        assert s._objects[b.id].nvme == ext_a  # b took a's space
+        assert s.index.objects[b.id].nvme == ext_a  # b took a's space
         s.put(torch.full((10,), 3.0), key="c", tier="nvme", durable=True)
     data, recs = _records(d)
     start, end, _ = _find(recs, op="free", id=a.id)
@@ -315,7 +315,7 @@ def test_replayed_objects_share_specs_keep_packed_records_and_survive_compaction
     clean = (d / JOURNAL_FILE).read_bytes()
     with Store(_cfg(d)) as s:
         assert (d / JOURNAL_FILE).read_bytes().startswith(clean)  # a clean journal is appended to, not rewritten
-        metas = [s._objects[s.lookup(f"k{i}").id] for i in range(20)]
+        metas = [s.index.objects[s.lookup(f"k{i}").id] for i in range(20)]
         # one spec for one shape, and each object's last record as its packed bytes, not a map
         assert all(m.spec is metas[0].spec for m in metas)
         assert all(msgpack.unpackb(m.record)["key"] == m.key for m in metas)
@@ -324,7 +324,7 @@ def test_replayed_objects_share_specs_keep_packed_records_and_survive_compaction
                           for _, _, r in _records(d)[1] if r["op"] == "put")
         before = puts()
         with s.journal.lock:
-            s._maybe_compact(force=True)
+            s.durability.maybe_compact(force=True)
         assert puts() == before and len(before) == 20
     with Store(_cfg(d)) as s:
         assert s.replay_info["objects"] == 20 and not s.replay_info["kept_aside"]

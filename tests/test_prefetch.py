@@ -173,10 +173,10 @@ def test_an_object_evicted_after_the_scan_passed_it_is_fetched_again(make_store)
             s.get(h)
         s.step()
     s.get(hs[0])  # the scan passes p1..p5 (resident) within its 3 MiB reach
-    meta = s._objects[hs[3].id]
-    with s._cv:
+    meta = s.index.objects[hs[3].id]
+    with s.index.cv:
         meta.moving = True
-    s._demote(meta)
+    s.placement.demote(meta)
     assert "host" not in s.info(hs[3])["residency"]
     s.get(hs[1])
     assert s.wait_prefetch(10)
@@ -232,7 +232,7 @@ def test_prefetch_never_exceeds_its_budget(make_store):
 
     def check():
         p = s.prefetcher
-        with s._cv:
+        with s.index.cv:
             seen.append(p.queued_bytes + p.protected_bytes)
             assert p.queued_bytes + p.protected_bytes <= budget
 

@@ -248,7 +248,7 @@ def test_stat_counters_match_a_recount_through_moves_replaces_frees_and_a_restar
 
     def check(s):
         st = s.stat()
-        metas = list(s._objects.values())
+        metas = list(s.index.objects.values())
         assert st["tiers"]["host"]["objects"] == sum(m.host_valid for m in metas)
         assert st["tiers"]["nvme"]["objects"] == sum(m.nvme_valid for m in metas)
         per_ns = {}

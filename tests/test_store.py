@@ -189,7 +189,7 @@ def test_flipped_byte_is_detected(make_store, nvme_dir):
     s = make_store()
     t = torch.randn(300_000)
     h = s.put(t, tier="nvme")
-    ext = s._objects[h.id].nvme[0]
+    ext = s.index.objects[h.id].nvme[0]
     path = s.nvme.drives[ext.dev].path
     with open(path, "r+b") as f:
         f.seek(ext.file_offset + 123_457)
@@ -405,13 +405,13 @@ def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durab
     res = s.reserve_put(spec, key="k", tier=tier, durable=durable, replace=False, namespace="default", owner="c1")
     s.arena.view(res.host_off, spec.nbytes)[:] = u8
     written, go = threading.Event(), threading.Event()
-    real = s._write_down
+    real = s.placement.write_down
 
     def slow_write_down(meta, *, sync):
         real(meta, sync=sync)
         written.set()
         go.wait(10)
-    s._write_down = slow_write_down
+    s.placement.write_down = slow_write_down
     out = {}
     committer = threading.Thread(target=lambda: out.setdefault("h", s.commit_put(res.rid, owner="c1")))
     committer.start()
@@ -431,8 +431,8 @@ def test_a_get_racing_a_checkout_keeps_one_host_copy(make_store):
     s = make_store(host_bytes="16MiB", promote_on_get=True)
     t = torch.arange(1 << 18, dtype=torch.float32)
     h = s.put(t, tier="nvme")
-    s._objects[h.id].home = None  # an object the host tier may keep after use
-    real = s._host_has_room
+    s.index.objects[h.id].home = None  # an object the host tier may keep after use
+    real = s.placement.host_has_room
     leases = []
 
     def checkout_first(n):  # runs between the get's two looks at the object
@@ -440,9 +440,9 @@ def test_a_get_racing_a_checkout_keeps_one_host_copy(make_store):
         th.start()
         th.join(10)
         return real(n)
-    s._host_has_room = checkout_first
+    s.placement.host_has_room = checkout_first
     assert torch.equal(s.get(h), t)
-    s._host_has_room = real
+    s.placement.host_has_room = real
     assert len(leases) == 1 and torch.equal(leases[0].tensor, t)
     assert s.host.used_bytes == s.host.rounded(t.numel() * 4)  # one host copy, not two
     leases[0].release()
@@ -467,7 +467,7 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     junk = s.put(torch.full((mib,), -7.0))
     s.free(junk)
     held = s.checkout(hs[5], "rw")
-    version = s._objects[hs[0].id].version
+    version = s.index.objects[hs[0].id].version
     t0 = time.monotonic()
     with pytest.raises(Busy, match="object #2 of the batch.*no object was checked out"):
         s.checkout_many([hs[4], hs[0], hs[5]], ["w", "rw", "r"], timeout_s=0.3)
@@ -476,7 +476,7 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     held.release()
     assert torch.equal(s.get(hs[4]), torch.full((mib,), 4.0))  # not the blank block's bytes
     assert torch.equal(s.get(hs[0]), torch.full((mib,), 0.0))
-    assert s._objects[hs[0].id].version == version  # the rw lease given back wrote nothing
+    assert s.index.objects[hs[0].id].version == version  # the rw lease given back wrote nothing
 
     # one lease released on its own, then the group: each checked in once
     g = s.checkout_many(hs, "r")

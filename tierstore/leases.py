@@ -1,91 +1,41 @@
-"""Leases and namespace ownership: the store's bookkeeping of who holds what, and
-what goes when a holder goes. Part of ``Store`` (a mixin); puts are reserved and
-committed in ``puts``, bytes move in ``movement``, state is recovered in ``recovery``.
+"""The lease table: who holds what, the check-out and check-in paths, and what goes when
+a holder goes (revocation, expiry, a closed connection's leases).
 
-Length: one concept (who holds what, and the waits for it) whose acquire, release,
-revoke and wait paths share their checks; splitting waits from leases would put one
-lock's invariants in two files. The component split is planned in docs/architecture.md.
+``LeaseTable`` owns the leases and their ids. It is given the object index (the lock,
+the objects and the waits), placement (bringing an object into the host tier, handing a
+block over, giving space back), durability (a durable check-in is journaled) and the
+prefetcher (each check-out is an access it learns from).
+
+Length: one concept (who holds what) whose single, batch, sourced and revoked paths
+share their checks and their undo; splitting the batches off would put one lease's
+invariants in two files.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .batch import check_each
+from .errors import Busy, CapacityExceeded, InvalidArgument, NotFound, StaleHandle, TierstoreError
 from .gpu import loc_device
-from .errors import Busy, CapacityExceeded, Closed, InvalidArgument, NotFound, PermissionDenied, TierstoreError
-from .index import Handle, ObjectMeta, validate_namespace
+from .index import Handle, ObjectMeta
+from .movement import Placement
+from .objectindex import ObjectIndex
+from .prefetch import Prefetcher
+from .recovery import Durability
 from .tensors import TensorSpec
 from .units import PAGE, align_up
+from .waits import WouldBlock, WouldWait, wait_context
 
-__all__ = ["Leasing", "WouldBlock", "WouldWait", "wait_context", "Reservation", "LeaseInfo", "LOCAL"]
+__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH", "WouldBlock", "WouldWait", "wait_context"]
 
 log = logging.getLogger(__name__)
 
 LOCAL = "local"  # owner of leases taken through the in-process API
-
-
-class WouldBlock(Exception):
-    """Internal: a ``nowait=True`` call would have to wait or touch the disk.
-
-    The daemon's event loop calls the store with ``nowait=True`` and, on this,
-    hands the request to a worker thread instead; it never reaches a client.
-    """
-
-
-class WouldWait(WouldBlock):
-    """Internal: a call made under ``wait_context(park=True)`` would wait for another
-    holder to let go (a lease, host room, an object in flight). Nothing was taken or
-    changed (but what a batch had taken: its ``progress``); the daemon's op worker hands
-    the request to a wait thread and goes on with the next."""
-
-
-@dataclass(slots=True)
-class WaitContext:
-    """How the calls of one daemon request wait (``wait_context``)."""
-
-    park: bool
-    abandoned: Callable[[], bool] | None
-
-
-_waiting = threading.local()
-
-
-@contextmanager
-def wait_context(*, park: bool, abandoned: Callable[[], bool] | None = None) -> Iterator[WaitContext]:
-    """(the daemon) The store calls this thread makes inside wait this way: ``park``: a
-    wait for another holder raises ``WouldWait`` instead (the thread is one other
-    requests need; the request runs again on a thread that may wait, its timeouts
-    counted from then); ``abandoned``: polled while waiting — once true (the requester
-    went away) the wait ends in ``Closed``."""
-    prev = getattr(_waiting, "ctx", None)
-    ctx = _waiting.ctx = WaitContext(park, abandoned)
-    try:
-        yield ctx
-    finally:
-        _waiting.ctx = prev
-
-
-@dataclass(slots=True)
-class Reservation:
-    """First phase of a two-phase put: a host block the writer fills, then commits."""
-
-    rid: int
-    owner: Any
-    host_off: int
-    meta: ObjectMeta
-    tier: str | None
-    replace: bool
-    gpu_loc: int | None = None
-    committing: bool = False
-    """A commit is under way: only it may still abort the reservation."""
-    since: float = 0.0
-    """When it was made (``time.monotonic()``): ``expire_reservations`` drops old ones."""
 
 
 @dataclass(slots=True)
@@ -115,36 +65,50 @@ MAX_BATCH = 4096
 """Most objects one ``acquire_many`` / ``release_many`` takes."""
 
 
-class Leasing:
-    """Store methods for leases and namespaces (mixed into ``Store``)."""
+class LeaseTable:
+    """Who holds what: the leases, their ids, and the check-out and check-in paths."""
 
-    _waits_cancelled = False
+    def __init__(self, index: ObjectIndex, placement: Placement, durability: Durability,
+                 prefetcher: Prefetcher, lease_wait_s: float) -> None:
+        self.index, self.placement, self.durability, self.prefetcher = index, placement, durability, prefetcher
+        self.cv = index.cv
+        self.counters = index.counters
+        self.lease_wait_s = lease_wait_s
+        self.leases: dict[int, LeaseInfo] = {}
+        self._ids = itertools.count(1)
 
-    # ------------------------------------------------------------ waiting
-    def _wait_for_others(self, remaining: float) -> None:
-        """(under _cv, ``remaining`` > 0) Wait for another holder to let go: a lease, host
-        room, an object in flight. On a daemon op worker, ``WouldWait`` instead; once the
-        daemon is stopping (``cancel_waits``) or the requester is gone, ``Closed``."""
-        ctx = getattr(_waiting, "ctx", None)
-        if ctx is not None:
-            if ctx.park:
-                raise WouldWait()
-            if ctx.abandoned is not None and ctx.abandoned():
-                raise Closed("the connection that asked went away")
-        if self._waits_cancelled:
-            raise Closed("the daemon is stopping; reconnect once it is back")
-        # a notify_all wakes it at any change; the 1 s cap re-checks the requester and the
-        # stop flag
-        self._cv.wait(min(remaining, 1.0))
+    def _add(self, info: LeaseInfo) -> LeaseInfo:
+        """(under cv) Record a new lease; gives it its id."""
+        info.lid = next(self._ids) + (1 << 40)
+        self.leases[info.lid] = info
+        return info
 
-    def cancel_waits(self) -> None:
-        """End every wait for another holder now and from now on with ``Closed`` (the
-        daemon is stopping: SIGTERM must not wait out anyone's ``timeout_s``)."""
-        with self._cv:
-            self._waits_cancelled = True
-            self._cv.notify_all()
+    def holds(self, meta: ObjectMeta, owner: Any) -> bool:
+        """(under cv) Whether ``owner`` holds a lease on ``meta``."""
+        return any(i.oid == meta.id and i.owner == owner for i in self.leases.values())
 
-    # ------------------------------------------------------------ leases
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def wait_unheld(self, meta: ObjectMeta, owner: Any) -> None:
+        """(under cv) Wait until nothing holds ``meta`` (before a free): copies and moves in
+        flight, and other owners' leases (up to ``lease_wait_s``; a check-in another
+        connection sent without waiting may still be on its way). The caller's own lease:
+        Busy at once."""
+        deadline = time.monotonic() + self.lease_wait_s
+        while True:
+            if meta.readers or meta.writer:
+                remaining = deadline - time.monotonic()
+                if owner is LOCAL or self.holds(meta, owner) or remaining <= 0:
+                    raise Busy(f"object {meta.handle} is checked out; check it in before freeing it")
+                self.index.wait(remaining)
+            elif meta.pins or meta.moving:
+                self.cv.wait()
+            else:
+                return
+            if meta.freeing:
+                raise StaleHandle(f"handle {meta.handle} names a freed object")
+
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
                 timeout_s: float | None = None, nowait: bool = False, stream: str = "default",
                 device: bool = False, undoable: bool = False) -> LeaseInfo:
@@ -163,36 +127,29 @@ class Leasing:
         if mode not in ("r", "rw", "w"):
             raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
         h = Handle.parse(handle)
-        ns = self._ns(namespace)
+        ns = self.index.ns(namespace)
         t0 = time.monotonic()
-        deadline = t0 + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = t0 + (self.lease_wait_s if timeout_s is None else timeout_s)
         late = promoted = blank = False
         while True:
-            with self._cv:
-                meta = self._get_meta(h, ns)
+            with self.cv:
+                meta = self.index.get_meta(h, ns)
                 on_gpu = device and meta.gpu_loc is not None
-                if (meta.host_valid or on_gpu) and not meta.moving and self._lease_ok(meta, mode):
+                if (meta.host_valid or on_gpu) and not meta.moving and _lease_ok(meta, mode):
                     if mode != "w":  # a blind overwrite is no read: nothing to learn or count
-                        self._record(owner, stream, meta, not promoted, late, t0, locked=True)
+                        self.prefetcher.access(owner, stream, meta, not promoted, late, t0)
                     if mode == "r":
                         meta.readers += 1
                     else:
                         meta.writer = True
                         if meta.durable:  # its block stops being its durable bytes until the check-in
-                            self._log_drop(meta)
+                            self.durability.log_drop(meta)
                     self.counters["checkouts"] += 1
-                    if on_gpu:
-                        self._gpu_lru.pop(meta.id, None)
-                        self._gpu_lru[meta.id] = None
-                        self.counters["gpu_hits"] += 1
-                    else:
-                        self.policy.touch(meta.id)
-                        self.counters["host_hits"] += 1
-                    lid = next(self._ids) + (1 << 40)
-                    info = LeaseInfo(lid, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
-                                     time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable, blank)
-                    self._leases[lid] = info
-                    return info
+                    self.counters["gpu_hits" if on_gpu else "host_hits"] += 1
+                    self.placement.touch(meta)
+                    return self._add(LeaseInfo(0, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
+                                               time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable,
+                                               blank))
                 if nowait:
                     raise WouldBlock()
                 late = late or meta.prefetching
@@ -205,13 +162,13 @@ class Leasing:
                     if remaining <= 0:
                         raise Busy(f"object {h} is leased in a conflicting mode (readers={meta.readers}, "
                                    f"writer={meta.writer}); check it in elsewhere or wait longer")
-                    self._wait_for_others(remaining)
+                    self.index.wait(remaining)
                     continue
             if promote:
                 read = mode != "w" or (undoable and meta.gpu_loc is not None)
                 promoted, blank = mode != "w", not read
                 self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
-                self._promote(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
+                self.placement.to_host(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
 
     def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
                      namespace: str | None = None, timeout_s: float | None = None, nowait: bool = False,
@@ -228,50 +185,50 @@ class Leasing:
         ``WouldBlock`` with nothing taken or recorded (the daemon's worker does it).
         """
         dst_h, src_h = Handle.parse(handle), Handle.parse(source)
-        ns = self._ns(namespace)
+        ns = self.index.ns(namespace)
         t0 = time.monotonic()
-        with self._cv:
-            dst, src = self._get_meta(dst_h, ns), self._get_meta(src_h, ns)
+        with self.cv:
+            dst, src = self.index.get_meta(dst_h, ns), self.index.get_meta(src_h, ns)
             if dst.id == src.id:
                 raise InvalidArgument(f"object {dst_h} cannot be its own source")
             if dst.nbytes != src.nbytes:
                 raise InvalidArgument(f"source {src_h} holds {src.nbytes} bytes, object {dst_h} {dst.nbytes}: "
                                       "a check-out from a source needs two objects of the same size")
             if src.host_valid and self._can_hand_over(src, dst, readers=0) and not dst.moving \
-                    and self._lease_ok(dst, "w"):
-                self._record(owner, stream, src, True, False, t0, locked=True)  # resident: a hit
+                    and _lease_ok(dst, "w"):
+                self.prefetcher.access(owner, stream, src, True, False, t0)  # resident: a hit
                 self.counters["host_hits"] += 1
                 return self._hand_over(None, src, dst, owner)
         if nowait:
             raise WouldBlock()  # a read, a wait or a copy of the bytes: not on the event loop
-        deadline = t0 + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = t0 + (self.lease_wait_s if timeout_s is None else timeout_s)
         rd: LeaseInfo | None = self.acquire(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
                                             stream=stream)
         try:
-            with self._cv:
+            with self.cv:
                 while True:
-                    dst = self._get_meta(dst_h, ns)
-                    src = self._objects[rd.oid]
+                    dst = self.index.get_meta(dst_h, ns)
+                    src = self.index.objects[rd.oid]
                     if not self._can_hand_over(src, dst, readers=1):
                         break
-                    if not dst.moving and self._lease_ok(dst, "w"):
+                    if not dst.moving and _lease_ok(dst, "w"):
                         info = self._hand_over(rd, src, dst, owner)
                         rd = None
                         return info
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break  # the copy below waits (or says Busy) as a plain check-out does
-                    self._wait_for_others(remaining)
+                    self.index.wait(remaining)
             info = self.acquire(dst_h, "w", owner=owner, namespace=ns,
                                 timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
             try:
                 n = src.nbytes
                 if n:
-                    self.arena.view(info.host_off, n)[:] = self.arena.view(rd.host_off, n)
+                    self.placement.arena.view(info.host_off, n)[:] = self.placement.arena.view(rd.host_off, n)
             except BaseException:
                 self.release(info.lid, owner=owner)
                 raise
-            with self._cv:
+            with self.cv:
                 self.counters["source_copies"] += 1
                 info.sourced = True
             return info
@@ -281,7 +238,7 @@ class Leasing:
 
     @staticmethod
     def _can_hand_over(src: ObjectMeta, dst: ObjectMeta, readers: int) -> bool:
-        """(under _cv) Whether ``src``'s host block (read by ``readers`` leases, the caller's)
+        """(under cv) Whether ``src``'s host block (read by ``readers`` leases, the caller's)
         may become ``dst``'s: ``src`` keeps a current NVMe copy and neither object is in
         another tier (``dst`` may still have to be waited for: moving, or leased)."""
         return (src.readers == readers and not src.writer and not src.moving and src.pins == 0
@@ -289,32 +246,20 @@ class Leasing:
                 and dst.gpu_loc is None and not dst.freeing and src.nbytes > 0)
 
     def _hand_over(self, rd: LeaseInfo | None, src: ObjectMeta, dst: ObjectMeta, owner: Any) -> LeaseInfo:
-        """(under _cv) End the caller's read lease ``rd`` on ``src`` (if any) and give ``src``'s
+        """(under cv) End the caller's read lease ``rd`` on ``src`` (if any) and give ``src``'s
         host block to ``dst`` under a new ``w`` lease. ``src`` is left with its NVMe copy."""
         if rd is not None:
-            del self._leases[rd.lid]
+            del self.leases[rd.lid]
             src.readers -= 1
-        off = src.host_off
-        self.policy.remove(src.id)
-        self._log_drop(src)
-        src.host_off, src.host_valid = None, False
-        self.prefetcher.demoted(src.id)
-        if dst.host_valid and dst.host_off is not None:  # overwritten whole by the lease: its block goes
-            self.policy.remove(dst.id)
-            self._log_drop(dst)
-            self.host.free(dst.host_off, dst.nbytes)
-            self.prefetcher.demoted(dst.id)
-        dst.host_off, dst.host_valid = off, True
+        off = self.placement.hand_over(src, dst)
         dst.writer = True
-        self._log_host(dst)  # (a durable one's is not: the block is not its bytes until the check-in)
-        self.policy.insert(dst.id)
+        self.durability.log_host(dst)  # (a durable one's is not: the block is not its bytes until the check-in)
+        self.placement.admit(dst)
         self.counters["checkouts"] += 1
         self.counters["source_handovers"] += 1
-        lid = next(self._ids) + (1 << 40)
-        info = LeaseInfo(lid, owner, dst.id, dst.gen, "w", off, dst.spec, time.monotonic(), None, dst.durable,
-                         sourced=True)
-        self._leases[lid] = info
-        self._cv.notify_all()
+        info = self._add(LeaseInfo(0, owner, dst.id, dst.gen, "w", off, dst.spec, time.monotonic(), None,
+                                   dst.durable, sourced=True))
+        self.cv.notify_all()
         return info
 
     def acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
@@ -339,8 +284,8 @@ class Leasing:
         hs = [Handle.parse(h) for h in handles]
         done = progress if progress is not None else []
         if not done:
-            self._check_batch(hs, modes, self._ns(namespace))
-        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+            self._check_batch(hs, modes, self.index.ns(namespace))
+        deadline = time.monotonic() + (self.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
             while i < len(hs):
@@ -372,17 +317,17 @@ class Leasing:
         ``progress``: as for ``acquire_many`` (the event loop takes what needs no wait, a
         worker the rest, from where the first call stopped)."""
         done = progress if progress is not None else []
-        ns = self._ns(namespace)
+        ns = self.index.ns(namespace)
         if not done:
             check_each(requests)
-            with self._cv:
-                total = sum(align_up(max(self._get_meta(h, ns).nbytes, 1), PAGE)
+            with self.cv:
+                total = sum(align_up(max(self.index.get_meta(h, ns).nbytes, 1), PAGE)
                             for h in {Handle.parse(r[0]) for r in requests})
-            usable = self._host_usable()
+            usable = self.placement.host_usable()
             if total > usable:  # they could never all be checked out at once: the caller would wait on itself
                 raise CapacityExceeded(f"the {len(requests)} check-outs need {total} bytes at once: the host tier "
                                        f"holds {usable} usable bytes; check out fewer objects at a time")
-        deadline = time.monotonic() + (self.config.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (self.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
             while i < len(requests):
@@ -416,7 +361,7 @@ class Leasing:
         object twice with a write mode, or more bytes than the host tier can ever hold."""
         seen: dict[int, str] = {}
         total = 0
-        with self._cv:
+        with self.cv:
             for h, m in zip(hs, modes):
                 prev = seen.get(h.id)
                 if prev is not None and (m != "r" or prev != "r"):
@@ -424,8 +369,8 @@ class Leasing:
                                           "excludes every other lease, so the batch would wait on itself")
                 seen[h.id] = m
                 if prev is None:
-                    total += align_up(max(self._get_meta(h, ns).nbytes, 1), PAGE)
-        usable = self._host_usable()
+                    total += align_up(max(self.index.get_meta(h, ns).nbytes, 1), PAGE)
+        usable = self.placement.host_usable()
         if total > usable:
             raise CapacityExceeded(f"the batch's {total} bytes cannot all be checked out at once: the host tier "
                                    f"holds {usable} usable bytes; check out fewer objects at a time")
@@ -434,10 +379,10 @@ class Leasing:
         """Give back a lease of a failed batch as if it had never been taken: nothing is
         marked dirty, and a blank ``w`` lease's host block is dropped (the object's bytes
         are still its NVMe copy)."""
-        with self._cv:
-            if self._leases.pop(info.lid, None) is None:
+        with self.cv:
+            if self.leases.pop(info.lid, None) is None:
                 return
-            meta = self._objects.get(info.oid)
+            meta = self.index.objects.get(info.oid)
             if meta is None:
                 return
             if info.mode == "r":
@@ -446,27 +391,24 @@ class Leasing:
                 meta.writer = False
             if info.blank and meta.host_valid and meta.nvme_valid and meta.host_off is not None \
                     and not meta.moving and not meta.readers:
-                self.policy.remove(meta.id)
-                self._log_drop(meta)
-                self.host.free(meta.host_off, meta.nbytes)
-                meta.host_off, meta.host_valid = None, False
-                self.prefetcher.demoted(meta.id)
+                self.placement.release_host(meta)
             else:
                 if info.mode != "r" and meta.durable and not info.blank:
-                    self._log_host(meta)  # nothing was written: the block is still its bytes
-                self._spill_if_home_nvme(meta)
-            self._cv.notify_all()
-            drop = self._drop_if_released(meta)
+                    self.durability.log_host(meta)  # nothing was written: the block is still its bytes
+                self.placement.spill_if_home_nvme(meta)
+            self.cv.notify_all()
+            drop = self.index.droppable(meta)
         if drop:
-            self._pool.submit(self._drop, meta)  # a durable drop journals (syncs): off the caller's path
+            # a durable discard journals (syncs): off the caller's path
+            self.placement.later(self.placement.discard, meta)
 
     def give_back(self, lid: int, *, owner: Any = LOCAL) -> None:
         """End a lease its holder never wrote through (a check-out it could not use): as if
         it had never been taken — nothing dirtied, a blank ``w`` lease's block dropped (the
         object keeps its NVMe copy). A lease from a source is checked in instead: its bytes
         are the source's, which the object's own block may already have taken."""
-        with self._cv:
-            info = self._leases.get(lid)
+        with self.cv:
+            info = self.leases.get(lid)
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
         if info.sourced:
@@ -476,27 +418,27 @@ class Leasing:
 
     def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
-        with self._cv:
-            info = self._leases.get(lid)
+        with self.cv:
+            info = self.leases.get(lid)
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
-            meta = self._objects.get(info.oid)
+            meta = self.index.objects.get(info.oid)
             if nowait and info.mode != "r" and meta is not None and meta.durable:
                 raise WouldBlock()  # the write-back below syncs: not on the event loop
-            del self._leases[lid]
+            del self.leases[lid]
             if meta is None:
                 return
             written = False  # a check-in of new bytes: they become the object's (below)
             if info.mode == "r":
                 meta.readers -= 1
-                self._spill_if_home_nvme(meta)
-                self._cv.notify_all()
-                drop = self._drop_if_released(meta)
+                self.placement.spill_if_home_nvme(meta)
+                self.cv.notify_all()
+                drop = self.index.droppable(meta)
             elif meta.freeing:
                 # replaced while checked out: what was written is discarded with the object
                 meta.writer = False
-                self._cv.notify_all()
-                drop = self._drop_if_released(meta)
+                self.cv.notify_all()
+                drop = self.index.droppable(meta)
             else:
                 meta.version += 1
                 meta.nvme_valid = False
@@ -506,46 +448,40 @@ class Leasing:
                     meta.moving = True  # write-back below; holds off other movers, keeps the writer flag
                 else:
                     meta.writer = False
-                    self._cv.notify_all()
+                    self.cv.notify_all()
                 drop, written = False, True
         if written:
             if meta.durable:
                 try:
                     # durable: the new bytes reach NVMe and the journal before the check-in returns
-                    self._write_down(meta, sync=True)
-                    with self.journal.lock:
-                        self._journal_put(meta)
+                    self.placement.write_down(meta, sync=True)
+                    with self.durability.lock:
+                        self.durability.journal_put(meta)
                 except BaseException:
-                    with self._cv:
+                    with self.cv:
                         if meta.nvme is None and stale:
                             # the write failed: the old copy stays the journal's (and is freed with
                             # the object or at its next write-down), the new bytes dirty in host
                             meta.nvme, stale = stale, None
                     raise
                 finally:
-                    with self._cv:
+                    with self.cv:
                         meta.moving = False
                         meta.writer = False
-                        self._cv.notify_all()
+                        self.cv.notify_all()
             if stale:
-                self.nvme.free(stale)  # (durable) only after the journal names the new copy
-            with self._cv:
+                self.placement.nvme.free(stale)  # (durable) only after the journal names the new copy
+            with self.cv:
                 if meta.durable:
-                    self._log_host(meta)  # the block is its bytes again: a restart may adopt it
-                self._spill_if_home_nvme(meta)
+                    self.durability.log_host(meta)  # the block is its bytes again: a restart may adopt it
+                self.placement.spill_if_home_nvme(meta)
         if drop:
             # a replaced object's last check-out ended: it goes now (a durable one journals
             # its free, which syncs: off the event loop)
             if nowait and meta.durable:
-                self._pool.submit(self._drop, meta)
+                self.placement.later(self.placement.discard, meta)
             else:
-                self._drop(meta)
-
-    def _spill_if_home_nvme(self, meta: ObjectMeta) -> None:
-        """(under _cv) An object that lives on NVMe goes back down once nobody uses it."""
-        if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid and not meta.freeing:
-            self._spill.append(meta.id)
-            self._demoter_wake.set()
+                self.placement.discard(meta)
 
     def release_many(self, lids: list[int], *, owner: Any = LOCAL, nowait: bool = False) -> None:
         """End several leases (``release`` each). Every lease named is ended even if some
@@ -554,10 +490,10 @@ class Leasing:
         if not 1 <= len(lids) <= MAX_BATCH:
             raise InvalidArgument(f"a batch check-in takes 1 to {MAX_BATCH} leases, got {len(lids)}")
         if nowait:
-            with self._cv:
+            with self.cv:
                 for lid in lids:
-                    info = self._leases.get(lid)
-                    meta = self._objects.get(info.oid) if info is not None else None
+                    info = self.leases.get(lid)
+                    meta = self.index.objects.get(info.oid) if info is not None else None
                     if info is not None and info.owner == owner and info.mode != "r" and meta is not None \
                             and meta.durable:
                         raise WouldBlock()  # a durable write-back syncs: the whole batch off the event loop
@@ -582,17 +518,17 @@ class Leasing:
         that block is fenced for ``owner`` (not handed out again until its connection
         ends), and a written object is first copied to a block the holder does not map.
         False if there is no such lease."""
-        with self._cv:
-            info = self._leases.get(lid)
+        with self.cv:
+            info = self.leases.get(lid)
             if info is None or info.owner != owner or info.revoked:
                 return False
             info.revoked = True
-            meta = self._objects.get(info.oid)
+            meta = self.index.objects.get(info.oid)
             if owner is not LOCAL:  # in-process, the holder is this process: nothing to fence
                 if info.gpu_loc is not None:
-                    self.gpu.fence(owner, info.gpu_loc, info.spec.nbytes)
+                    self.placement.gpu.fence(owner, info.gpu_loc, info.spec.nbytes)
                 elif info.spec.nbytes:
-                    self.host.fence(owner, info.host_off, info.spec.nbytes)
+                    self.placement.host.fence(owner, info.host_off, info.spec.nbytes)
             self.counters["leases_revoked"] += 1
             move = owner is not LOCAL and info.mode != "r" and meta is not None and not meta.freeing \
                 and meta.nbytes > 0
@@ -611,42 +547,42 @@ class Leasing:
         n = meta.nbytes
         if info.gpu_loc is not None:
             device = loc_device(info.gpu_loc)
-            with self._cv:
-                new = self.gpu.alloc(n, device)
+            with self.cv:
+                new = self.placement.gpu.alloc(n, device)
             if new is None:
                 log.error("revoked lease %d: no GPU-tier room to move object %d off the holder's block",
                           info.lid, meta.id)
                 return
-            self.gpu.backend.copy(device, self.gpu.ptr(new), self.gpu.ptr(info.gpu_loc), n)
-            with self._cv:
-                if self._leases.get(info.lid) is not info or meta.gpu_loc != info.gpu_loc:
-                    self.gpu.free(new, n)  # checked in meanwhile: the object is not ours to move
+            self.placement.gpu.backend.copy(device, self.placement.gpu.ptr(new), self.placement.gpu.ptr(info.gpu_loc), n)
+            with self.cv:
+                if self.leases.get(info.lid) is not info or meta.gpu_loc != info.gpu_loc:
+                    self.placement.gpu.free(new, n)  # checked in meanwhile: the object is not ours to move
                     return
                 old, meta.gpu_loc, info.gpu_loc = info.gpu_loc, new, new
-                self.gpu.free(old, n)  # fenced: held back until the holder's connection ends
+                self.placement.gpu.free(old, n)  # fenced: held back until the holder's connection ends
             return
         try:
-            new = self._alloc_host(n, wait_s=self.config.lease_wait_s, evict=True)
+            new = self.placement.alloc_host(n, wait_s=self.lease_wait_s)
         except CapacityExceeded:
             log.error("revoked lease %d: no host room to move object %d off the holder's block; "
                       "it stays there", info.lid, meta.id)
             return
-        self.arena.view(new, n)[:] = self.arena.view(info.host_off, n)
-        with self._cv:
-            if self._leases.get(info.lid) is not info or meta.host_off != info.host_off:
-                self.host.free(new, n)  # checked in meanwhile: the object is not ours to move
-                self._cv.notify_all()
+        self.placement.arena.view(new, n)[:] = self.placement.arena.view(info.host_off, n)
+        with self.cv:
+            if self.leases.get(info.lid) is not info or meta.host_off != info.host_off:
+                self.placement.host.free(new, n)  # checked in meanwhile: the object is not ours to move
+                self.cv.notify_all()
                 return
             old = info.host_off
             meta.host_off = info.host_off = new
-            self._log_host(meta)  # (not a durable one's: its check-in below logs it)
-            self.host.free(old, n)  # fenced: held back until the holder's connection ends
+            self.durability.log_host(meta)  # (not a durable one's: its check-in below logs it)
+            self.placement.host.free(old, n)  # fenced: held back until the holder's connection ends
 
-    def release_owner(self, owner: Any) -> tuple[int, int]:
-        """End every lease and reservation of ``owner`` (a connection that went away)."""
-        with self._cv:
-            lids = [lid for lid, i in self._leases.items() if i.owner == owner]
-            rids = [rid for rid, r in self._reservations.items() if r.owner == owner]
+    def drop_owner(self, owner: Any) -> int:
+        """End every lease of ``owner`` (a connection that went away) as check-ins; the
+        prefetcher forgets it. Returns how many."""
+        with self.cv:
+            lids = [lid for lid, i in self.leases.items() if i.owner == owner]
             if owner is not LOCAL:
                 self.prefetcher.drop_owner(owner)
         for lid in lids:
@@ -654,70 +590,25 @@ class Leasing:
                 self.release(lid, owner=owner)
             except TierstoreError as e:
                 log.error("releasing lease %d of a closed connection failed: %s", lid, e)
-        for rid in rids:
-            self.abort_put(rid, owner=owner)
-        with self._cv:
-            area = self._scratch.pop(owner, None)
-            if area is not None:
-                self.host.free(*area)
-                self._cv.notify_all()
-            if self.gpu is not None:
-                self.gpu.detach(owner)  # its mappings of the slabs died with it
-                self.gpu.unfence(owner)
-            if self.host.unfence(owner):  # blocks of revoked leases: nobody maps them now
-                self._cv.notify_all()
-        if owner is not LOCAL:
-            self._free_ephemeral(owner)
-        return len(lids), len(rids)
+        return len(lids)
+
+    def expire(self, max_age_s: float) -> int:
+        """Revoke leases older than ``max_age_s`` (a client that stopped answering); see
+        ``revoke``: the memory a revoked holder maps is not reused while it is connected."""
+        now = time.monotonic()
+        with self.cv:
+            old = [(i.lid, i.owner) for i in self.leases.values() if now - i.since > max_age_s and not i.revoked]
+        for lid, owner in old:
+            log.warning("revoking lease %d held for more than %.0f s", lid, max_age_s)
+            try:
+                self.revoke(lid, owner=owner)
+            except TierstoreError as e:
+                log.error("revoking lease %d failed: %s", lid, e)
+        return len(old)
 
 
-    def _free_ephemeral(self, owner: Any) -> None:
-        """``owner`` went away: its ephemeral objects go too — now, or at the end of the
-        last lease another connection holds on one (its key is unbound at once)."""
-        with self._cv:
-            mine = [m for m in self._objects.ephemeral_of(owner) if not m.freeing]
-            for m in mine:
-                m.freeing = True
-                if m.key is not None and self._keys.get((m.namespace, m.key)) == m.id:
-                    del self._keys[(m.namespace, m.key)]
-        for m in mine:
-            self._drop_replaced(m)  # waits out copies and moves; a leased one goes at its check-in
-        if mine:
-            self.counters["frees"] += len(mine)
-            log.debug("freed %d ephemeral objects of a closed connection", len(mine))
-
-    def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
-        """``owner`` is about to open the GPU slabs: they stay allocated until it goes
-        (``release_owner``). Returns what it needs to open them."""
-        if self.gpu is None:
-            raise InvalidArgument(f"this store has no GPU tier: {self.gpu_reason}")
-        with self._cv:
-            self.gpu.attach(owner)
-            return self.gpu.export()
-
-    def claim_namespace(self, namespace: str, uid: int) -> None:
-        """Bind a namespace to the uid that first uses it (journaled); others are refused."""
-        ns = validate_namespace(namespace)
-        root = ns.split("/")[0]
-        with self.journal.lock:
-            with self._cv:
-                owner = self._ns_owner.get(root)
-                if owner is not None:
-                    if owner != uid and uid != 0:
-                        raise PermissionDenied(f"namespace {root!r} belongs to uid {owner}; use another namespace")
-                    return
-            self.journal.append({"op": "ns", "name": root, "uid": uid})
-            with self._cv:
-                self._ns_owner[root] = uid
-
-    def check_namespace(self, namespace: str, uid: int) -> None:
-        """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
-        owner = self.namespace_owner(validate_namespace(namespace))
-        if owner is not None and owner != uid and uid != 0:
-            raise PermissionDenied(f"namespace {namespace.split('/')[0]!r} belongs to uid {owner}; "
-                                   "use another namespace")
-
-    def namespace_owner(self, namespace: str) -> int | None:
-        with self._cv:
-            return self._ns_owner.get(namespace.split("/")[0])
-
+def _lease_ok(meta: ObjectMeta, mode: str) -> bool:
+    """(under cv) Whether a lease in ``mode`` may be taken on ``meta`` now."""
+    if mode == "r":
+        return not meta.writer
+    return not meta.writer and meta.readers == 0 and meta.pins == 0

@@ -1,75 +1,166 @@
-"""How objects move between tiers: host allocation with eviction, demotion and
-promotion, reads from the fastest tier, the background demoter and the prefetch
-worker side. Part of ``Store`` (a mixin); which object to move comes from the policy."""
+"""Placement: where each object's bytes are, and moving them between tiers.
+
+``Placement`` owns the tiers' space (the host arena and its allocator, the NVMe tier,
+the GPU tier where present, the connections' staging areas) and the eviction order
+(the policy): it allocates blocks, demoting cold objects to make room, promotes and
+demotes objects, reads an object from the fastest tier holding it, runs the background
+demoter and the prefetch fetches, and gives an object's space back when it goes
+(``discard``). Which object to move comes from the policy; what is durable is
+journaled through ``Durability``; its only lock is the object index's ``cv``.
+
+Words: *promote* moves bytes up (NVMe -> host), *demote* down (host -> NVMe, GPU ->
+host); ``to_host`` brings an object into the host tier from whichever tier holds it.
+
+Length: the allocation paths share the read reserve and the eviction loop, and the
+demoter, the prefetch fetch and the reads all move through them; splitting them
+would spread one set of space invariants over several files.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
 
-from .errors import CapacityExceeded, KeyExists, TierstoreError
-from .gpu import loc_device
-from .index import Handle, ObjectMeta
-from .leases import LOCAL
-from .tensors import TensorSpec
+from .allocator import ExtentAllocator
+from .arena import Arena
+from .config import StoreConfig
+from .errors import CapacityExceeded, InvalidArgument, TierstoreError
+from .gpu import GpuTier, loc_device
+from .index import ObjectMeta
+from .nvme import NvmeTier
+from .objectindex import ObjectIndex
+from .policy import EvictionPolicy
+from .prefetch import Prefetcher
+from .recovery import Durability
+from .tensors import aligned_empty
 from .units import PAGE, align_up
 
-__all__ = ["Movement"]
+__all__ = ["Placement", "TIERS"]
 
 log = logging.getLogger(__name__)
 
+TIERS = (None, "host", "nvme", "gpu")
+
 _PREFETCH_WAIT_S = 1.0
 
+READ_RESERVE_BYTES = 64 << 20
+"""The last this many bytes of the host tier (at most a sixteenth of it) only take reads
+of bytes that are on NVMe: durable objects stay readable when both tiers are full."""
 
-class Movement:
-    """Store methods that move bytes between tiers (mixed into ``Store``)."""
 
-    # ------------------------------------------------------------------ internals: data
-    def _host_has_room(self, nbytes: int) -> bool:
-        with self._cv:
+class Placement:
+    """The tiers' space and the moves between them; see the module docstring."""
+
+    def __init__(self, config: StoreConfig, index: ObjectIndex, durability: Durability, prefetcher: Prefetcher,
+                 policy: EvictionPolicy, arena: Arena, host: ExtentAllocator, nvme: NvmeTier,
+                 gpu: GpuTier | None, engine: Any) -> None:
+        self.config, self.index, self.durability, self.prefetcher, self.policy = \
+            config, index, durability, prefetcher, policy
+        self.arena, self.host, self.nvme, self.gpu, self.engine = arena, host, nvme, gpu, engine
+        self.counters = index.counters
+        # kept for reading objects whose bytes are on NVMe when everything else is full
+        self.read_reserve = min(READ_RESERVE_BYTES, host.capacity // 16) // PAGE * PAGE
+        self.gpu_lru: OrderedDict[int, None] = OrderedDict()
+        """GPU-tier objects, least recently used first."""
+        self.staging: dict[Any, tuple[int, int]] = {}
+        """owner -> (offset, nbytes) of its staging area in the host arena."""
+        self._spill: list[int] = []  # home-NVMe objects released from use, to go back down
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
+        self._wake = threading.Event()
+        self._demoter = threading.Thread(target=self._demote_loop, name="tierstore-demoter", daemon=True)
+
+    def start(self) -> None:
+        """Start the background demoter (once the index is recovered)."""
+        self._demoter.start()
+
+    def close(self) -> None:
+        """Stop the demoter and the background work (the index is already closed)."""
+        self._wake.set()
+        self._demoter.join()
+        self._pool.shutdown(wait=True)
+
+    def later(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the background pool (off the caller's path)."""
+        return self._pool.submit(fn, *args)
+
+    # ------------------------------------------------------------------ checks
+    def check_tier(self, tier: str | None) -> str | None:
+        if tier not in TIERS:
+            raise InvalidArgument(f"tier must be one of None, 'host', 'nvme', 'gpu'; got {tier!r}")
+        if tier == "gpu" and self.gpu is None:
+            raise InvalidArgument(f"the gpu tier is not available in this store: {self.gpu_reason}")
+        return tier
+
+    gpu_reason = "gpu_bytes is 0: no GPU tier"
+    """Why there is no GPU tier (set by the store when it opens the tiers)."""
+
+    def check_fits(self, nbytes: int, tier: str | None) -> None:
+        if tier == "gpu":
+            if not self.gpu.fits(nbytes):
+                raise CapacityExceeded(f"{nbytes} bytes exceed every GPU-tier slab ({self.config.gpu_slab_bytes} "
+                                       "bytes); raise gpu_slab_bytes or use tier='host'")
+            return
+        host_ok = align_up(max(nbytes, 1), PAGE) <= self.host.capacity
+        nvme_ok = self.nvme.fits(nbytes)
+        if tier == "host" and not host_ok:
+            raise CapacityExceeded(f"{nbytes} bytes exceed the host tier ({self.host.capacity} bytes); "
+                                   "use tier='nvme' or raise host_bytes")
+        if tier == "nvme" and not nvme_ok:
+            raise CapacityExceeded(f"{nbytes} bytes exceed the NVMe tier ({self.nvme.capacity_bytes} bytes); "
+                                   "raise nvme_bytes")
+        if not host_ok and not nvme_ok:
+            raise CapacityExceeded(f"{nbytes} bytes exceed every tier (host {self.host.capacity}, "
+                                   f"nvme {self.nvme.capacity_bytes})")
+
+    # ------------------------------------------------------------------ host space
+    def host_has_room(self, nbytes: int) -> bool:
+        with self.index.cv:
             need = align_up(max(nbytes, 1), PAGE)
             return (self.host.largest_free >= need
                     and self.host.used_bytes + need <= self.config.high_watermark * self.host.capacity)
 
-    def _host_usable(self) -> int:
+    def host_usable(self) -> int:
         """Host bytes one object can ever get: the tier less the connections' staging areas."""
-        with self._cv:
-            return self.host.capacity - sum(n for _, n in self._scratch.values())
+        with self.index.cv:
+            return self.host.capacity - sum(n for _, n in self.staging.values())
 
-    def _host_take(self, nbytes: int, *, reading: bool = False) -> int | None:
-        """(under _cv) A host block now, or None.
+    def host_take(self, nbytes: int, *, reading: bool = False) -> int | None:
+        """(under cv) A host block now, or None.
 
         Reads of bytes that are on NVMe must work when everything is full, and making
         host room for one needs NVMe room to demote into. So one of the two is always
-        kept: the last ``_read_reserve`` bytes of the host tier go to anything else only
-        while the NVMe tier has that much free for demotions (``_nvme_take`` keeps it so
+        kept: the last ``read_reserve`` bytes of the host tier go to anything else only
+        while the NVMe tier has that much free for demotions (``nvme_take`` keeps it so
         while the host reserve is in use)."""
-        if not reading and self.host.free_bytes - align_up(max(nbytes, 1), PAGE) < self._read_reserve \
-                and self.nvme.free_bytes < self._read_reserve:
+        if not reading and self.host.free_bytes - align_up(max(nbytes, 1), PAGE) < self.read_reserve \
+                and self.nvme.free_bytes < self.read_reserve:
             return None
         return self.host.alloc(nbytes)
 
-    def _nvme_take(self, nbytes: int, *, demoting: bool) -> list:
+    def nvme_take(self, nbytes: int, *, demoting: bool) -> list:
         """NVMe extents for ``nbytes``. Unless ``demoting`` (making host room), the last
-        ``_read_reserve`` bytes of the tier are refused while the host tier's read reserve
-        is in use: see ``_host_take``."""
-        if not demoting and self.nvme.free_bytes - align_up(max(nbytes, 1), PAGE) < self._read_reserve \
-                and self.host.free_bytes < self._read_reserve:
+        ``read_reserve`` bytes of the tier are refused while the host tier's read reserve
+        is in use: see ``host_take``."""
+        if not demoting and self.nvme.free_bytes - align_up(max(nbytes, 1), PAGE) < self.read_reserve \
+                and self.host.free_bytes < self.read_reserve:
             raise CapacityExceeded(
                 f"NVMe tier full: {nbytes} bytes requested, {self.nvme.free_bytes} free of "
-                f"{self.nvme.capacity_bytes}, the last {self._read_reserve} kept for making host room for "
+                f"{self.nvme.capacity_bytes}, the last {self.read_reserve} kept for making host room for "
                 "reads while the host tier is full; free objects or raise nvme_bytes")
         return self.nvme.alloc(nbytes)
 
-    def _alloc_host(self, nbytes: int, *, wait_s: float, evict: bool, admit_distance: int | None = None,
-                    reading: bool = False) -> int:
+    def alloc_host(self, nbytes: int, *, wait_s: float, admit_distance: int | None = None,
+                   reading: bool = False) -> int:
         """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise.
-        ``reading`` (see ``_host_take``): may use the read reserve, and when a demotion fails
+        ``reading`` (see ``host_take``): may use the read reserve, and when a demotion fails
         for want of NVMe space, only objects that need no write (a current NVMe copy) make room."""
-        usable = self._host_usable()
+        usable = self.host_usable()
         if align_up(max(nbytes, 1), PAGE) > usable:  # no wait can make room: say so at once
             raise CapacityExceeded(
                 f"{nbytes} bytes do not fit in the host tier at all ({usable} bytes usable of "
@@ -80,15 +171,15 @@ class Movement:
         def move(victim: ObjectMeta) -> None:
             nonlocal clean_only
             try:
-                self._demote(victim)
+                self.demote(victim)
             except CapacityExceeded:  # NVMe (or its filesystem) full: no dirty object can go down
                 if not reading:
                     raise
                 clean_only = True
 
         return self._alloc_evicting(
-            lambda: self._host_take(nbytes, reading=reading),
-            lambda: self._pick_victim(admit_distance, clean_only=clean_only) if evict else None,
+            lambda: self.host_take(nbytes, reading=reading),
+            lambda: self._pick_victim(admit_distance, clean_only=clean_only),
             move, wait_s,
             lambda: (f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
                      f"{self.host.capacity} and nothing can be demoted (leased or in flight"
@@ -96,12 +187,13 @@ class Movement:
                      "check objects in, free some, or pass a longer wait"))
 
     def _alloc_evicting(self, alloc, pick, move, wait_s: float, full: Callable[[], str]) -> int:
-        """``alloc()`` (under _cv) until it succeeds, moving ``pick()``'s victims out of the
+        """``alloc()`` (under cv) until it succeeds, moving ``pick()``'s victims out of the
         way with ``move`` (outside the lock); waiting up to ``wait_s`` while nothing can move."""
+        ix = self.index
         deadline = time.monotonic() + wait_s
         while True:
-            with self._cv:
-                self._check_open()
+            with ix.cv:
+                ix.check_open()
                 got = alloc()
                 if got is not None:
                     return got
@@ -111,19 +203,20 @@ class Movement:
                     if remaining <= 0:
                         self.counters["capacity_errors"] += 1
                         raise CapacityExceeded(full())
-                    self._wait_for_others(remaining)
+                    ix.wait(remaining)
                     continue
             move(victim)
 
     def _pick_victim(self, admit_distance: int | None = None, *, clean_only: bool = False) -> ObjectMeta | None:
-        """Best victim that may move now (under _cv); marks it moving.
+        """Best victim that may move now (under cv); marks it moving.
 
         ``admit_distance`` (a prefetch of an object needed in that many accesses)
         admits only victims needed later than that, and never another prefetch.
         ``clean_only``: only objects whose NVMe copy is current (they go without a write).
         """
+        objects = self.index.objects
         for oid in self.policy.candidates():
-            m = self._objects.get(oid)
+            m = objects.get(oid)
             if m is None or not m.host_valid or m.host_off is None:
                 continue
             if m.moving or m.pins or m.readers or m.writer or m.freeing or (clean_only and not m.nvme_valid):
@@ -139,33 +232,95 @@ class Movement:
             return m
         return None
 
-    def _demote(self, meta: ObjectMeta) -> None:
+    def release_host(self, meta: ObjectMeta) -> None:
+        """(under cv) ``meta`` leaves the host tier: its block goes back, the eviction order
+        and the prefetcher forget it there."""
+        self.policy.remove(meta.id)
+        if meta.host_off is not None:
+            self.durability.log_drop(meta)
+            self.host.free(meta.host_off, meta.nbytes)
+        meta.host_off, meta.host_valid = None, False
+        self.prefetcher.demoted(meta.id)
+
+    def hand_over(self, src: ObjectMeta, dst: ObjectMeta) -> int:
+        """(under cv) Give ``src``'s host block to ``dst`` (whose own block, if any, goes
+        back); ``src`` is left with its NVMe copy. Returns the block's offset; the caller
+        logs and admits ``dst`` once its lease is set."""
+        off = src.host_off
+        self.policy.remove(src.id)
+        self.durability.log_drop(src)
+        src.host_off, src.host_valid = None, False
+        self.prefetcher.demoted(src.id)
+        if dst.host_valid and dst.host_off is not None:  # overwritten whole by the lease: its block goes
+            self.release_host(dst)
+        dst.host_off, dst.host_valid = off, True
+        return off
+
+    def admit(self, meta: ObjectMeta) -> None:
+        """(under cv) ``meta``'s GPU-tier or host block holds its bytes: it joins that tier's eviction order."""
+        if meta.gpu_loc is not None:
+            self.gpu_lru[meta.id] = None
+        else:
+            self.policy.insert(meta.id)
+
+    def touch(self, meta: ObjectMeta) -> None:
+        """(under cv) ``meta`` was used where it is: it goes to the back of its tier's eviction order."""
+        if meta.gpu_loc is not None:
+            self.gpu_lru.pop(meta.id, None)
+            self.gpu_lru[meta.id] = None
+        else:
+            self.policy.touch(meta.id)
+
+    # ------------------------------------------------------------------ staging areas
+    def staging_area(self, owner: Any, nbytes: int) -> tuple[int, int]:
+        """A host block private to ``owner`` (a connection's staging area); (offset, nbytes).
+        Freed by ``drop_owner``."""
+        with self.index.cv:
+            if owner in self.staging:
+                return self.staging[owner]
+            off = self.host.alloc(nbytes)
+            if off is None:
+                raise CapacityExceeded("host tier full: no room for a staging area; use the two-phase put")
+            self.staging[owner] = (off, nbytes)
+            return off, nbytes
+
+    def drop_owner(self, owner: Any) -> None:
+        """``owner`` went away: its staging area, its GPU-slab mappings and the blocks fenced for it go."""
+        with self.index.cv:
+            area = self.staging.pop(owner, None)
+            if area is not None:
+                self.host.free(*area)
+                self.index.cv.notify_all()
+            if self.gpu is not None:
+                self.gpu.detach(owner)  # its mappings of the slabs died with it
+                self.gpu.unfence(owner)
+            if self.host.unfence(owner):  # blocks of revoked leases: nobody maps them now
+                self.index.cv.notify_all()
+
+    # ------------------------------------------------------------------ moving down
+    def demote(self, meta: ObjectMeta) -> None:
         """Move a host-resident object (flagged moving) down to NVMe and free its host block."""
+        ix = self.index
         try:
             if not meta.nvme_valid:
-                self._write_down(meta, sync=meta.durable, demoting=True)
+                self.write_down(meta, sync=meta.durable, demoting=True)
                 if meta.durable:
-                    with self.journal.lock:
-                        self._journal_put(meta)
-            with self._cv:
-                self.policy.remove(meta.id)
-                if meta.host_off is not None:
-                    self._log_drop(meta)
-                    self.host.free(meta.host_off, meta.nbytes)
-                meta.host_off, meta.host_valid = None, False
-                self.prefetcher.demoted(meta.id)
+                    with self.durability.lock:
+                        self.durability.journal_put(meta)
+            with ix.cv:
+                self.release_host(meta)
                 self.counters["demotions"] += 1
                 self.counters["demoted_bytes"] += meta.nbytes
         finally:
-            with self._cv:
+            with ix.cv:
                 meta.moving = False
-                self._cv.notify_all()
+                ix.cv.notify_all()
 
-    def _write_down(self, meta: ObjectMeta, *, sync: bool, demoting: bool = False) -> None:
+    def write_down(self, meta: ObjectMeta, *, sync: bool, demoting: bool = False) -> None:
         """Write the host copy of ``meta`` to fresh NVMe extents (meta.moving is set by the
-        caller; ``demoting``: to free its host block, see ``_nvme_take``)."""
+        caller; ``demoting``: to free its host block, see ``nvme_take``)."""
         n = meta.nbytes
-        extents = self._nvme_take(n, demoting=demoting)
+        extents = self.nvme_take(n, demoting=demoting)
         try:
             if n:
                 src = self.arena.view(meta.host_off, n)
@@ -176,54 +331,20 @@ class Movement:
         except BaseException:
             self.nvme.free(extents)
             raise
-        with self._cv:
+        with self.index.cv:
             old = meta.nvme
             meta.nvme, meta.crcs, meta.nvme_valid = extents, crcs, True
         if old:
             self.nvme.free(old)
 
-    def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
-                  ns: str, ephemeral: bool = False, home: str | None = "nvme") -> Handle:
-        """Write a put straight to NVMe. ``home="nvme"`` (``put(tier="nvme")``): the object
-        lives there, going back down after each use; None (``tier=None`` finding no room in
-        the host tier): it is only placed there, and cached like any other once used."""
-        if key is not None:
-            with self._cv:
-                if (ns, key) in self._keys and not replace:
-                    raise KeyExists(f"key {key!r} already exists in namespace {ns!r}; "
-                                    "pass replace=True to overwrite it or free it first")
-        extents = self._nvme_take(spec.nbytes, demoting=False)
-        try:
-            crcs = self.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
-            with self._cv:
-                meta = ObjectMeta(id=self._new_id(), gen=self._epoch, namespace=ns, key=key, spec=spec,
-                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home=home,
-                                  ephemeral=LOCAL if ephemeral else None)
-            with self.journal.lock:
-                with self._cv:
-                    self._check_key(meta, replace)
-                if durable:
-                    self._journal_put(meta, sync=False)
-                with self._cv:
-                    old = self._bind(meta)
-                    self._objects[meta.id] = meta
-        except BaseException:
-            self.nvme.free(extents)
-            raise
-        if durable:
-            self.journal.commit()  # group commit (see commit_put)
-        self.counters["puts"] += 1
-        self.counters["put_bytes"] += spec.nbytes
-        if old is not None:
-            self._drop_replaced(old)
-        return meta.handle
-
-    def _read_pinned(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
+    # ------------------------------------------------------------------ reads
+    def read(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
         """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them.
 
-        Returns True when they came from the host tier (a hit)."""
+        Returns True when they came from a memory tier (a hit)."""
+        ix = self.index
         n = meta.nbytes
-        with self._cv:
+        with ix.cv:
             host_off = meta.host_off if meta.host_valid else None
             if host_off is not None:
                 self.policy.touch(meta.id)
@@ -237,8 +358,8 @@ class Movement:
             dst[:] = self.arena.view(host_off, n)
             return True
         self.counters["nvme_reads"] += 1
-        if self.config.promote_on_get and meta.home != "nvme" and self._host_has_room(n):
-            with self._cv:
+        if self.config.promote_on_get and meta.home != "nvme" and self.host_has_room(n):
+            with ix.cv:
                 # a check-out may have brought it up since (pins keep it there once it is)
                 host_off = meta.host_off if meta.host_valid else None
                 off = self.host.alloc(n) if host_off is None and not meta.moving else None
@@ -248,33 +369,39 @@ class Movement:
                 dst[:] = self.arena.view(host_off, n)
                 return False
             if off is not None:
-                try:
-                    self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
-                                   dst_padded=self.arena.view(off, align_up(n, PAGE)))
-                except BaseException:
-                    with self._cv:
-                        self.host.free(off, n)
-                        meta.moving = False
-                        self._cv.notify_all()
-                    raise
-                with self._cv:
-                    meta.host_off, meta.host_valid, meta.moving = off, True, False
-                    self._log_host(meta)
-                    self.policy.insert(meta.id)
-                    self.counters["promotions"] += 1
-                    self.counters["promoted_bytes"] += n
-                    self._cv.notify_all()
+                self.to_host(meta, wait_s=0.0, block=off)
                 dst[:] = self.arena.view(off, n)
                 return False
         padded = dst if (dst.ctypes.data % PAGE == 0 and n % PAGE == 0) else None
         self.nvme.read(meta.nvme, dst, meta.crcs, dst_padded=padded)
         return False
 
-    def _promote(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
-                 admit_distance: int | None = None, read: bool = True, block: int | None = None) -> None:
-        """Bring an NVMe-only object (flagged moving by the caller) into the host tier
-        (``read=False``: only give it host memory; the caller overwrites it; ``block``: a
-        host block the caller already allocated)."""
+    def read_to_device(self, meta: ObjectMeta, out: Any) -> bool:
+        """Read a pinned object into a CUDA tensor: an NVMe-only object goes NVMe -> GPU
+        through the engine's device I/O when it is GPUDirect Storage (its CRC32C checked
+        on the host after the transfer), anything else through host memory. True on a
+        memory-tier hit."""
+        import torch
+
+        u8 = out.reshape(-1).view(torch.uint8)
+        with self.index.cv:
+            nvme_only = meta.gpu_loc is None and not meta.host_valid and meta.nvme_valid
+        if nvme_only and getattr(self.engine, "gds", False):
+            self.counters["nvme_reads"] += 1
+            self.nvme.read_device(meta.nvme, u8, meta.crcs, lambda v: v.cpu().numpy())
+            return False
+        tmp = aligned_empty(meta.nbytes)
+        hit = self.read(meta, tmp)
+        u8.copy_(torch.from_numpy(tmp))
+        return hit
+
+    # ------------------------------------------------------------------ moving up
+    def to_host(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
+                admit_distance: int | None = None, read: bool = True, block: int | None = None) -> None:
+        """Bring an object (flagged moving by the caller) into the host tier: promoted from
+        NVMe, or demoted from the GPU tier (``read=False``: only give it host memory; the
+        caller overwrites it; ``block``: a host block the caller already allocated)."""
+        ix = self.index
         n = meta.nbytes
         try:
             if block is not None:
@@ -282,8 +409,7 @@ class Movement:
             else:
                 # a read of bytes on NVMe may use the read reserve: it must work when all is full
                 reading = read and meta.nvme_valid and meta.gpu_loc is None and admit_distance is None
-                off = self._alloc_host(n, wait_s=wait_s, evict=True, admit_distance=admit_distance,
-                                       reading=reading) if n else -1
+                off = self.alloc_host(n, wait_s=wait_s, admit_distance=admit_distance, reading=reading) if n else -1
             try:
                 if n and read and meta.gpu_loc is not None:  # down from the GPU tier
                     self.gpu.read(meta.gpu_loc, self.arena.view(off, n).ctypes.data, n)
@@ -291,13 +417,13 @@ class Movement:
                     self.nvme.read(meta.nvme, self.arena.view(off, n), meta.crcs,
                                    dst_padded=self.arena.view(off, align_up(n, PAGE)), priority=priority)
             except BaseException:
-                with self._cv:
+                with ix.cv:
                     self.host.free(off, n)
                 raise
-            with self._cv:
+            with ix.cv:
                 if meta.gpu_loc is not None:
                     self.gpu.free(meta.gpu_loc, n)
-                    self._gpu_lru.pop(meta.id, None)
+                    self.gpu_lru.pop(meta.id, None)
                     meta.gpu_loc = None
                     self.counters["gpu_demotions"] += 1
                     self.counters["gpu_demoted_bytes"] += n
@@ -305,34 +431,25 @@ class Movement:
                 meta.host_valid = True
                 if off >= 0:
                     if read or not meta.durable:  # a durable one's blank block is not its bytes
-                        self._log_host(meta)
+                        self.durability.log_host(meta)
                     self.policy.insert(meta.id)
                 self.counters["promotions"] += 1
                 self.counters["promoted_bytes"] += n
         finally:
-            with self._cv:
+            with ix.cv:
                 meta.moving = False
                 meta.prefetching = False
-                self._cv.notify_all()
+                ix.cv.notify_all()
 
     # ------------------------------------------------------------------ prefetch
-    def _record(self, owner: Any, stream: str, meta: ObjectMeta, hit: bool, late: bool, t0: float,
-                locked: bool = False) -> None:
-        outcome = "miss" if not hit else ("late" if late else "hit")
-        stall = time.monotonic() - t0 if outcome != "hit" else 0.0
-        if locked:
-            self.prefetcher.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
-        else:
-            with self._cv:
-                self.prefetcher.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
-
-    def _prefetch_fetch(self, oid: int) -> None:
-        """Worker side of a queued prefetch: promote ``oid`` at prefetch priority."""
-        with self._cv:
-            meta = self._objects.get(oid)
+    def fetch(self, oid: int) -> None:
+        """The prefetcher's worker side of a queued fetch: promote ``oid`` at prefetch priority."""
+        ix = self.index
+        with ix.cv:
+            meta = ix.objects.get(oid)
             if not self.prefetcher.wanted(oid):
                 return
-            if (meta is None or meta.freeing or meta.host_valid or meta.moving or self._closed
+            if (meta is None or meta.freeing or meta.host_valid or meta.moving or ix.closed
                     or meta.gpu_loc is not None):
                 self.prefetcher.done(oid, 0, fetched=False)
                 return
@@ -341,44 +458,39 @@ class Movement:
         try:
             # room first, without claiming the object: a full tier is often only waiting for
             # write-backs, and a demand access must never wait behind a prefetch that waits
-            off = self._alloc_host(meta.nbytes, wait_s=_PREFETCH_WAIT_S, evict=True, admit_distance=d) \
-                if meta.nbytes else None
-            with self._cv:
-                wanted = not (meta.freeing or meta.host_valid or meta.moving or self._closed)
+            off = self.alloc_host(meta.nbytes, wait_s=_PREFETCH_WAIT_S, admit_distance=d) if meta.nbytes else None
+            with ix.cv:
+                wanted = not (meta.freeing or meta.host_valid or meta.moving or ix.closed)
                 if wanted:
                     meta.moving = meta.prefetching = True
                 elif off is not None:
                     self.host.free(off, meta.nbytes)  # demand got there first
             if wanted:
-                self._promote(meta, wait_s=0.0, priority=1, block=off)
+                self.to_host(meta, wait_s=0.0, priority=1, block=off)
                 fetched = True
         except TierstoreError as e:
             log.debug("prefetch of %s skipped: %s", meta.handle, e)
         finally:
-            with self._cv:
+            with ix.cv:
                 self.prefetcher.done(oid, meta.nbytes, fetched)
-                self._cv.notify_all()
-
-    def _await_prefetch(self, oids: list[int]) -> int:
-        with self._cv:
-            self._cv.wait_for(lambda: self._closed or self.prefetcher.settled(oids))
-            return sum(1 for o in oids if o in self._objects and self._objects[o].host_valid)
+                ix.cv.notify_all()
 
     # ------------------------------------------------------------------ GPU tier
-    def _alloc_gpu(self, nbytes: int, device: int, *, wait_s: float) -> int:
+    def alloc_gpu(self, nbytes: int, device: int, *, wait_s: float) -> int:
         """A GPU-tier block, moving least recently used GPU objects down to the host tier
         synchronously if needed; CapacityExceeded when nothing can move."""
         return self._alloc_evicting(
             lambda: self.gpu.alloc(nbytes, device), lambda: self._pick_gpu_victim(device),
-            lambda v: self._promote(v, wait_s=max(wait_s, self.config.lease_wait_s)), wait_s,
+            lambda v: self.to_host(v, wait_s=max(wait_s, self.config.lease_wait_s)), wait_s,
             lambda: (f"GPU tier full on device {device}: {nbytes} bytes requested, "
                      f"{self.gpu.capacity(device) - self.gpu.used(device)} free and nothing can move "
                      "down (leased or in flight); check objects in, free some, or raise gpu_bytes"))
 
     def _pick_gpu_victim(self, device: int | None = None) -> ObjectMeta | None:
-        """(under _cv) The least recently used GPU-tier object that may move; marks it moving."""
-        for oid in self._gpu_lru:
-            m = self._objects.get(oid)
+        """(under cv) The least recently used GPU-tier object that may move; marks it moving."""
+        objects = self.index.objects
+        for oid in self.gpu_lru:
+            m = objects.get(oid)
             if m is None or m.gpu_loc is None or (device is not None and loc_device(m.gpu_loc) != device):
                 continue
             if m.moving or m.pins or m.readers or m.writer or m.freeing:
@@ -389,63 +501,126 @@ class Movement:
 
     def _demote_gpu(self) -> None:
         """Bring every device's GPU tier under the low watermark (moving objects to host)."""
+        ix = self.index
         for device in self.gpu.over(self.config.high_watermark):
-            while not self._closed and self.gpu.used(device) > self.config.low_watermark * self.gpu.capacity(device):
-                with self._cv:
+            while not ix.closed and self.gpu.used(device) > self.config.low_watermark * self.gpu.capacity(device):
+                with ix.cv:
                     victim = self._pick_gpu_victim(device)
                 if victim is None:
                     break
                 try:
-                    self._promote(victim, wait_s=self.config.lease_wait_s)
+                    self.to_host(victim, wait_s=self.config.lease_wait_s)
                 except TierstoreError as e:
                     log.error("moving %s from the GPU tier to host failed: %s", victim.handle, e)
                     break
 
+    # ------------------------------------------------------------------ giving space back
+    def free_space(self, meta: ObjectMeta) -> list:
+        """(under cv) Give back ``meta``'s host and GPU blocks; returns its NVMe extents,
+        which the caller frees with the lock released (``nvme.free``)."""
+        if meta.host_off is not None:
+            self.host.free(meta.host_off, meta.nbytes)
+            meta.host_off, meta.host_valid = None, False
+        if meta.gpu_loc is not None:
+            self.gpu.free(meta.gpu_loc, meta.nbytes)
+            self.gpu_lru.pop(meta.id, None)
+            meta.gpu_loc = None
+        extents, meta.nvme = meta.nvme, None
+        meta.nvme_valid = False
+        return extents
+
+    def discard(self, meta: ObjectMeta) -> None:
+        """Remove a ``freeing`` object: journal first (a returned free is never undone),
+        then the index, then its space in every tier."""
+        ix = self.index
+        with ix.cv:
+            if meta.dropped:
+                return
+            meta.dropped = True
+        if meta.durable:
+            try:
+                self.durability.journal_free(meta.id)
+            except TierstoreError:
+                with ix.cv:
+                    meta.dropped = False  # not freed: the caller puts it back as it was
+                raise
+        with ix.cv:
+            ix.remove(meta)
+            self.prefetcher.forget(meta.id)
+            self.policy.remove(meta.id)
+            if meta.host_off is not None:
+                self.durability.log_drop(meta)
+            extents = self.free_space(meta)
+            ix.cv.notify_all()
+        if extents:
+            self.nvme.free(extents)
+        if meta.durable:
+            self.durability.maybe_compact()
+
+    def discard_replaced(self, old: ObjectMeta) -> None:
+        """Discard an object a put replaced (or a closed connection's ephemeral one) once
+        copies and moves in flight are done; a checked-out one goes at its last check-in."""
+        ix = self.index
+        with ix.cv:
+            while old.pins or old.moving:  # a copy or a move in flight: short
+                ix.cv.wait()
+            if old.readers or old.writer:
+                return  # still checked out: its last check-in discards it (``ObjectIndex.droppable``)
+        self.discard(old)
+
     # ------------------------------------------------------------------ background demotion
-    def _maybe_demote(self) -> None:
+    def maybe_demote(self) -> None:
         if self.host.used_bytes > self.config.high_watermark * self.host.capacity or (
                 self.gpu is not None and self.gpu.over(self.config.high_watermark)):
-            self._demoter_wake.set()
+            self._wake.set()
 
-    def _drain_spill(self) -> None:
-        with self._cv:
+    def spill_if_home_nvme(self, meta: ObjectMeta) -> None:
+        """(under cv) An object that lives on NVMe goes back down once nobody uses it."""
+        if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid and not meta.freeing:
+            self._spill.append(meta.id)
+            self._wake.set()
+
+    def drain_spill(self) -> None:
+        """Move the home-NVMe objects nobody uses any more back down (the demoter does this)."""
+        ix = self.index
+        with ix.cv:
             spill, self._spill = self._spill, []
         for oid in spill:
-            with self._cv:
-                m = self._objects.get(oid)
+            with ix.cv:
+                m = ix.objects.get(oid)
                 if (m is None or not m.host_valid or m.host_off is None or m.moving or m.pins or m.readers
                         or m.writer or m.freeing or self.prefetcher.is_protected(oid)):
                     continue
                 m.moving = True
                 self.prefetcher.forget(oid)
             try:
-                self._demote(m)
+                self.demote(m)
             except TierstoreError as e:
                 log.error("returning %s to NVMe failed: %s", m.handle, e)
 
     def _demote_loop(self) -> None:
+        ix = self.index
         log.debug("demoter started")
         while True:
-            self._demoter_wake.wait(timeout=1.0)
-            self._demoter_wake.clear()
-            if self._closed:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if ix.closed:
                 break
-            self._drain_spill()
+            self.drain_spill()
             if self.gpu is not None:
                 self._demote_gpu()
             low = self.config.low_watermark * self.host.capacity
             if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
                 continue
-            while not self._closed and self.host.used_bytes > low:
-                with self._cv:
+            while not ix.closed and self.host.used_bytes > low:
+                with ix.cv:
                     victim = self._pick_victim()
                 if victim is None:
                     break
                 try:
-                    self._demote(victim)
+                    self.demote(victim)
                 except TierstoreError as e:
                     # one failed object (NVMe full, I/O error) must not stop the worker
                     log.error("background demotion of %s failed: %s", victim.handle, e)
                     break
         log.info("demoter stopped")
-

@@ -16,6 +16,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .trace import HORIZON, Trace, TraceBook
@@ -82,6 +83,13 @@ class Prefetcher:
         trace.record(oid)
         if self.enabled and trace.state == "learned":
             self._advance(owner, trace)
+
+    def access(self, owner: Any, stream: str, meta: "ObjectMeta", hit: bool, late: bool, t0: float) -> None:
+        """A read of ``meta`` that began at ``t0`` (``time.monotonic()``): from a memory tier
+        (``hit``), after waiting for a prefetch in flight (``late``), or neither (a miss)."""
+        outcome = "miss" if not hit else ("late" if late else "hit")
+        stall = time.monotonic() - t0 if outcome != "hit" else 0.0
+        self.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
 
     def hint(self, owner: Any, oids: list[int]) -> int:
         """Explicit prefetch() hints: the same queue and budget as predictions. What the

@@ -1,69 +1,148 @@
-"""Two-phase puts and scratch staging: a writer reserves a host block, fills it and
-commits it (or aborts); a client's scratch area stages the bytes of one-call puts and
-gets. Part of ``Store`` (a mixin); leases are in ``leases``, bytes move in ``movement``."""
+"""Puts: the two-phase put (reserve a block, fill it, commit it), the one-call puts of
+the in-process API, and the staging-area transfers of the daemon's one-round-trip
+puts and gets.
+
+``Puts`` owns the open reservations. It is given the object index (checks a key,
+publishes the object), placement (the block to fill, the write-down to NVMe, the
+replaced object's discard), durability (the put record, group commit) and the
+prefetcher (a staged get is an access it learns from). A put goes through them in that
+order: placement for space, then durability, then the index, then the replaced
+object's discard.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from .errors import CapacityExceeded, InvalidArgument, KeyExists, NotFound
-from .index import Handle, ObjectMeta
-from .leases import LOCAL, Reservation, WouldBlock
-from .tensors import TensorSpec
-from .units import PAGE, align_up
+import numpy as np
 
-__all__ = ["Puts"]
+from .errors import CapacityExceeded, InvalidArgument, NotFound
+from .index import Handle, ObjectMeta
+from .leases import LOCAL
+from .movement import Placement
+from .objectindex import ObjectIndex
+from .prefetch import Prefetcher
+from .recovery import Durability
+from .tensors import TensorSpec, cuda_source, to_bytes
+from .units import PAGE, align_up
+from .waits import WouldBlock
+
+__all__ = ["Puts", "Reservation"]
 
 log = logging.getLogger(__name__)
 
 
-class Puts:
-    """Store methods for two-phase puts and scratch staging (mixed into ``Store``)."""
+@dataclass(slots=True)
+class Reservation:
+    """First phase of a two-phase put: a host block the writer fills, then commits."""
 
-    def reserve_put(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
+    rid: int
+    owner: Any
+    host_off: int
+    meta: ObjectMeta
+    tier: str | None
+    replace: bool
+    gpu_loc: int | None = None
+    committing: bool = False
+    """A commit is under way: only it may still abort the reservation."""
+    since: float = 0.0
+    """When it was made (``time.monotonic()``): ``expire_reservations`` drops old ones."""
+
+
+class Puts:
+    """Two-phase and one-call puts, and staging-area transfers; see the module docstring."""
+
+    def __init__(self, index: ObjectIndex, placement: Placement, durability: Durability,
+                 prefetcher: Prefetcher) -> None:
+        self.index, self.placement, self.durability, self.prefetcher = index, placement, durability, prefetcher
+        self.cv = index.cv
+        self.counters = index.counters
+        self.reservations: dict[int, Reservation] = {}
+
+    def put(self, tensor: Any, key: str | None, tier: str | None, durable: bool, replace: bool, ns: str,
+            wait_s: float, ephemeral: bool) -> Handle:
+        """An in-process put (``Store.put``; arguments checked there)."""
+        if tier == "gpu":
+            return self._put_gpu(tensor, key, durable, replace, ns, wait_s, ephemeral)
+        u8, spec = to_bytes(tensor)
+        self.placement.check_fits(spec.nbytes, tier)
+        if tier == "host" or (tier is None and self.placement.host_has_room(spec.nbytes)):
+            res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=ns,
+                               owner=LOCAL, wait_s=wait_s, ephemeral=ephemeral)
+            try:
+                if spec.nbytes:
+                    # the reservation keeps this block ours until commit; no lock needed to fill it
+                    self.placement.arena.view(res.host_off, spec.nbytes)[:] = u8
+            except BaseException:
+                self.abort(res.rid)
+                raise
+            return self.commit(res.rid)
+        return self._put_nvme(u8, spec, key, durable, replace, ns, ephemeral,
+                              home="nvme" if tier == "nvme" else None)
+
+    def _put_gpu(self, tensor: Any, key: str | None, durable: bool, replace: bool, ns: str, wait_s: float,
+                 ephemeral: bool) -> Handle:
+        src = cuda_source(tensor)
+        if src is not None:
+            t, spec = src
+            device, addr = t.device.index or 0, t.data_ptr()
+        else:
+            t, spec = to_bytes(tensor)
+            device, addr = 0, t.ctypes.data
+        self.placement.check_fits(spec.nbytes, "gpu")
+        res = self.reserve(spec, key=key, tier="gpu", durable=durable, replace=replace, namespace=ns,
+                           owner=LOCAL, wait_s=wait_s, device=device, ephemeral=ephemeral)
+        try:
+            if spec.nbytes:
+                self.placement.gpu.write(res.gpu_loc, addr, spec.nbytes)
+        except BaseException:
+            self.abort(res.rid)
+            raise
+        return self.commit(res.rid)
+
+    def reserve(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
                     namespace: str, owner: Any, wait_s: float = 0.0,
                     nowait: bool = False, device: int = 0, ephemeral: bool = False) -> Reservation:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
-        object; the caller fills it, then ``commit_put``. ``ephemeral``: the object is
-        freed when ``owner`` goes (``release_owner``)."""
-        tier = self._check_tier(tier)
+        object; the caller fills it, then ``commit``. ``ephemeral``: the object is
+        freed when ``owner`` goes (``Store.release_owner``)."""
+        tier = self.placement.check_tier(tier)
         self._check_ephemeral(ephemeral, durable)
-        self._check_fits(spec.nbytes, tier)
+        self.placement.check_fits(spec.nbytes, tier)
         if tier != "gpu":
-            usable = self._host_usable()
+            usable = self.placement.host_usable()
             if align_up(max(spec.nbytes, 1), PAGE) > usable:
                 raise CapacityExceeded(
                     f"{spec.nbytes} bytes exceed the host tier's usable {usable} bytes: a put through the daemon "
                     "stages the whole object in the host tier (the shared arena), whatever its tier; raise "
                     "host_bytes (an in-process Store writes larger objects to NVMe directly)")
         if key is not None:
-            with self._cv:
-                if (namespace, key) in self._keys and not replace:
-                    raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
-                                    "pass replace=True to overwrite it or free it first")
+            with self.cv:
+                self.index.check_key(namespace, key, replace)
         if tier == "gpu":
             res = self._reserve_gpu(spec, key=key, durable=durable, replace=replace, namespace=namespace,
                                     owner=owner, wait_s=wait_s, nowait=nowait, device=device)
             res.meta.ephemeral = owner if ephemeral else None
             return res
         if nowait and spec.nbytes:
-            with self._cv:
-                off = self._host_take(spec.nbytes)
+            with self.cv:
+                off = self.placement.host_take(spec.nbytes)
             if off is None:
                 raise WouldBlock()
         else:
-            off = self._alloc_host(spec.nbytes, wait_s=wait_s, evict=True) if spec.nbytes else -1
-        with self._cv:
-            oid = self._new_id()
-            meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
+            off = self.placement.alloc_host(spec.nbytes, wait_s=wait_s) if spec.nbytes else -1
+        with self.cv:
+            oid = self.index.new_id()
+            meta = ObjectMeta(id=oid, gen=self.index.epoch, namespace=namespace, key=key, spec=spec,
                               durable=durable, home="nvme" if tier == "nvme" else None,
                               ephemeral=owner if ephemeral else None)
             meta.host_off = None if off < 0 else off
             res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace,
                               since=time.monotonic())
-            self._reservations[oid] = res
+            self.reservations[oid] = res
             return res
 
     def _reserve_gpu(self, spec: TensorSpec, *, key: str | None, durable: bool, replace: bool, namespace: str,
@@ -71,25 +150,25 @@ class Puts:
         if durable:
             raise InvalidArgument("the gpu tier is volatile: put durable objects to 'host' or 'nvme'")
         if nowait:
-            with self._cv:
-                loc = self.gpu.alloc(spec.nbytes, device)
+            with self.cv:
+                loc = self.placement.gpu.alloc(spec.nbytes, device)
             if loc is None:
                 raise WouldBlock()
         else:
-            loc = self._alloc_gpu(spec.nbytes, device, wait_s=wait_s)
-        with self._cv:
-            oid = self._new_id()
-            meta = ObjectMeta(id=oid, gen=self._epoch, namespace=namespace, key=key, spec=spec,
+            loc = self.placement.alloc_gpu(spec.nbytes, device, wait_s=wait_s)
+        with self.cv:
+            oid = self.index.new_id()
+            meta = ObjectMeta(id=oid, gen=self.index.epoch, namespace=namespace, key=key, spec=spec,
                               durable=False)
             res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace, gpu_loc=loc,
                               since=time.monotonic())
-            self._reservations[oid] = res
+            self.reservations[oid] = res
             return res
 
-    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
+    def commit(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
         """Second phase: make the reserved object visible (and durable, if asked)."""
-        with self._cv:
-            res = self._reservations.get(rid)
+        with self.cv:
+            res = self.reservations.get(rid)
             if res is None or res.owner != owner:
                 raise NotFound(f"no open reservation {rid} for this connection (one left uncommitted for "
                                "reservation_timeout_s is dropped); put the object again")
@@ -103,112 +182,96 @@ class Puts:
             # connection's cleanup aborts what it left open) cannot pull the block and the
             # extents from under the write-down and publish an object without its bytes
             res.committing = True
-        if nowait and not self.journal.lock.acquire(blocking=False):
-            with self._cv:
+        if nowait and not self.durability.lock.acquire(blocking=False):
+            with self.cv:
                 meta.moving = res.committing = False
             raise WouldBlock()  # a durable op is syncing the journal; do not wait on the event loop
         try:
             if meta.durable or res.tier == "nvme":
-                self._write_down(meta, sync=meta.durable)
+                self.placement.write_down(meta, sync=meta.durable)
             # journal lock held across check, append and publish: no other put can bind
             # the same key in between, and compaction sees either both or neither
-            with self.journal.lock:
-                with self._cv:
-                    self._check_key(meta, res.replace)
+            with self.durability.lock:
+                with self.cv:
+                    self.index.check_key(meta.namespace, meta.key, res.replace)
                 if meta.durable:
-                    self._journal_put(meta, sync=False)  # made durable by the commit below
-                with self._cv:
-                    self._reservations.pop(rid, None)
-                    old = self._bind(meta)
+                    self.durability.journal_put(meta, sync=False)  # made durable by the commit below
+                with self.cv:
+                    self.reservations.pop(rid, None)
                     meta.host_valid = res.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
-                    if res.gpu_loc is not None:
-                        meta.gpu_loc = res.gpu_loc
-                        self._gpu_lru[meta.id] = None
+                    meta.gpu_loc = res.gpu_loc
                     if res.tier == "nvme" and meta.host_off is not None:
-                        self.host.free(meta.host_off, meta.nbytes)
+                        self.placement.host.free(meta.host_off, meta.nbytes)
                         meta.host_off, meta.host_valid = None, False
                     if meta.host_valid:
-                        self._log_host(meta)
-                    self._objects[meta.id] = meta
-                    if meta.host_valid and meta.host_off is not None:
-                        self.policy.insert(meta.id)
+                        self.durability.log_host(meta)
+                    old = self.index.publish(meta)
+                    if meta.gpu_loc is not None or (meta.host_valid and meta.host_off is not None):
+                        self.placement.admit(meta)
                     meta.moving = False
-                    self._cv.notify_all()
+                    self.cv.notify_all()
         except BaseException:
-            self.abort_put(rid, owner=owner, committing=True)
+            self.abort(rid, owner=owner, committing=True)
             raise
         finally:
             if nowait:
-                self.journal.lock.release()
+                self.durability.lock.release()
         if meta.durable:
             # group commit, outside the lock: the record is visible from here, but the put is
             # acknowledged only once an fdatasync that covers it has completed
-            self.journal.commit()
+            self.durability.commit()
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
         if old is not None:
             if nowait:
                 # the replaced object may still be leased, or durable (a journal fsync): its
                 # removal must not hold up the daemon's event loop
-                self._pool.submit(self._drop_replaced, old)
+                self.placement.later(self.placement.discard_replaced, old)
             else:
-                self._drop_replaced(old)
-        self._maybe_demote()
+                self.placement.discard_replaced(old)
+        self.placement.maybe_demote()
         return meta.handle
 
-    def scratch(self, owner: Any, nbytes: int) -> tuple[int, int]:
-        """A host block private to ``owner`` (a connection's staging area); (offset, nbytes).
-
-        Small puts through the daemon are copied here by the client and moved into
-        place by the daemon in one round trip. Freed by ``release_owner``.
-        """
-        with self._cv:
-            if owner in self._scratch:
-                return self._scratch[owner]
-            off = self.host.alloc(nbytes)
-            if off is None:
-                raise CapacityExceeded("host tier full: no room for a staging area; use the two-phase put")
-            self._scratch[owner] = (off, nbytes)
-            return off, nbytes
-
-    def put_from_scratch(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
-                         durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
-                         nowait: bool = False, ephemeral: bool = False) -> Handle:
+    def put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
+                   durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
+                   nowait: bool = False, ephemeral: bool = False) -> Handle:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
-        with self._cv:
-            area = self._scratch.get(owner)
+        with self.cv:
+            area = self.placement.staging.get(owner)
         if area is None or src < 0 or src + spec.nbytes > area[1]:
             raise InvalidArgument("staged bytes lie outside this connection's staging area")
         if nowait and (durable or tier == "nvme"):
             raise WouldBlock()
-        res = self.reserve_put(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
-                               owner=owner, wait_s=wait_s, nowait=nowait, ephemeral=ephemeral)
+        res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
+                           owner=owner, wait_s=wait_s, nowait=nowait, ephemeral=ephemeral)
+        view = self.placement.arena.view
         if spec.nbytes:
-            self.arena.view(res.host_off, spec.nbytes)[:] = self.arena.view(area[0] + src, spec.nbytes)
+            view(res.host_off, spec.nbytes)[:] = view(area[0] + src, spec.nbytes)
         try:
-            return self.commit_put(res.rid, owner=owner, nowait=nowait)
+            return self.commit(res.rid, owner=owner, nowait=nowait)
         except WouldBlock:
-            self.abort_put(res.rid, owner=owner)
+            self.abort(res.rid, owner=owner)
             raise
 
-    def get_to_scratch(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
-                       nowait: bool = False, stream: str = "default") -> TensorSpec | None:
+    def get_staged(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
+                   nowait: bool = False, stream: str = "default") -> TensorSpec | None:
         """Copy a small object into ``owner``'s staging area (one round trip, no lease).
 
         Returns its spec, or None when it does not fit there (use a lease instead).
         """
-        with self._cv:
-            area = self._scratch.get(owner)
-            meta = self._get_meta(Handle.parse(handle), self._ns(namespace))
+        with self.cv:
+            area = self.placement.staging.get(owner)
+            meta = self.index.get_meta(Handle.parse(handle), self.index.ns(namespace))
             if area is None or meta.nbytes > area[1]:
                 return None
             if meta.nbytes == 0:
                 return meta.spec
             if meta.host_valid and not meta.writer and not meta.moving:
                 # small (<= staging size) copy under the lock: cheaper than pinning around it
-                self.arena.view(area[0], meta.nbytes)[:] = self.arena.view(meta.host_off, meta.nbytes)
-                self.policy.touch(meta.id)
-                self._record(owner, stream, meta, True, False, time.monotonic(), locked=True)
+                view = self.placement.arena.view
+                view(area[0], meta.nbytes)[:] = view(meta.host_off, meta.nbytes)
+                self.placement.touch(meta)
+                self.prefetcher.access(owner, stream, meta, True, False, time.monotonic())
                 self.counters["gets"] += 1
                 self.counters["host_hits"] += 1
                 self.counters["get_bytes"] += meta.nbytes
@@ -216,49 +279,93 @@ class Puts:
             if nowait:
                 raise WouldBlock()
         t0 = time.monotonic()
-        meta, late = self._pin(handle, namespace)
+        meta, late = self.index.pin(Handle.parse(handle), self.index.ns(namespace))
         try:
-            hit = self._read_pinned(meta, self.arena.view(area[0], meta.nbytes))
-            self._record(owner, stream, meta, hit, late, t0)
+            hit = self.placement.read(meta, self.placement.arena.view(area[0], meta.nbytes))
+            with self.cv:
+                self.prefetcher.access(owner, stream, meta, hit, late, t0)
         finally:
-            self._unpin(meta)
+            if self.index.unpin(meta):
+                self.placement.discard(meta)
         return meta.spec
 
-    def abort_put(self, rid: int, *, owner: Any = LOCAL, committing: bool = False) -> None:
+    def abort(self, rid: int, *, owner: Any = LOCAL, committing: bool = False) -> None:
         """Drop an open reservation (a commit under way is left to finish, unless it is the
         commit itself that gives up: ``committing=True``)."""
-        with self._cv:
-            res = self._reservations.get(rid)
+        with self.cv:
+            res = self.reservations.get(rid)
             if res is None or res.owner != owner or res.committing != committing:
                 return
-            del self._reservations[rid]
+            del self.reservations[rid]
             meta = res.meta
             if meta.host_off is not None:
-                self.host.free(meta.host_off, meta.nbytes)
+                self.placement.host.free(meta.host_off, meta.nbytes)
                 meta.host_off = None
             if res.gpu_loc is not None:
-                self.gpu.free(res.gpu_loc, meta.nbytes)
+                self.placement.gpu.free(res.gpu_loc, meta.nbytes)
             extents, meta.nvme = meta.nvme, None
-            self._cv.notify_all()
+            self.cv.notify_all()
         if extents:
-            self.nvme.free(extents)
+            self.placement.nvme.free(extents)
 
-    def expire_reservations(self, max_age_s: float) -> int:
+    def expire(self, max_age_s: float) -> int:
         """Drop reservations older than ``max_age_s`` that no commit has taken up (a client
         that reserved and went idle must not pin the tier for its connection's life); their
         memory is reused at once. A late commit gets ``NotFound``. Returns how many."""
         now = time.monotonic()
-        with self._cv:
-            old = [(r.rid, r.owner, r.meta.nbytes) for r in self._reservations.values()
+        with self.cv:
+            old = [(r.rid, r.owner, r.meta.nbytes) for r in self.reservations.values()
                    if now - r.since > max_age_s and not r.committing]
         for rid, owner, nbytes in old:
             log.warning("dropping reservation %d (%d bytes) left uncommitted for more than %.0f s", rid, nbytes,
                         max_age_s)
-            self.abort_put(rid, owner=owner)
+            self.abort(rid, owner=owner)
         if old:
-            with self._cv:
+            with self.cv:
                 self.counters["reservations_expired"] += len(old)
         return len(old)
+
+    def drop_owner(self, owner: Any) -> int:
+        """Abort every reservation of ``owner`` (a connection that went away); how many."""
+        with self.cv:
+            rids = [rid for rid, r in self.reservations.items() if r.owner == owner]
+        for rid in rids:
+            self.abort(rid, owner=owner)
+        return len(rids)
+
+    def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
+                  ns: str, ephemeral: bool, home: str | None) -> Handle:
+        """Write a put straight to NVMe. ``home="nvme"`` (``put(tier="nvme")``): the object
+        lives there, going back down after each use; None (``tier=None`` finding no room in
+        the host tier): it is only placed there, and cached like any other once used."""
+        ix, placement = self.index, self.placement
+        if key is not None:
+            with self.cv:
+                ix.check_key(ns, key, replace)
+        extents = placement.nvme_take(spec.nbytes, demoting=False)
+        try:
+            crcs = placement.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
+            with self.cv:
+                meta = ObjectMeta(id=ix.new_id(), gen=ix.epoch, namespace=ns, key=key, spec=spec,
+                                  durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home=home,
+                                  ephemeral=LOCAL if ephemeral else None)
+            with self.durability.lock:
+                with self.cv:
+                    ix.check_key(ns, key, replace)
+                if durable:
+                    self.durability.journal_put(meta, sync=False)
+                with self.cv:
+                    old = ix.publish(meta)
+        except BaseException:
+            placement.nvme.free(extents)
+            raise
+        if durable:
+            self.durability.commit()  # group commit (see commit)
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += spec.nbytes
+        if old is not None:
+            placement.discard_replaced(old)
+        return meta.handle
 
     @staticmethod
     def _check_ephemeral(ephemeral: bool, durable: bool) -> None:

@@ -1,5 +1,17 @@
-"""Recovery: journal replay and compaction for durable objects, and the host index
-log that lets a restarted daemon adopt the host arena. Part of ``Store`` (a mixin)."""
+"""Durability: the journal of durable objects and namespace claims, the host index log
+that lets a restarted daemon adopt the host arena, and recovery from both at start.
+
+``Durability`` owns the journal, the host index log and the namespace owners. It is
+given the object index (``ObjectIndex``: it reads objects under the index's lock to
+write live records, and fills it at replay) and the NVMe and host allocators (the
+space replayed and adopted objects hold). It never moves bytes.
+
+Lock order: the journal lock (``lock``) is always taken before the index's ``cv``,
+never the other way around.
+
+Length: the component plus the replay rules (``Replay``, ``_check_record``) that only
+its start-up uses.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +19,101 @@ import logging
 import bisect
 from typing import Any
 
+from .allocator import ExtentAllocator
 from .checksum import BLOCK_BYTES
-from .errors import InvalidArgument, StorageError, TierstoreError
-from .index import ObjectMeta, validate_key, validate_namespace
-from .journal import pack as pack_record
+from .errors import InvalidArgument, PermissionDenied, StorageError, TierstoreError
+from .hostindex import HostIndexLog
+from .index import KeyIndex, ObjectMeta, validate_key, validate_namespace
+from .journal import Journal, pack as pack_record
+from .nvme import NvmeTier
+from .objectindex import ObjectIndex
 from .units import PAGE, align_up
 from .tensors import TensorSpec
 
-__all__ = ["Recovery", "Replay"]
+__all__ = ["Durability", "Replay"]
 
 log = logging.getLogger(__name__)
 
 
-class Recovery:
-    """Store methods that rebuild the index after a restart (mixed into ``Store``)."""
+class Durability:
+    """The journal, the host index log and the namespace owners; see the module docstring."""
+
+    def __init__(self, index: ObjectIndex, journal: Journal, hostlog: HostIndexLog, nvme: NvmeTier,
+                 host: ExtentAllocator, compact_bytes: int) -> None:
+        self.index, self.journal, self.hostlog, self.nvme, self.host = index, journal, hostlog, nvme, host
+        self.lock = journal.lock
+        """The journal lock: taken before the index's ``cv``, never after."""
+        self.compact_bytes = compact_bytes
+        self.owners: dict[str, int] = {}
+        """Root namespace -> the uid that claimed it."""
+        self.hostlog_on = False
+
+    # ------------------------------------------------------------------ journal
+    def journal_put(self, meta: ObjectMeta, *, sync: bool = True) -> None:
+        """Append meta's put record (caller holds ``lock``). ``sync=False``: the caller
+        calls ``commit()`` once it has let go of the lock (group commit)."""
+        rec = meta.to_record()
+        owner = self.owners.get(meta.namespace.split("/")[0])
+        if owner is not None:
+            rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
+        self.journal.append(rec, sync=sync)
+        meta.record = pack_record(rec)
+
+    def journal_free(self, oid: int) -> None:
+        """A free, journaled and synced: once this returns it is never undone."""
+        with self.lock:
+            self.journal.append({"op": "free", "id": oid})
+
+    def commit(self) -> None:
+        """Group commit: returns once an fdatasync covering every record appended so far is done."""
+        self.journal.commit()
+
+    def maybe_compact(self, force: bool = False) -> None:
+        size = self.journal.size()
+        if not force and size < self.compact_bytes:
+            return
+        with self.lock:
+            records = self._live_records()
+            est = sum(len(r) if isinstance(r, bytes) else len(str(r)) for r in records)
+            if not force and size < 2 * est:
+                return
+            self.journal.rewrite(iter(records))
+
+    def _live_records(self) -> list[dict[str, Any] | bytes]:
+        """(under the journal lock) The journal's content as of now: the namespace claims
+        (twice: first and last, so no single lost record loses one) and the durable objects."""
+        ix = self.index
+        with ix.cv:
+            owners = [{"op": "ns", "name": n, "uid": u} for n, u in self.owners.items()]
+            records = [{"op": "open", "epoch": ix.epoch, "next_id": ix.next_id}, *owners]
+            records += [m.record for m in ix.objects.values() if m.durable and m.record is not None]
+        return records + owners
+
+    # ------------------------------------------------------------------ namespaces
+    def claim_namespace(self, namespace: str, uid: int) -> None:
+        """Bind a namespace to the uid that first uses it (journaled); others are refused."""
+        root = validate_namespace(namespace).split("/")[0]
+        with self.lock:
+            with self.index.cv:
+                owner = self.owners.get(root)
+                if owner is not None:
+                    if owner != uid and uid != 0:
+                        raise PermissionDenied(f"namespace {root!r} belongs to uid {owner}; use another namespace")
+                    return
+            self.journal.append({"op": "ns", "name": root, "uid": uid})
+            with self.index.cv:
+                self.owners[root] = uid
+
+    def check_namespace(self, namespace: str, uid: int) -> None:
+        """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
+        owner = self.namespace_owner(validate_namespace(namespace))
+        if owner is not None and owner != uid and uid != 0:
+            raise PermissionDenied(f"namespace {namespace.split('/')[0]!r} belongs to uid {owner}; "
+                                   "use another namespace")
+
+    def namespace_owner(self, namespace: str) -> int | None:
+        with self.index.cv:
+            return self.owners.get(namespace.split("/")[0])
 
     # ------------------------------------------------------------------ host index log
     @staticmethod
@@ -32,40 +125,43 @@ class Recovery:
     def enable_host_index(self) -> None:
         """Start recording host residency in the index log (the daemon calls this once the
         arena and the log are in systemd's fd store; without a keeper it is not worth it)."""
-        with self._cv:
-            if not self._hostlog_on:
+        with self.index.cv:
+            if not self.hostlog_on:
                 self.hostlog.rewrite(self._host_live())
-                self._hostlog_on = True
+                self.hostlog_on = True
 
     def _host_live(self) -> list[list[Any]]:
         # an ephemeral object's connection does not outlive the daemon: not handed on
-        return [self._host_rec(m) for m in self._objects.values()
+        return [self._host_rec(m) for m in self.index.objects.values()
                 if m.host_valid and m.host_off is not None and not m.freeing and m.ephemeral is None
                 and not (m.durable and m.writer)]
 
-    def _log_host(self, meta: ObjectMeta) -> None:
-        """(under _cv) meta's bytes are valid in its host block: recorded before it is published.
+    def log_host(self, meta: ObjectMeta) -> None:
+        """(under cv) meta's bytes are valid in its host block: recorded before it is published.
         Not while a writer holds a durable object: until its check-in is journaled, the
         block is not its bytes (a restart serves the NVMe copy)."""
-        if self._hostlog_on and meta.host_off is not None and meta.ephemeral is None \
+        if self.hostlog_on and meta.host_off is not None and meta.ephemeral is None \
                 and not (meta.durable and meta.writer):
             self.hostlog.append_host(self._host_rec(meta), self._host_live)
 
-    def _log_drop(self, meta: ObjectMeta) -> None:
-        """(under _cv) meta's host block is about to go back to the allocator."""
-        if self._hostlog_on and meta.host_off is not None:
+    def log_drop(self, meta: ObjectMeta) -> None:
+        """(under cv) meta's host block is about to go back to the allocator."""
+        if self.hostlog_on and meta.host_off is not None:
             self.hostlog.append_drop(meta.id, self._host_live)
 
-    def _adopt_host_objects(self) -> int:
-        """Take over the host-resident objects of the daemon that handed us its arena."""
-        adopted = 0
+    # ------------------------------------------------------------------ recovery at start
+    def adopt_host_objects(self) -> list[ObjectMeta]:
+        """Take over the host-resident objects of the daemon that handed us its arena;
+        returns them (the caller admits them to the eviction order)."""
+        ix = self.index
+        adopted = []
         for rec in sorted(self.hostlog.replay(), key=lambda r: r[0]):
             keys = ("id", "gen", "ns", "key", "kind", "dtype", "shape", "nbytes", "off", "durable", "home")
             r = dict(zip(keys, rec))
             n, off = int(r["nbytes"]), r["off"]
             if off is None or n <= 0 or off < 0 or off + n > self.host.capacity:
                 continue
-            meta = self._objects.get(r["id"])
+            meta = ix.objects.get(r["id"])
             if r["durable"] and (meta is None or meta.gen != r["gen"]):
                 continue  # freed in the journal (the free's host record never made it): not revived
             try:
@@ -79,29 +175,28 @@ class Recovery:
                                   durable=False, home=r.get("home"))
                 if meta.key is not None:
                     k = (meta.namespace, meta.key)
-                    prev = self._keys.get(k)
+                    prev = ix.keys.get(k)
                     if prev is not None and prev > meta.id:
                         self.host.free(off, n)
                         continue
                     if prev is not None:  # replaced by this newer object just before the restart
-                        gone = self._objects.pop(prev)
+                        gone = ix.objects.pop(prev)
                         if gone.nvme:
                             self.nvme.free(gone.nvme)
-                    self._keys[k] = meta.id
-                self._objects[meta.id] = meta
+                    ix.keys[k] = meta.id
+                ix.objects[meta.id] = meta
             meta.host_off, meta.host_valid = off, True
-            self.policy.insert(meta.id)
-            self._next_id = max(self._next_id, meta.id + 1)
-            adopted += 1
+            ix.next_id = max(ix.next_id, meta.id + 1)
+            adopted.append(meta)
         self.hostlog.rewrite(self._host_live())
-        self._hostlog_on = True  # whoever handed it back keeps it: go on recording
-        log.info("adopted %d host-resident objects from the previous daemon's arena", adopted)
+        self.hostlog_on = True  # whoever handed it back keeps it: go on recording
+        log.info("adopted %d host-resident objects from the previous daemon's arena", len(adopted))
         return adopted
 
-    # ------------------------------------------------------------------ journal
-    def _replay(self) -> dict[str, Any]:
+    def replay(self) -> dict[str, Any]:
         """Rebuild the durable index from the journal, losing only what is damaged (see
         ``Replay``); a damaged journal is kept aside before it is rewritten."""
+        ix = self.index
         res = self.journal.replay()
         rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
         for r in res.records:
@@ -117,15 +212,15 @@ class Recovery:
                 log.error("journal names object %s with extents the NVMe tier cannot hold; dropped: %s", oid, e)
                 dropped += 1
                 continue
-            self._objects[oid] = meta
-        self._keys = {(m.namespace, m.key): m.id for m in self._objects.values() if m.key is not None}
-        self._ns_owner.update(rp.owners)
-        self._epoch = (rp.epoch % 0xFFFF) + 1
-        self._next_id = rp.next_id
+            ix.objects[oid] = meta
+        ix.keys = KeyIndex({(m.namespace, m.key): m.id for m in ix.objects.values() if m.key is not None})
+        self.owners.update(rp.owners)
+        ix.epoch = (rp.epoch % 0xFFFF) + 1
+        ix.next_id = rp.next_id
         info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
                 "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
                 "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,
-                "kept_aside": None, "objects": len(self._objects)}
+                "kept_aside": None, "objects": len(ix.objects)}
         damaged = res.torn_bytes or res.corrupt_records or rp.malformed or dropped or rp.owner_conflicts
         if damaged:
             # nothing recovery decided is final: the journal as found stays beside the new one
@@ -134,7 +229,7 @@ class Recovery:
                         "torn tail of %d bytes dropped, %d objects superseded by later records, %d dropped; "
                         "%d durable objects recovered; the journal as found is kept at %s",
                         res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes, rp.superseded,
-                        dropped, len(self._objects), info["kept_aside"])
+                        dropped, len(ix.objects), info["kept_aside"])
             if info["kept_aside"] is None:  # (logged) then nothing is decided for good: appended to as it is
                 self.journal.open_for_append()
             else:
@@ -146,28 +241,8 @@ class Recovery:
                     self.journal.open_for_append()
         else:
             self.journal.open_for_append()
-        self.journal.append({"op": "open", "epoch": self._epoch, "next_id": self._next_id})
+        self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id})
         return info
-
-    def _live_records(self) -> list[dict[str, Any] | bytes]:
-        """(under the journal lock) The journal's content as of now: the namespace claims
-        (twice: first and last, so no single lost record loses one) and the durable objects."""
-        with self._cv:
-            owners = [{"op": "ns", "name": n, "uid": u} for n, u in self._ns_owner.items()]
-            records = [{"op": "open", "epoch": self._epoch, "next_id": self._next_id}, *owners]
-            records += [m.record for m in self._objects.values() if m.durable and m.record is not None]
-        return records + owners
-
-    def _maybe_compact(self, force: bool = False) -> None:
-        size = self.journal.size()
-        if not force and size < self.config.journal_compact_bytes:
-            return
-        with self.journal.lock:
-            records = self._live_records()
-            est = sum(len(r) if isinstance(r, bytes) else len(str(r)) for r in records)
-            if not force and size < 2 * est:
-                return
-            self.journal.rewrite(iter(records))
 
 
 

@@ -1,0 +1,211 @@
+"""The object index: the store's one lock, its objects, their keys, ids and counters.
+
+``ObjectIndex`` is the component every other one is given: it owns the condition
+variable (``cv``) that guards every object's fields, the object table, the key index,
+id and generation allocation, the store's counters, and the waits for another holder
+to let go (``wait``; the daemon's rules for them are in ``tierstore.waits``). It reads
+and changes bookkeeping only: no bytes move here, nothing is journaled.
+
+Rules: a method named ``*_locked`` or documented "(under cv)" is called with ``cv``
+held; every other one takes it itself. Disk I/O and large copies run with it
+released; an object being moved is flagged ``moving``, one being copied holds a
+``pin``, and whoever waits for those waits on ``cv``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, StaleHandle
+from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
+from .waits import wait_for_others
+
+__all__ = ["ObjectIndex", "COUNTERS"]
+
+COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
+            "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
+            "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
+            "source_handovers", "source_copies", "leases_revoked", "reservations_expired")
+"""The store's counters (``stat()["counters"]``)."""
+
+
+class ObjectIndex:
+    """Objects by id and by key, under one lock; see the module docstring."""
+
+    def __init__(self, namespace: str, lease_wait_s: float) -> None:
+        self.namespace = validate_namespace(namespace)
+        """The namespace calls that name none use."""
+        self.lease_wait_s = lease_wait_s
+        self.cv = threading.Condition(threading.Lock())
+        self.closed = False
+        self.waits_cancelled = False
+        self.objects = ObjectTable()
+        self.keys = KeyIndex()
+        """(namespace, key) -> object id, sorted per namespace."""
+        self.next_id = 1
+        self.epoch = 1
+        """The generation new objects get (one per start of the store)."""
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+
+    # ------------------------------------------------------------ names and ids
+    def ns(self, namespace: str | None) -> str:
+        return self.namespace if namespace is None else validate_namespace(namespace)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Closed("the store is closed")
+
+    def new_id(self) -> int:
+        """(under cv) A fresh object id."""
+        oid = self.next_id
+        self.next_id += 1
+        return oid
+
+    def get_meta(self, h: Handle, ns: str) -> ObjectMeta:
+        """(under cv) The live object ``h`` names in ``ns``; NotFound or StaleHandle otherwise."""
+        self.check_open()
+        meta = self.objects.get(h.id)
+        # nothing outside the caller's namespace is told apart from nothing at all: an id
+        # another namespace holds (or held) is NotFound, whatever its generation
+        if meta is None or meta.freeing:
+            if (meta.namespace if meta is not None else self.objects.gone_namespace(h.id)) == ns:
+                raise StaleHandle(f"handle {h} names a freed object; look the key up again")
+            raise NotFound(f"no object with handle {h} in namespace {ns!r}")
+        if meta.namespace != ns:
+            raise NotFound(f"no object with handle {h} in namespace {ns!r}")
+        if meta.gen != h.gen:
+            raise StaleHandle(f"handle {h} is stale (the object now has generation {meta.gen})")
+        return meta
+
+    # ------------------------------------------------------------ keys
+    def check_key(self, namespace: str, key: str | None, replace: bool) -> None:
+        """(under cv) KeyExists unless ``key`` is free in ``namespace`` or may be replaced."""
+        if key is not None and (namespace, key) in self.keys and not replace:
+            raise KeyExists(f"key {key!r} already exists in namespace {namespace!r}; "
+                            "pass replace=True to overwrite it or free it first")
+
+    def publish(self, meta: ObjectMeta) -> ObjectMeta | None:
+        """(under cv, after ``check_key``) Make ``meta`` visible by id and key; returns the
+        object it replaced (now ``freeing``), which the caller drops."""
+        old = None
+        if meta.key is not None:
+            k = (meta.namespace, meta.key)
+            old_id = self.keys.get(k)
+            self.keys[k] = meta.id
+            if old_id is not None:
+                old = self.objects[old_id]
+                old.freeing = True
+        self.objects[meta.id] = meta
+        return old
+
+    def unbind(self, meta: ObjectMeta) -> None:
+        """(under cv) ``meta``'s key no longer names it."""
+        if meta.key is not None and self.keys.get((meta.namespace, meta.key)) == meta.id:
+            del self.keys[(meta.namespace, meta.key)]
+
+    def rebind(self, meta: ObjectMeta) -> None:
+        """(under cv) A free that failed: ``meta``'s key names it again (unless taken meanwhile)."""
+        if meta.key is not None and (meta.namespace, meta.key) not in self.keys:
+            self.keys[(meta.namespace, meta.key)] = meta.id
+
+    def remove(self, meta: ObjectMeta) -> None:
+        """(under cv) ``meta`` leaves the index (its key, if it still names it, too)."""
+        self.objects.pop(meta.id, None)
+        self.unbind(meta)
+
+    # ------------------------------------------------------------ holds
+    def wait(self, remaining: float) -> None:
+        """(under cv, ``remaining`` > 0) Wait for another holder to let go; see ``tierstore.waits``."""
+        wait_for_others(self.cv, remaining, self.waits_cancelled)
+
+    def cancel_waits(self) -> None:
+        """End every wait for another holder now and from now on with ``Closed``."""
+        with self.cv:
+            self.waits_cancelled = True
+            self.cv.notify_all()
+
+    def pin(self, h: Handle, ns: str) -> tuple[ObjectMeta, bool]:
+        """Hold the object against moves and writers; (meta, waited for a prefetch)."""
+        late = False
+        deadline = time.monotonic() + self.lease_wait_s
+        with self.cv:
+            while True:
+                meta = self.get_meta(h, ns)
+                if not meta.writer and not meta.moving:
+                    meta.pins += 1
+                    return meta, late
+                late = late or meta.prefetching
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Busy(f"object {h} is checked out for writing; try again after it is checked in")
+                self.wait(remaining)
+
+    def unpin(self, meta: ObjectMeta) -> bool:
+        """Let go of a ``pin``; True when the object is now to be dropped (``droppable``)."""
+        with self.cv:
+            meta.pins -= 1
+            self.cv.notify_all()
+            return self.droppable(meta)
+
+    def droppable(self, meta: ObjectMeta) -> bool:
+        """(under cv) Whether a replaced (``freeing``) object nobody holds any more is to be dropped now."""
+        return (meta.freeing and not meta.dropped and not (meta.readers or meta.writer or meta.pins or meta.moving)
+                and self.objects.get(meta.id) is meta)
+
+    # ------------------------------------------------------------ reading the index
+    def lookup(self, key: str, namespace: str | None = None) -> Handle | None:
+        key = validate_key(key)
+        with self.cv:
+            oid = self.keys.get((self.ns(namespace), key))
+            return None if oid is None else self.objects[oid].handle
+
+    def info(self, h: Handle, namespace: str | None = None) -> dict[str, Any]:
+        with self.cv:
+            return describe(self.get_meta(h, self.ns(namespace)))
+
+    def key_names(self, prefix: str, after: str | None, limit: int | None, namespace: str | None) -> list[str]:
+        _check_page(prefix, after)
+        ns = self.ns(namespace)
+        with self.cv:
+            return self.keys.scan_keys(ns, prefix, after, limit)
+
+    def key_page(self, prefix: str, after: str | None, limit: int | None,
+                 namespace: str | None) -> list[tuple[str, Handle]]:
+        _check_page(prefix, after)
+        ns = self.ns(namespace)
+        with self.cv:
+            return [(k, self.objects[oid].handle) for k, oid in self.keys.scan(ns, prefix, after, limit)]
+
+    def ls_page(self, prefix: str, after: str | None, limit: int | None, namespace: str | None) -> list[dict[str, Any]]:
+        _check_page(prefix, after)
+        ns = self.ns(namespace)
+        with self.cv:
+            return [describe(self.objects[oid]) for _, oid in self.keys.scan(ns, prefix, after, limit)]
+
+    def key_count(self, namespace: str) -> int:
+        """Keys in ``namespace`` (O(1))."""
+        return self.keys.count(namespace)
+
+    def stat_namespaces(self, after: str | None = None, limit: int | None = None) -> dict[str, dict[str, int]]:
+        with self.cv:
+            table = self.objects.namespaces
+            names = sorted_from(table, "", after)
+            return {ns: {"objects": table[ns][0], "bytes": table[ns][1]}
+                    for ns in (names if limit is None else itertools.islice(names, limit))}
+
+
+def describe(m: ObjectMeta) -> dict[str, Any]:
+    """``info`` of one object: key, dtype, shape, nbytes, residency, leases, durability."""
+    return {"handle": str(m.handle), "key": m.key, "namespace": m.namespace, "kind": m.spec.kind,
+            "dtype": m.spec.dtype, "shape": list(m.spec.shape), "nbytes": m.nbytes,
+            "residency": m.residency(), "dirty": (m.host_valid or m.gpu_loc is not None) and not m.nvme_valid,
+            "readers": m.readers, "writer": m.writer, "durable": m.durable,
+            "ephemeral": m.ephemeral is not None}
+
+
+def _check_page(prefix: Any, after: Any) -> None:
+    if not isinstance(prefix, str) or not (after is None or isinstance(after, str)):
+        raise InvalidArgument("prefix and after must be str")
