@@ -16,6 +16,8 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from msgpack import unpackb as _unpackb
+
 from tierstore.errors import DaemonUnavailable, ProtocolError, TierstoreError, error_for_code
 from tierstore.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, encode
 
@@ -55,7 +57,7 @@ class Connection:
     def hello(self, namespace: str) -> tuple[dict[str, Any], int]:
         """First exchange: returns the daemon's reply and the arena fd it passed."""
         self.sock.send(encode({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": namespace,
-                               "fragments": True}))
+                               "fragments": True, "joined": True}))
         try:
             data, fds, _flags, _ = socket.recv_fds(self.sock, MAX_REPLY_BYTES, 4)
         except socket.timeout:
@@ -65,6 +67,8 @@ class Connection:
         if not data:
             raise DaemonUnavailable(f"the daemon on {self.path} closed the connection during hello")
         reply = _unpack(data)
+        if type(reply) is not dict:
+            raise ProtocolError("the daemon's hello reply is not a map")
         if "err" in reply:
             for fd in fds:
                 _close_fd(fd)
@@ -145,6 +149,15 @@ class Connection:
                                                     "(stopped or restarted); reconnect"), want)
         try:
             reply = _unpack(data)
+            if type(reply) is list:  # several replies joined in one packet
+                found = None
+                for one in reply:
+                    if type(one) is not dict:
+                        raise ProtocolError("malformed joined reply from the daemon")
+                    got = self._deliver(one, want)
+                    if got is not None:
+                        found = got
+                return found
             if "frag" in reply:  # one piece of a reply too big for one packet
                 if not isinstance(reply["frag"], bytes):
                     raise ProtocolError("malformed reply fragment from the daemon")
@@ -153,8 +166,14 @@ class Connection:
                     return None
                 data, self._frags = b"".join(self._frags), []
                 reply = _unpack(data)
+                if type(reply) is not dict:
+                    raise ProtocolError("reply is not a map")
         except ProtocolError as e:
             return self._fail_all(e, want)
+        return self._deliver(reply, want)
+
+    def _deliver(self, reply: dict[str, Any], want: int | None) -> dict[str, Any] | None:
+        """Hand one reply to its waiter; the reply itself if it answers ``want``."""
         rid = reply.get("id")
         fut = self._pending.pop(rid, None) if isinstance(rid, int) else None
         if fut is _DIRECT:
@@ -218,14 +237,13 @@ _DIRECT = object()
 """Pending-table marker of a request whose thread reads its own reply."""
 
 
-def _unpack(data: bytes) -> dict[str, Any]:
-    import msgpack
-
+def _unpack(data: bytes) -> Any:
+    """A reply's map, or a list of them (replies joined in one packet)."""
     try:
-        reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        reply = _unpackb(data, raw=False, strict_map_key=False)
     except Exception:
         raise ProtocolError("undecodable reply from the daemon") from None
-    if not isinstance(reply, dict):
+    if not isinstance(reply, (dict, list)):
         raise ProtocolError("reply is not a map")
     return reply
 

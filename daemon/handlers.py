@@ -106,6 +106,7 @@ class Handlers:
         self.store.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
         sess.fragments = field(msg, "fragments", bool, False)
+        sess.joined = field(msg, "joined", bool, False)
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.gpu_reason,

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 _MSG_TRUNC = int(socket.MSG_TRUNC)  # a plain int: IntFlag arithmetic costs microseconds per message
 
 _HELLO_TIMEOUT_S = 10.0
+_BATCH_ITEM_BYTES = 4096
+"""Replies up to this size are joined with their neighbours into one packet (clients that take joined replies)."""
 _OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
 """Bytes of replies one connection may leave unread before it is disconnected."""
 _READ_BUDGET_S = 0.002
@@ -99,6 +101,8 @@ class Session:
     """Registered for EVENT_WRITE (the outbox waits for room in the socket)."""
     fragments: bool = False
     """The client joins fragmented replies (said so in hello)."""
+    joined: bool = False
+    """The client takes several replies joined in one packet (said so in hello)."""
     inflight: int = 0
     closed: bool = False
     requests: int = 0
@@ -133,6 +137,8 @@ class Server:
         self._wait_lock = threading.Lock()  # guards every session's waiting / wait_backlog
         self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-ctl")
         self._expiring: Any = None  # the expiry run in progress, if any (one at a time)
+        self._corked: set[Session] | None = None
+        """Sessions with replies held back until the current read burst or drain ends (clients that take joined replies)."""
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
@@ -422,6 +428,14 @@ class Server:
         return self.config.daemon.max_clients - (0 if uid == 0 else _root_reserve(self.config.daemon.max_clients))
 
     def _read(self, sess: Session) -> None:
+        # the replies of one burst of requests leave together, in as few packets as they fit
+        self._corked = {sess}
+        try:
+            self._read_burst(sess)
+        finally:
+            self._uncork()
+
+    def _read_burst(self, sess: Session) -> None:
         limit = self.config.daemon.max_message_bytes
         deadline = time.perf_counter() + _READ_BUDGET_S
         for _ in range(64):  # bounded, so one chatty client cannot starve the others
@@ -548,6 +562,19 @@ class Server:
                     self._waits.submit(self._wait, sess, sess.wait_backlog.popleft())
 
     def _drain_done(self) -> None:
+        self._corked = set()  # replies finished together (one group commit's) leave together
+        try:
+            self._drain_done_corked()
+        finally:
+            self._uncork()
+
+    def _uncork(self) -> None:
+        corked, self._corked = self._corked, None
+        for sess in corked:
+            if not sess.closed:
+                self._flush(sess)
+
+    def _drain_done_corked(self) -> None:
         while True:
             try:
                 sess, rid, (blob, op, code), seconds = self._done.get_nowait()
@@ -589,12 +616,15 @@ class Server:
                                                  "(keys/ls with 'after') or narrow the request"))
         if len(blob) > PACKET_BYTES and sess.fragments and not fds:
             for frag in fragments(blob):
-                sess.outbox.append((frag, None, rid))
+                sess.outbox.append((frag, None, rid, False))
                 sess.outbox_bytes += len(frag)
         else:
-            sess.outbox.append((blob, fds, rid))
+            sess.outbox.append((blob, fds, rid, sess.joined and not fds and len(blob) <= _BATCH_ITEM_BYTES))
             sess.outbox_bytes += len(blob)
-        self._flush(sess)
+        if self._corked is not None and sess.joined:
+            self._corked.add(sess)  # sent when the burst (or the drain) ends
+        else:
+            self._flush(sess)
         if not sess.closed and sess.outbox_bytes > _OUTBOX_BYTES:
             log.warning("session %d (pid %d) does not read its replies (%d bytes unread); closing it",
                         sess.cid, sess.cred.pid, sess.outbox_bytes)
@@ -603,7 +633,9 @@ class Server:
     def _flush(self, sess: Session) -> None:
         out = sess.outbox
         while out:
-            blob, fds, rid = out[0]
+            if out[0][3] and len(out) > 1 and out[1][3]:
+                sess.outbox_bytes += _join_replies(out)
+            blob, fds, rid, _ = out[0]
             try:
                 _send_packet(sess.sock, blob, fds)
             except BlockingIOError:
@@ -619,7 +651,7 @@ class Server:
                     self._count_error("TierstoreError")
                     err = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes does not fit one message; "
                                                         "list in pages (keys/ls with 'after')"))
-                    out[0] = (err, None, None)
+                    out[0] = (err, None, None, False)
                     sess.outbox_bytes += len(err) - len(blob)
                     continue
                 log.info("session %d (pid %d): sending a reply failed (%s); closing", sess.cid, sess.cred.pid,
@@ -719,6 +751,21 @@ def _sum_activations(sessions: list[dict[str, Any]]) -> dict[str, Any]:
             total[k] += v
     total["clients"] = len(told)
     return total
+
+
+def _join_replies(out: deque) -> int:
+    """Replace the joinable replies at the head of ``out`` with one packet holding them: a
+    msgpack array of the replies' maps (an array's encoding is its header and its items'
+    encodings, so joining costs a concatenation), at most ``PACKET_BYTES``."""
+    parts: list[bytes] = []
+    size = 0
+    while out and out[0][3] and size + len(out[0][0]) <= PACKET_BYTES - 5 and len(parts) < 0xFFFF:
+        blob = out.popleft()[0]
+        parts.append(blob)
+        size += len(blob)
+    head = bytes((0x90 | len(parts),)) if len(parts) < 16 else b"\xdc" + len(parts).to_bytes(2, "big")
+    out.appendleft((head + b"".join(parts), None, None, False))
+    return len(head)  # the outbox's bytes grow by the header (taken back when it is sent)
 
 
 def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> None:

@@ -5,6 +5,7 @@ for root. Real daemon processes, real client processes, real sockets."""
 import json
 import os
 import pwd
+import signal
 import socket
 import subprocess
 import sys
@@ -33,12 +34,13 @@ def _cli(*args, timeout=300):
                           timeout=timeout)
 
 
-def _raw(sock_path, namespace, fragments):
-    """A bare protocol client: hello (taking fragments or not), nothing else."""
+def _raw(sock_path, namespace, fragments, joined=False):
+    """A bare protocol client: hello (taking fragments, joined replies or not), nothing else."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(sock_path)
     s.settimeout(30)
-    s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": namespace, "fragments": fragments}))
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": namespace, "fragments": fragments,
+                          "joined": joined}))
     _data, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
     for fd in fds:
         os.close(fd)
@@ -77,6 +79,33 @@ def test_a_reply_too_big_for_one_message_is_an_error_not_a_closed_connection(dae
     assert msgpack.unpackb(s.recv(1 << 20)) == {"id": 2, "ok": {}}
     s.close()
     assert "does not fit one message" in daemon.log.read_text()
+
+
+def test_the_replies_of_a_burst_of_requests_travel_joined_in_one_packet(daemon):
+    """A client that takes joined replies gets the answers of requests it sent together as
+    one packet (a msgpack array of the reply maps), in order; one that did not say so gets
+    one map per packet, as before."""
+    s = _raw(daemon.socket, "joined", fragments=True, joined=True)
+    daemon.proc.send_signal(signal.SIGSTOP)  # forty in the socket before the daemon reads any: one burst
+    try:
+        for i in range(1, 41):
+            s.send(msgpack.packb({"id": i, "op": "ping"} if i % 2 else {"id": i, "op": "lookup", "key": f"k{i}"}))
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    got, packets = [], 0
+    while len(got) < 40:
+        reply = msgpack.unpackb(s.recv(1 << 20))
+        packets += 1
+        got += reply if isinstance(reply, list) else [reply]
+    assert [r["id"] for r in got] == list(range(1, 41))
+    assert all(r["ok"] == ({} if r["id"] % 2 else None) for r in got)
+    assert packets <= 5  # (one, unless the daemon's read budget split the burst)
+    s.close()
+    s = _raw(daemon.socket, "joined", fragments=True)
+    for i in range(1, 11):
+        s.send(msgpack.packb({"id": i, "op": "ping"}))
+    assert [msgpack.unpackb(s.recv(1 << 20)) for _ in range(10)] == [{"id": i, "ok": {}} for i in range(1, 11)]
+    s.close()
 
 
 def test_stat_with_many_long_named_namespaces(daemon):

@@ -12,6 +12,10 @@ A reply larger than ``PACKET_BYTES`` travels as consecutive fragment packets
 clients that said ``fragments: true`` in hello: one SEQPACKET message can be no bigger
 than the socket's send buffer. Listings are paged besides (``keys``/``ls`` with
 ``after``, ``namespaces``), so no caller needs a reply of unbounded size.
+
+A client that said ``joined: true`` in hello may get several small replies in one packet:
+a msgpack array of reply maps, in the order they were made (the replies to a burst of
+requests read together leave together, one send instead of one each).
 """
 
 from __future__ import annotations
