@@ -284,6 +284,10 @@ class Placement:
             self.staging[owner] = (off, nbytes)
             return off, nbytes
 
+    def staging_of(self, owner: Any) -> tuple[int, int] | None:
+        """(under cv) ``owner``'s staging area, (offset, nbytes), or None."""
+        return self.staging.get(owner)
+
     def drop_owner(self, owner: Any) -> None:
         """``owner`` went away: its staging area, its GPU-slab mappings and the blocks fenced for it go."""
         with self.index.cv:

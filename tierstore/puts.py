@@ -237,7 +237,7 @@ class Puts:
                    nowait: bool = False, ephemeral: bool = False) -> Handle:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
         with self.cv:
-            area = self.placement.staging.get(owner)
+            area = self.placement.staging_of(owner)
         if area is None or src < 0 or src + spec.nbytes > area[1]:
             raise InvalidArgument("staged bytes lie outside this connection's staging area")
         if nowait and (durable or tier == "nvme"):
@@ -260,7 +260,7 @@ class Puts:
         Returns its spec, or None when it does not fit there (use a lease instead).
         """
         with self.cv:
-            area = self.placement.staging.get(owner)
+            area = self.placement.staging_of(owner)
             meta = self.index.get_meta(Handle.parse(handle), self.index.ns(namespace))
             if area is None or meta.nbytes > area[1]:
                 return None
@@ -298,12 +298,8 @@ class Puts:
                 return
             del self.reservations[rid]
             meta = res.meta
-            if meta.host_off is not None:
-                self.placement.host.free(meta.host_off, meta.nbytes)
-                meta.host_off = None
-            if res.gpu_loc is not None:
-                self.placement.gpu.free(res.gpu_loc, meta.nbytes)
-            extents, meta.nvme = meta.nvme, None
+            meta.gpu_loc = res.gpu_loc
+            extents = self.placement.free_space(meta)
             self.cv.notify_all()
         if extents:
             self.placement.nvme.free(extents)

@@ -6,7 +6,8 @@
 - ``Durability`` (``recovery``): the journal, the host index log, namespace owners;
 - ``Prefetcher`` (``prefetch``): access traces and the prefetch queue;
 - ``Placement`` (``movement``): the tiers' space and the moves between them;
-- ``LeaseTable`` (``leases``): who holds what;
+- ``LeaseTable`` (``leases``): who holds what, and ``LeaseBatches`` (``leasebatches``)
+  over it: several check-outs or check-ins in one call;
 - ``Puts`` (``puts``): reservations, commits, staging-area transfers.
 
 The in-process API below is the same contract as ``tierstore.client.Client``; the
@@ -40,6 +41,7 @@ from .gpu import GpuTier, detect_backend
 from .hostindex import HostIndexLog
 from .index import Handle, validate_key
 from .journal import Journal
+from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
 from .movement import Placement
 from .nvme import NvmeTier
@@ -182,6 +184,7 @@ class Store:
                                    self.nvme, self.gpu, self.engine)
         self.placement.gpu_reason = self.gpu_reason
         self.leases = LeaseTable(ix, self.placement, self.durability, self.prefetcher, cfg.lease_wait_s)
+        self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher)
         self.replay_info = self.durability.replay()
         self.replay_info["adopted"] = 0
@@ -305,7 +308,7 @@ class Store:
         source's bytes) and its error is raised. Returns a ``LeaseGroup`` (one ``Lease``
         per request; ``release()`` checks in all still held at once). Through a daemon
         the list is one message."""
-        infos = self.leases.acquire_each(list(requests), owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
+        infos = self.batches.acquire_each(list(requests), owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
                                          stream=stream)
         return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
@@ -317,7 +320,7 @@ class Store:
         handle, in order; ``release()`` checks in all that are still held)."""
         hs = list(handles)
         modes = [mode] * len(hs) if isinstance(mode, str) else list(mode)
-        infos = self.leases.acquire_many(hs, modes, owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
+        infos = self.batches.acquire_many(hs, modes, owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
                                          stream=stream)
         return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
@@ -326,8 +329,8 @@ class Store:
         self.leases.release(lid, owner=owner, nowait=nowait)
 
     def release_many(self, lids: list[int], *, owner: Any = LOCAL, nowait: bool = False) -> None:
-        """Check several leases in (``release`` each); see ``LeaseTable.release_many``."""
-        self.leases.release_many(lids, owner=owner, nowait=nowait)
+        """Check several leases in (``release`` each); see ``LeaseBatches.release_many``."""
+        self.batches.release_many(lids, owner=owner, nowait=nowait)
 
     def give_back(self, lid: int, *, owner: Any = LOCAL) -> None:
         """End a lease its holder never wrote through, as if it had never been taken."""
@@ -538,10 +541,10 @@ class Store:
         return self.leases.acquire_from(handle, source, **kw)
 
     def acquire_many(self, handles: list[Handle | int | str], modes: list[str], **kw: Any) -> list[LeaseInfo]:
-        return self.leases.acquire_many(handles, modes, **kw)
+        return self.batches.acquire_many(handles, modes, **kw)
 
     def acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo]:
-        return self.leases.acquire_each(requests, **kw)
+        return self.batches.acquire_each(requests, **kw)
 
     def revoke(self, lid: int, *, owner: Any) -> bool:
         return self.leases.revoke(lid, owner=owner)
