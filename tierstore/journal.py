@@ -12,7 +12,7 @@ Redundancy against the loss of single records: for ``ECHO_BYTES`` of journal aft
 a free or a namespace claim, every record appended repeats it (``fr``: freed ids,
 ``own``: ``[namespace, uid]`` pairs), so the loss of the free record (or the claim)
 is made good by any intact record of the next two pages. Interpreting the records is
-``recovery.py``'s business; this module frames, appends, scans and rewrites.
+``durability.py``'s business; this module frames, appends, scans and rewrites.
 
 Compaction rewrites the live records to a new file and renames it over the old one
 (atomic on POSIX). A journal that replay found damaged is kept aside first

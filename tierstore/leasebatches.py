@@ -17,7 +17,7 @@ from .batch import check_each
 from .errors import CapacityExceeded, InvalidArgument, NotFound, TierstoreError
 from .index import Handle
 from .leases import LOCAL, MAX_BATCH, LeaseInfo, LeaseTable
-from .movement import Placement
+from .placement import Placement
 from .objectindex import ObjectIndex
 from .units import PAGE, align_up
 from .waits import WouldBlock

@@ -23,10 +23,10 @@ from typing import Any
 from .errors import Busy, CapacityExceeded, InvalidArgument, NotFound, StaleHandle, TierstoreError
 from .gpu import loc_device
 from .index import Handle, ObjectMeta
-from .movement import Placement
+from .placement import Placement
 from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
-from .recovery import Durability
+from .durability import Durability
 from .tensors import TensorSpec
 from .waits import WouldBlock, WouldWait, wait_context
 

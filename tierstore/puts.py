@@ -22,10 +22,10 @@ import numpy as np
 from .errors import CapacityExceeded, InvalidArgument, NotFound
 from .index import Handle, ObjectMeta
 from .leases import LOCAL
-from .movement import Placement
+from .placement import Placement
 from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
-from .recovery import Durability
+from .durability import Durability
 from .tensors import TensorSpec, cuda_source, to_bytes
 from .units import PAGE, align_up
 from .waits import WouldBlock

@@ -3,9 +3,9 @@
 ``Store`` composes, in this order (each given the ones before it, nothing else):
 
 - ``ObjectIndex`` (``objectindex``): the lock, the objects, their keys, ids, counters;
-- ``Durability`` (``recovery``): the journal, the host index log, namespace owners;
+- ``Durability`` (``durability``): the journal, the host index log, namespace owners;
 - ``Prefetcher`` (``prefetch``): access traces and the prefetch queue;
-- ``Placement`` (``movement``): the tiers' space and the moves between them;
+- ``Placement`` (``placement``): the tiers' space and the moves between them;
 - ``LeaseTable`` (``leases``): who holds what, and ``LeaseBatches`` (``leasebatches``)
   over it: several check-outs or check-ins in one call;
 - ``Puts`` (``puts``): reservations, commits, staging-area transfers.
@@ -43,14 +43,14 @@ from .index import Handle, validate_key
 from .journal import Journal
 from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
-from .movement import Placement
+from .placement import Placement
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .policy import make_policy
 from .prefetch import Prefetcher
 from .preflight import check_start
 from .puts import Puts, Reservation
-from .recovery import Durability
+from .durability import Durability
 from .tensors import TensorSpec, aligned_empty, cuda_out, from_bytes, out_bytes
 from .units import format_size
 from .waits import WouldBlock

@@ -37,7 +37,7 @@ from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .policy import EvictionPolicy
 from .prefetch import Prefetcher
-from .recovery import Durability
+from .durability import Durability
 from .tensors import aligned_empty
 from .units import PAGE, align_up
 
