@@ -104,13 +104,13 @@ class ObjectMeta:
     """A tier move (promotion/demotion/write-back) is in flight."""
     freeing: bool = False
     dropped: bool = False
-    """``_drop`` has run (or is running): it runs once."""
+    """``Placement.discard`` has run (or is running): it runs once."""
     home: str | None = None
     """``"nvme"``: the object lives on NVMe and goes back down after each use (put with tier="nvme")."""
     prefetching: bool = False
     """The move in flight is a prefetch (whoever waits for it is a 'late' hit)."""
     version: int = 0
-    """Bumped by every rw check-in, so a concurrent demotion of old bytes is discarded."""
+    """Bumped by every check-in of new bytes (a write lease checked in, not given back)."""
     ephemeral: Any = None
     """The connection that put it with ``ephemeral=True``: the object goes when it does."""
     gpu_loc: int | None = None
@@ -309,7 +309,7 @@ def sorted_from(d: SortedDict, start: str, after: str | None) -> Any:
 class ObjectTable(dict):
     """Object id -> ObjectMeta, keeping per-namespace object and byte counts and the
     numbers of host- and NVMe-resident objects as it changes (callers change an object's
-    residency under the store's lock), so ``stat`` costs O(namespaces), not O(objects),
+    residency under the object index's lock), so ``stat`` costs O(namespaces), not O(objects),
     and, for a bounded number of recently
     removed ids, the namespace each belonged to (a freed handle is stale in its own
     namespace and simply not found in any other)."""
