@@ -198,6 +198,7 @@ class Puts:
                     self.durability.journal_put(meta, sync=False)  # made durable by the commit below
                 with self.cv:
                     self.reservations.pop(rid, None)
+                    old = self.index.publish(meta)  # (the replaced one is ``freeing`` from here)
                     meta.host_valid = res.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
                     meta.gpu_loc = res.gpu_loc
                     if res.tier == "nvme" and meta.host_off is not None:
@@ -205,7 +206,6 @@ class Puts:
                         meta.host_off, meta.host_valid = None, False
                     if meta.host_valid:
                         self.durability.log_host(meta)
-                    old = self.index.publish(meta)
                     if meta.gpu_loc is not None or (meta.host_valid and meta.host_off is not None):
                         self.placement.admit(meta)
                     meta.moving = False
