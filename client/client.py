@@ -11,6 +11,8 @@ CUDA copies are in ``gpu``/``cuda``, read-only views in ``readonly``, the connec
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -43,7 +45,7 @@ _SLOTS = 32
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
 
-_NEEDS = frozenset({"ephemeral", "batch", "source", "each", "activations", "pages"})
+_NEEDS = frozenset({"ephemeral", "batch", "source", "each", "activations", "pages", "rows"})
 """What this client asks of the daemon beyond the protocol version (``hello``'s
 ``features``): a daemon without one of them is refused at connect, so no call has to
 fall back for it."""
@@ -433,11 +435,13 @@ class Client:
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every key in this namespace starting with ``prefix``, sorted (fetched in pages)."""
-        return list(self.iter_keys(prefix))
+        with _gc_paused():
+            return list(self.iter_keys(prefix))
 
     def ls(self, prefix: str = "") -> list[dict[str, Any]]:
         """``info`` of every keyed object starting with ``prefix``, by key (fetched in pages)."""
-        return list(self.iter_ls(prefix))
+        with _gc_paused():
+            return list(self.iter_ls(prefix))
 
     def iter_keys(self, prefix: str = "", *, page: int | None = None) -> Iterator[str]:
         """The keys starting with ``prefix`` in key order, fetched a page (``page`` keys at
@@ -450,16 +454,23 @@ class Client:
         return self._pages("ls", "objects", prefix, page)
 
     def _pages(self, op: str, name: str, prefix: str, page: int | None) -> Iterator[Any]:
-        after = None
-        while True:
-            fields: dict[str, Any] = {"prefix": prefix, "after": after, "page": True}
-            if page is not None:
-                fields["limit"] = page
-            r = self._conn.request(op, **fields)
-            yield from r[name]
+        # the next page is asked for as soon as this one's cursor is known, so the daemon
+        # builds it while this one is turned into entries
+        fields: dict[str, Any] = {"prefix": prefix, "page": True}
+        if page is not None:
+            fields["limit"] = page
+        if op == "ls":
+            fields["rows"] = True  # rows of "fields", not maps: a third of the bytes and the work
+        pending = self._conn.submit(op, after=None, **fields)
+        while pending is not None:
+            r = self._conn.wait(pending)
             after = r["next"]
-            if after is None:
-                return
+            pending = None if after is None else self._conn.submit(op, after=after, **fields)
+            if op == "ls":
+                names = r["fields"]
+                yield from [dict(zip(names, row)) for row in r["rows"]]
+            else:
+                yield from r[name]
 
     def iter_namespaces(self) -> Iterator[tuple[str, dict[str, int]]]:
         """(namespace, {"objects", "bytes"}) of every namespace with objects, by name, a page at a time."""
@@ -700,6 +711,21 @@ class _ReadsReplies(Future):
             except BaseException:  # the failure is the future's own
                 pass
         return super().exception(timeout)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a whole listing is built: a million new maps
+    and lists would set off collection after collection, each walking every one so far
+    (they hold no cycles; reference counting frees them)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _is_cuda(t: Any) -> bool:

@@ -380,6 +380,11 @@ class Store:
         """One page of ``ls``: as ``key_page``, with each object's ``info``."""
         return self.index.ls_page(prefix, after, limit, namespace)
 
+    def ls_rows(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
+                namespace: str | None = None) -> list[list[Any]]:
+        """``ls_page`` as rows of ``objectindex.INFO_FIELDS``."""
+        return self.index.ls_rows(prefix, after, limit, namespace)
+
     def snapshot(self, dest: str, *, prefix: str = "", namespace: str | None = None,
                  progress: bool | None = None) -> dict[str, Any]:
         """Export the namespace (keys under ``prefix``) as a Zarr v3 store; see ``tierstore.snapshot``."""
