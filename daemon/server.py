@@ -30,6 +30,7 @@ three thread pools it hands work to; the request handlers themselves are in
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import logging
 import os
@@ -174,7 +175,15 @@ class Server:
         if inherited:
             log.info("systemd handed back %s", ", ".join(sorted(inherited)))
         self.notifier.status("replaying the journal")
-        self.store = Store(self.config, inherited_fds=inherited, populate_host=False)
+        # no cyclic collection while a million objects are built (each pass would walk every one
+        # made so far); then they are frozen out of later collections: they live as long as the
+        # daemon, and a full pass over them all would hold up the event loop
+        gc.disable()
+        try:
+            self.store = Store(self.config, inherited_fds=inherited, populate_host=False)
+        finally:
+            gc.freeze()
+            gc.enable()
         # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
         # crash) gets them back and adopts every host-resident object
         if self.notifier.store_fd("arena", self.store.arena.fd) and \

@@ -199,13 +199,13 @@ class Durability:
         ix = self.index
         res = self.journal.replay()
         rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
-        for r in res.records:
-            rp.apply(r)
+        for r, payload in zip(res.records, res.payloads):
+            rp.apply(r, payload)
         dropped, specs = 0, {}
         for oid in sorted(rp.live):
             r = rp.live[oid]
             meta = ObjectMeta.from_record(r, specs)
-            meta.record = pack_record(r)
+            meta.record = rp.payloads.get(oid) or pack_record(r)
             try:
                 self.nvme.reserve(meta.nvme)
             except (ValueError, TierstoreError) as e:  # (validated and disjoint: not expected)
@@ -270,6 +270,8 @@ class Replay:
     def __init__(self, *, ndrives: int, drive_bytes: int) -> None:
         self.ndrives, self.drive_bytes = ndrives, drive_bytes
         self.live: dict[int, dict[str, Any]] = {}
+        self.payloads: dict[int, bytes] = {}
+        """The live objects' records as found, packed (those that held nothing else)."""
         self.owners: dict[str, int] = {}
         self.epoch, self.next_id = 0, 1
         self.malformed = self.superseded = self.owner_conflicts = 0
@@ -277,7 +279,9 @@ class Replay:
         self._key: dict[tuple[str, str], int] = {}
         self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
 
-    def apply(self, r: dict[str, Any]) -> None:
+    def apply(self, r: dict[str, Any], payload: bytes | None = None) -> None:
+        """Apply one record; ``payload``: its packed form as found (kept as the live
+        object's record, when it holds nothing but the object)."""
         why = _check_record(r, self.ndrives, self.drive_bytes, self._ns_ok)
         if why is not None:
             self.malformed += 1
@@ -296,7 +300,7 @@ class Replay:
         elif op == "free":
             self._free(r["id"])
         elif op == "put":
-            self._put(r)
+            self._put(r, payload)
 
     def _claim(self, name: str, uid: int) -> None:
         have = self.owners.setdefault(name, uid)
@@ -310,12 +314,13 @@ class Replay:
         r = self.live.pop(oid, None)
         if r is None:
             return
+        self.payloads.pop(oid, None)
         for e in r["ext"]:
             self._space[e[0]].remove(e[1])
         if r.get("key") is not None and self._key.get((r["ns"], r["key"])) == oid:
             del self._key[(r["ns"], r["key"])]
 
-    def _put(self, r: dict[str, Any]) -> None:
+    def _put(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         oid = r["id"]
         self.next_id = max(self.next_id, oid + 1)
         self.epoch = max(self.epoch, r["gen"])
@@ -340,8 +345,13 @@ class Replay:
         for dev, off, _, n in r["ext"]:
             self._space[dev].add(off, align_up(max(n, 1), PAGE), oid)
         if "fr" in r or "own" in r:  # (echoes are not its own)
+            payload = None
             r = {k: v for k, v in r.items() if k not in ("fr", "own")}
         self.live[oid] = r
+        if payload is not None:
+            self.payloads[oid] = payload
+        else:
+            self.payloads.pop(oid, None)
 
 
 class _Extents:

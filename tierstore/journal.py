@@ -56,6 +56,8 @@ neither a zeroed page nor a flipped byte takes every copy."""
 @dataclass
 class ReplayResult:
     records: list[dict[str, Any]] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    """Each record's payload as found (``pack`` of it): kept, not packed again, by replay."""
     torn_bytes: int = 0
     """Bytes at the end that hold no valid record (an append cut short, or damage)."""
     corrupt_records: int = 0
@@ -108,9 +110,11 @@ class Journal:
                 data = f.read()
         except FileNotFoundError:
             return res
+        header = _HEADER.size
         for start, end, rec in scan(data):
             if rec is not None:
                 res.records.append(rec)
+                res.payloads.append(data[start + header:end])
             elif end == len(data):
                 res.torn_bytes = end - start
                 log.warning("journal %s: %d bytes at the end hold no valid record (torn tail); dropped",
