@@ -42,13 +42,16 @@ def test_prefetch_smoke(tmp_path, mode):
     png = tmp_path / "prefetch.png"
     compute = "matmul" if mode == "embedded" else "sleep"
     raw_at = "even" if mode == "embedded" else "access"
+    # the loop over host-tier fractions is the same code in both modes: all three in one, one in
+    # the other (each fraction is four more runs, each starting a daemon in daemon mode)
+    fractions = "0.25,0.5,0.75" if mode == "embedded" else "0.5"
     out = _run("prefetch.py", "--quick", "--mode", mode, "--compute", compute, "--dir", str(tmp_path), "--png",
-               str(png), "--raw-io-at", raw_at, cwd=tmp_path)
+               str(png), "--raw-io-at", raw_at, "--fractions", fractions, cwd=tmp_path)
     assert out["bench"] == "prefetch" and out["mode"] == mode and out["floor"]["hit_rate"] == 1.0
     assert out["compute"] == compute and out["raw_io_at"] == raw_at and out["access"] == "layer"
     assert {v["variant"] for v in out["variants"]} == {"lru", "lru+prefetch", "trace+prefetch", "floor+raw I/O"}
     raw = [v for v in out["variants"] if v["variant"] == "floor+raw I/O"]
-    assert len(raw) == 3 and all(v["raw_read_bytes_per_step"] > 0 for v in raw)
+    assert len(raw) == len(fractions.split(",")) and all(v["raw_read_bytes_per_step"] > 0 for v in raw)
     for v in out["variants"]:  # where the step went; "other" is what the named parts leave
         b = v["breakdown_ms"]
         assert b["check-out"] > 0 and b["compute"] > 0 and b["other"] >= 0

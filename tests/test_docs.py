@@ -72,3 +72,10 @@ def test_the_settings_table_lists_every_setting():
         listed = [name for row in re.findall(r"^\| ([^|]+) \|", table, re.M)[1:]
                   for name in re.findall(r"`(\w+)`", row)]
         assert sorted(listed) == sorted(f.name for f in fields(cls)), section
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("Install and run the tests:"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert block.strip() == ci and " -n " in ci  # the suite runs on parallel workers (pytest-xdist)
