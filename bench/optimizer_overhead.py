@@ -42,12 +42,31 @@ def _model(layers: int) -> torch.nn.Module:
     return TinyGPT(64, d=128, layers=layers)
 
 
+class _OneByOne(list):
+    """Leases taken one check-out each, checked in one message each."""
+
+    def release(self) -> None:
+        for lease in self:
+            lease.release()
+
+
 @contextlib.contextmanager
 def _sequential(client: Client):
     """The optimizer as it was before ``checkout_each``: one check-out per state tensor,
     prefetch hints waited for (instance attributes shadow the client's methods)."""
     real = client.prefetch
-    client.checkout_each = None  # the optimizer then checks out one tensor at a time
+
+    def one_by_one(requests, *, timeout_s=None, stream="default"):
+        leases = _OneByOne()
+        try:
+            for h, mode, source in requests:
+                leases.append(client.checkout(h, mode, timeout_s=timeout_s, stream=stream, source=source))
+        except BaseException:
+            leases.release()
+            raise
+        return leases
+
+    client.checkout_each = one_by_one  # a round trip per state tensor, as before the one-message list
     client.prefetch = lambda hs, wait=True: real(hs, wait=True)
     try:
         yield

@@ -1,11 +1,15 @@
-"""The client library: ``Client.connect(...)`` and the same methods as ``tierstore.Store``.
+"""The client library: ``Client.connect(...)``, the daemon's side of the contract
+``tierstore.contract.Pool`` (the same methods and signatures as ``tierstore.Store``),
+plus what only a daemon connection has: ``put_async`` / ``get_async``, paged
+listings (``iter_keys``, ``iter_ls``, ``iter_namespaces``), ``ping`` and
+``report_activations``.
 
 Tensor bytes never cross the socket. At hello the daemon passes the host arena's
 memfd; the client maps it once and copies straight into (put) or out of (get) the
 block the daemon names, or hands out a view of it (checkout).
 
-Length: one class mirroring ``Store``'s API over the socket (one method per call);
-CUDA copies are in ``gpu``/``cuda``, read-only views in ``readonly``, the connection in
+Length: one class, one method per request of the contract over the socket; CUDA
+copies are in ``gpu``, read-only views in ``readonly``, the connection in
 ``connection``.
 """
 

@@ -7,12 +7,15 @@ and rewinds through ``torch.distributed``; tierstore itself never crosses nodes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .optimizer import OffloadedOptimizer
 
 __all__ = ["agree_on_step"]
 
 
-def agree_on_step(optimizer: Any, group: Any = None) -> int:
+def agree_on_step(optimizer: OffloadedOptimizer, group: Any = None) -> int:
     """The step every rank of ``group`` continues from: the least ``completed_steps`` of
     them; a rank one step ahead goes back to it (``OffloadedOptimizer.rewind_to``).
     Raises ``RuntimeError`` on every rank when the ranks are further apart or one cannot

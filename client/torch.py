@@ -1,8 +1,8 @@
 """PyTorch hooks: optimizer-state offload and parameter offload into a tierstore pool.
 
 ``offload_optimizer`` wraps a ``torch.optim`` optimizer so its per-parameter state
-(and fp32 master weights) lives in the store (``optimizer``, with its GPU path in
-``optimizer_gpu``); ``offload_parameters`` keeps a module's parameters in the store
+(and fp32 master weights) lives in the store (the ``optimizer`` package: its update
+loop, buckets, progress records and GPU path in modules of their own); ``offload_parameters`` keeps a module's parameters in the store
 and brings each submodule's in just before it runs (``params``);
 ``offload_activations`` keeps the tensors autograd saves for backward in the store
 between forward and backward (``activations``). All are written against

@@ -5,8 +5,9 @@ of following it.
 
 This module owns the hooks, the parameters waiting to fill a bucket, the order in which
 gradients became final (learned each step, for prefetch hints) and the checks that
-nothing changed a gradient after its update used it. The update itself, the state
-versions and the step's end belong to ``OffloadedOptimizer``.
+nothing changed a gradient after its update used it. The update itself
+(``OffloadedOptimizer.update_now``), buckets, the state versions and the step's end
+belong to the optimizer and its components.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+from .state import Item as _Item
+
+if TYPE_CHECKING:
+    from .offloaded import OffloadedOptimizer
 
 __all__ = ["BackwardUpdates"]
 
 log = logging.getLogger(__name__)
-
-_Item = tuple[int, int, torch.Tensor]  # (group, index, parameter)
 
 _OWNER = "_tierstore_backward_updates"
 """A parameter's attribute naming (weakly) the hooks that update it in backward: a new
@@ -74,7 +78,7 @@ class BackwardUpdates:
     ``deferred()``).
     """
 
-    def __init__(self, opt: Any) -> None:
+    def __init__(self, opt: OffloadedOptimizer) -> None:
         self._opt = weakref.ref(opt)  # the hooks live on the parameters: they must not keep the optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         self.enabled = not _reduced_after_backward(params)
@@ -164,7 +168,7 @@ class BackwardUpdates:
         if opt is None or self._deferred or p.grad is None:
             return
         key = (gi, pi)
-        if key in opt._in_step.updated or any((g, i) == key for g, i, _ in self._waiting.get(gi, ())):
+        if key in opt.updated_this_step or any((g, i) == key for g, i, _ in self._waiting.get(gi, ())):
             raise RuntimeError(
                 f"parameter {gi}.{pi} got a gradient again after its update in backward, before step(): with "
                 "update_in_backward, run every micro-batch of gradient accumulation but the last in "
@@ -178,8 +182,8 @@ class BackwardUpdates:
         waiting = self._waiting.setdefault(gi, [])
         waiting.append((gi, pi, p))
         while waiting:
-            end = opt._bucket_end(waiting, 0)
-            if end == len(waiting) and opt._bucketable(*waiting[0]):
+            end = opt.buckets.end(waiting, 0)
+            if end == len(waiting) and opt.buckets.bucketable(*waiting[0]):
                 return  # the bucket may take more
             self._update(opt, waiting[:end])
             del waiting[:end]
@@ -194,17 +198,17 @@ class BackwardUpdates:
         for gi in list(self._waiting):
             items = self._waiting.pop(gi)
             while items and opt is not None:
-                end = opt._bucket_end(items, 0)
+                end = opt.buckets.end(items, 0)
                 self._update(opt, items[:end])
                 del items[:end]
 
-    def _update(self, opt: Any, items: list[_Item]) -> None:
+    def _update(self, opt: OffloadedOptimizer, items: list[_Item]) -> None:
         """Update ``items`` (one bucket, or one parameter) now; first hint the state of the
         parameters whose gradients came next in the last step."""
         nxt = self._following(self._pos.get((items[-1][0], items[-1][1]), -2))
         if nxt:
-            opt._prefetch(nxt, opt._cur)
-        opt._update_params(items)
+            opt.state_tensors.hint(nxt, opt.state_tensors.cur)
+        opt.update_now(items)
         for gi, pi, p in items:
             self._used[(gi, pi)] = (p.grad, p.grad._version, _sample(p.grad))
 
@@ -217,11 +221,11 @@ class BackwardUpdates:
         out: list[_Item] = []
         total = 0
         for gi, pi in self._order[pos + 1:]:
-            if (gi, pi) in opt._in_step.updated:
+            if (gi, pi) in opt.updated_this_step:
                 continue
             p = opt.param_groups[gi]["params"][pi]
-            total += opt._state_bytes(gi, pi, p)
-            if out and total > max(opt._bucket_limit, 1):
+            total += opt.buckets.state_bytes(gi, pi, p)
+            if out and total > max(opt.buckets.limit, 1):
                 break
             out.append((gi, pi, p))
         return out

@@ -1,19 +1,24 @@
 """The GPU update path of the offloaded optimizer: each CUDA parameter's state is
 copied host-to-device on a side stream while the previous parameter updates, updated
 on the device, and written back device-to-host on another side stream, ordered by
-events. A mix-in of ``OffloadedOptimizer``, which owns the order of the step.
+events. ``Updates`` owns the order of the step and calls ``fetch`` / ``update`` /
+``finish`` per parameter.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["GpuUpdates"]
+from .state import StateTensors
+
+__all__ = ["GpuUpdates", "GpuItem"]
+
+Apply = Callable[[dict[str, Any], torch.Tensor, dict[str, str], dict[str, torch.Tensor]], None]
 
 
-class _GpuItem:
+class GpuItem:
     """One parameter's state in flight through a GPU update."""
 
     __slots__ = ("key", "p", "leases", "dev", "host", "fetched", "stored")
@@ -29,35 +34,39 @@ class _GpuItem:
 
 
 class GpuUpdates:
-    """``OffloadedOptimizer``'s methods for parameters updated on their GPU. Uses the
-    host's ``_layout``, ``_checkout_state``, ``_update`` and ``param_groups``."""
+    """Updates of parameters on their GPU: the state tensors come from ``states``, the
+    update rule is ``apply`` (the wrapped optimizer's), the groups come from ``groups``."""
 
-    _streams: Any
+    def __init__(self, states: StateTensors, groups: Callable[[], list[dict[str, Any]]], apply: Apply) -> None:
+        self._states = states
+        self._groups = groups
+        self._apply = apply
+        self._streams: Any = None  # per-device copy streams, made on the first GPU update
 
     def _side(self, device: torch.device, role: str) -> Any:
         if self._streams is None:
-            from .gpu import SideStreams
+            from ..gpu import SideStreams
 
             self._streams = SideStreams()
         return self._streams.stream(device, role)
 
-    def _gpu_fetch(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> "_GpuItem":
+    def fetch(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> GpuItem:
         """Lease a parameter's state (version ``read`` to read, ``write`` to overwrite; the
         same one, ``rw``, where they are equal) and start its host-to-device copies on the
         side stream."""
-        item = _GpuItem((gi, pi), p)
+        item = GpuItem((gi, pi), p)
         side = self._side(p.device, "in")
         try:
             # device buffers of earlier updates are freed on the compute stream: order after it
             side.wait_stream(torch.cuda.current_stream(p.device))
-            for name in self._layout[(gi, pi)]:
+            for name in self._states.layout[(gi, pi)]:
                 if read == write:  # single-version state: read and written back in place, one lease
-                    ls = ld = self._checkout_state(gi, pi, name, read, "rw")
+                    ls = ld = self._states.checkout_state(gi, pi, name, read, "rw")
                     item.leases.append(ls)
                 else:
-                    ls = self._checkout_state(gi, pi, name, read, "r")
+                    ls = self._states.checkout_state(gi, pi, name, read, "r")
                     item.leases.append(ls)
-                    ld = self._checkout_state(gi, pi, name, write, "w")
+                    ld = self._states.checkout_state(gi, pi, name, write, "w")
                     item.leases.append(ld)
                 host = ls.tensor
                 if host.dim() == 0:  # scalar state (e.g. Adam's step) stays where torch keeps it: the host
@@ -76,11 +85,11 @@ class GpuUpdates:
             raise
         return item
 
-    def _gpu_update(self, item: "_GpuItem") -> None:
+    def update(self, item: GpuItem) -> None:
         gi, pi = item.key
         p = item.p
-        group = self.param_groups[gi]
-        layout = self._layout[(gi, pi)]
+        group = self._groups()[gi]
+        layout = self._states.layout[(gi, pi)]
         cur = torch.cuda.current_stream(p.device)
         cur.wait_event(item.fetched)
         views: dict[str, torch.Tensor] = {}
@@ -89,7 +98,7 @@ class GpuUpdates:
             views[name] = dev
         for name, (h, _) in item.host.items():
             views[name] = h
-        self._update(group, p, layout, views)
+        self._apply(group, p, layout, views)
         side = self._side(p.device, "out")
         side.wait_stream(cur)  # the write-back starts after the update
         with torch.cuda.stream(side):
@@ -101,7 +110,7 @@ class GpuUpdates:
         item.stored = torch.cuda.Event()
         item.stored.record(side)
 
-    def _gpu_finish(self, item: "_GpuItem") -> None:
+    def finish(self, item: GpuItem) -> None:
         """Wait for the item's copies, then check its state back in."""
         try:
             if item.stored is not None:

@@ -1,0 +1,302 @@
+"""The offloaded optimizer's front: ``OffloadedOptimizer``, a ``torch.optim`` optimizer
+whose per-parameter state lives in a tierstore pool, and ``offload_optimizer``.
+
+The front owns the step: which parameters it updates, and its end. The rest is in
+components it builds and holds, each in its own module: the state's objects in the
+pool (``state.StateTensors``), the progress records, resume and rewind
+(``progress.Progress``), buckets (``buckets.Buckets``), the update loop
+(``update.Updates``, with the CUDA path in ``gpu.GpuUpdates``), the wrapped
+optimizer's state format (``state_dict``) and update in backward
+(``backward.BackwardUpdates``). It talks to the pool only through
+``tierstore.contract.Pool``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+
+from tierstore.contract import Pool
+
+from .backward import BackwardUpdates
+from .buckets import DEFAULT_BUCKET_BYTES, Buckets
+from .progress import Progress
+from .state import Item, Key, StateTensors, local
+from .state_dict import PoolState, pack, placed, set_param_state
+from .update import Updates
+
+__all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded"]
+
+log = logging.getLogger(__name__)
+
+
+class _StepWork:
+    """What the step under way has done so far; a completed step starts a new one."""
+
+    __slots__ = ("updated", "fresh")
+
+    def __init__(self) -> None:
+        self.updated: set[Key] = set()  # (group, index) updated in this step
+        self.fresh: set[Key] = set()  # among them, those whose state this step made
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer whose per-parameter state lives in a tierstore pool.
+
+    ``step()`` walks the parameters in a fixed order. For each one it checks the
+    state out of the pool (the next parameter's state is already being prefetched),
+    updates it with the wrapped optimizer's own update rule, and checks it back in.
+    Small parameters go in buckets (``bucket_bytes`` of state at most): one check-out
+    message, one call of the wrapped optimizer and one check-in for the bucket.
+    Crash-consistent state (``crash_consistent=True``, the default but for
+    ``tier="host"``) is double-buffered (two versions per tensor): a step reads each
+    parameter's current version and writes the other one, and a small progress record,
+    written after the last parameter, names the step and each parameter's current
+    version, so a process killed mid-step resumes from the last completed step with
+    nothing half-updated. Single-version state (``crash_consistent=False``) costs the
+    state's bytes once: each update is made in place, and a marker object present from a
+    step's first update to its progress record makes a resume after a process killed
+    mid-step fail with ``TornState`` instead of continuing from a half-updated state. A
+    parameter without a gradient in a step keeps its state as it is (its current
+    version does not change), as the wrapped optimizer would.
+
+    ``update_in_backward=True``: each parameter is updated as soon as its gradient is
+    final, from a post-accumulate-grad hook, while backward still runs (``backward``).
+
+    Parameters that are not fp32 (bf16/fp16 training) get an fp32 master copy in the
+    pool; the update runs on the master and is copied (rounded) into the parameter.
+
+    CUDA parameters: ``update="gpu"`` (the default for them) fetches each parameter's
+    state host-to-device on a side stream while the previous parameter updates, runs
+    the update on the GPU and writes the state back device-to-host on the side stream,
+    ordered by events. ``update="cpu"`` (ZeRO-Offload style) copies the gradient to
+    the host, updates an fp32 host master and the state in the pool, and copies the
+    parameter back to the GPU.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, store: Pool, *, tier: str | None = "nvme",
+                 prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
+                 resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 crash_consistent: bool | None = None, update_in_backward: bool = False) -> None:
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+        if update not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"update must be 'auto', 'cpu' or 'gpu', got {update!r}")
+        if update == "gpu" and not all(p.is_cuda for g in inner.param_groups for p in g["params"]):
+            raise ValueError("update='gpu' needs every parameter on a CUDA device; use 'cpu' or 'auto'")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+        closure = inspect.signature(inner.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(f"{type(inner).__name__} needs a closure for every step and keeps one state for all "
+                            "parameters; offload_optimizer wraps optimizers whose state is per parameter "
+                            "(Adam, AdamW, SGD, Adagrad, RMSprop, ...)")
+        self.update = update
+        self.bucket_bytes = bucket_bytes
+        initial = None
+        if any(len(s) for s in inner.state.values()):
+            # set up by the constructor (Adagrad) or by steps taken before wrapping: it moves into the pool
+            initial = inner.state_dict()
+            inner.state.clear()
+        self.inner = inner
+        self.store = store
+        self.tier = tier
+        self.prefix = prefix.rstrip("/")
+        self.master_weights = master_weights
+        self.durable = durable
+        if crash_consistent is None:
+            # host-tier bytes do not survive the daemon anyway: unless asked, they cost their size once
+            crash_consistent = durable or tier != "host"
+        self.crash_consistent = bool(crash_consistent)
+        self.versions = 2 if self.crash_consistent else 1
+        """State versions kept in the pool per state tensor: 2 (crash-consistent) or 1."""
+        super().__init__(inner.param_groups, inner.defaults)
+        self.state_tensors = StateTensors(store, prefix=self.prefix, tier=tier, durable=durable,
+                                          versions=self.versions)
+        """The state's objects in the pool: layout, current versions, handles."""
+        self.progress = Progress(self.state_tensors)
+        """Completed steps, the progress records and the torn-step marker."""
+        self.buckets = Buckets(self.state_tensors, self._on_gpu, bucket_bytes)
+        """Which parameters are updated together."""
+        self._updates = Updates(inner, lambda: self.param_groups, self.state_tensors, self.buckets,
+                                on_gpu=self._on_gpu, needs_master=self._needs_master)
+        self.state = PoolState(lambda: self.param_groups, self.state_tensors,  # type: ignore[assignment]
+                               self._set_state)  # the pool's, not a dict
+        self._in_step = _StepWork()
+        if resume and self.progress.resume():
+            self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
+        else:
+            self._clear_pool()
+            if initial is not None:
+                self.load_state_dict(initial)
+        self.backward = BackwardUpdates(self) if update_in_backward else None
+        """The update-in-backward hooks (``None`` without ``update_in_backward``)."""
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps completed (and, after a resume, recovered from the pool)."""
+        return self.progress.completed
+
+    @property
+    def updated_this_step(self) -> set[Key]:
+        """The parameters (group, index) the step under way has updated so far."""
+        return self._in_step.updated
+
+    def _on_gpu(self, p: torch.Tensor) -> bool:
+        """Does this parameter's update run on its GPU?"""
+        return p.is_cuda and self.update != "cpu"
+
+    def _needs_master(self, p: torch.Tensor) -> bool:
+        if p.is_cuda and not self._on_gpu(p):
+            return True  # the host update needs an fp32 host copy of the parameter
+        want = p.dtype in (torch.float16, torch.bfloat16) if self.master_weights is None else bool(self.master_weights)
+        if want and local(p)[0] == "dtensor":
+            raise ValueError("fp32 master weights of sharded (FSDP2) parameters are not supported; use FSDP2's "
+                             "MixedPrecisionPolicy with fp32 parameters instead, or master_weights=False")
+        return want
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.backward is not None:  # what backward left to do, and a check that it was right to
+            self.backward.finish()
+        done = self._in_step.updated
+        work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                if p.grad is not None and (gi, pi) not in done]
+        self.update_now(work)
+        self._complete_step(work)
+        return loss
+
+    def deferred(self) -> Any:
+        """A context: backward inside it leaves the update to ``step()`` (with
+        ``update_in_backward``; without, it changes nothing). For every micro-batch of
+        gradient accumulation but the last, and for a backward whose gradients are
+        clipped or unscaled before ``step()``."""
+        return self.backward.deferred() if self.backward is not None else contextlib.nullcontext()
+
+    def update_now(self, work: list[Item]) -> None:
+        """Update the parameters ``work`` names, in that order, each read from its current
+        version, as part of the step under way (``step()``, and update in backward); the
+        step's end makes the versions they wrote current."""
+        if not work:
+            return
+        self.progress.begin_updates()
+        cur = self.state_tensors.cur
+        ver = {(gi, pi): cur.get((gi, pi), 0) for gi, pi, _ in work}
+        self._in_step.fresh.update(key for key in ver if key not in self.state_tensors.layout)  # state made now
+        self._updates.run(work, ver)
+        self._in_step.updated.update(ver)
+
+    def _complete_step(self, work: list[Item]) -> None:
+        """The step's end: the versions it wrote become current, the progress record says so
+        (written last, after every parameter), and the next step's first state is hinted."""
+        self.progress.complete(self._in_step.updated, self._in_step.fresh)
+        self._in_step = _StepWork()
+        self.store.step()
+        # the next step starts where this one did: its first state comes up meanwhile (during the
+        # forward pass, and the backward up to the first update when updating in backward)
+        first = self.backward.first_items() if self.backward is not None else []
+        if not first and work:
+            first = work[:self.buckets.end(work, 0)]
+        if first:
+            self.state_tensors.hint(first, self.state_tensors.cur)
+
+    def rewind_to(self, step: int) -> None:
+        """Go back to the state after ``step``, the step before the last completed one (or
+        stay, if it is the last): a rank one step ahead of the others of its job after a
+        failure (see ``tierstore.client.distributed.agree_on_step``). Needs two versions
+        (``crash_consistent=True``): the last step wrote its state beside the previous
+        one's, and the previous progress record names those. Parameters with fp32 masters
+        come back from them; others are the caller's to restore."""
+        if step == self.progress.completed:
+            return
+        self.progress.rewind(step)
+        self.state_tensors.masters_into(self.param_groups)
+        self.progress.write()
+        log.info("rewound optimizer state under %r to step %d", self.prefix, step)
+
+    # ------------------------------------------------------------------ state dicts
+    def _set_state(self, gi: int, pi: int, st: dict[str, Any]) -> None:
+        """One parameter's state (the wrapped optimizer's form) into the pool, and a progress
+        record naming it (``optimizer.state[p] = ...``)."""
+        p = self.param_groups[gi]["params"][pi]
+        set_param_state(self.state_tensors, gi, pi, p, st, master=self._needs_master(p))
+        self.progress.write()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's own format: state keyed by integer ids in parameter-group
+        order (``torch.distributed.checkpoint.state_dict.get_state_dict`` turns them into
+        parameter names); FSDP2 / tensor-parallel state as DTensors sharded like their
+        parameters. fp32 masters are not part of it (they are rebuilt from the parameters)."""
+        return pack(self.state_tensors, self.param_groups)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's format, as ``torch.optim.Optimizer.load_state_dict``
+        does: saved parameter ids of any kind (integers, or the parameter names
+        ``set_state_dict`` passes) are matched to this optimizer's parameters by position
+        in their groups; DTensor state (as DCP loads it, resharded to this rank's layout)
+        is stored as this rank's local shard."""
+        found = placed(self.param_groups, state_dict)
+        self._clear_pool()
+        self.progress.completed = 0
+        for (gi, pi), st in found:
+            p = self.param_groups[gi]["params"][pi]
+            set_param_state(self.state_tensors, gi, pi, p, st, master=self._needs_master(p))
+        self.progress.write()
+
+    def free(self) -> None:
+        """Free every object this optimizer keeps in the pool."""
+        self._clear_pool()
+
+    def _clear_pool(self) -> None:
+        self.state_tensors.free_all()
+        self.state_tensors.layout = {}
+        self.state_tensors.cur = {}
+        self.progress.cleared()
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, client: Pool, *, tier: str | None = "nvme",
+                      prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
+                      resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      crash_consistent: bool | None = None, update_in_backward: bool = False) -> OffloadedOptimizer:
+    """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
+
+    ``tier``: where new state goes (``"host"``, ``"nvme"``, or ``None``: the host tier
+    while it has room, then NVMe, cached by the eviction policy). ``resume=True``
+    finds the state by key (``prefix``) and continues from the last completed step;
+    otherwise any old state under ``prefix`` is freed. ``durable=True`` makes the
+    state survive a daemon crash too (each check-in is then written through).
+    ``update``: where CUDA parameters are updated, ``"gpu"`` (default) or ``"cpu"``.
+    ``bucket_bytes``: parameters updated on the CPU whose state is smaller are updated
+    together, up to this many bytes of state (16 MiB) at a time: one check-out message,
+    one update call and one check-in for them all. ``0``: one parameter at a time.
+    ``crash_consistent``: keep two versions of each state tensor, so a process killed
+    mid-step resumes from the last completed step (twice the state's bytes in the pool),
+    or one, updated in place (the state's bytes once; a resume after a process killed
+    mid-step raises ``TornState``). Default: one for ``tier="host"`` unless ``durable``,
+    two otherwise. ``update_in_backward``: update each parameter as soon as its gradient
+    is final, during backward (``BackwardUpdates``; docs/training.md says what composes).
+    """
+    return OffloadedOptimizer(optimizer, client, tier=tier, prefix=prefix, master_weights=master_weights,
+                              durable=durable, resume=resume, update=update, bucket_bytes=bucket_bytes,
+                              crash_consistent=crash_consistent, update_in_backward=update_in_backward)
+
+
+def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Pool, *, tier: str | None = "nvme",
+              prefix: str = "opt", **offload_kw: Any) -> Callable[..., OffloadedOptimizer]:
+    """An optimizer *class* stand-in, for APIs that construct the optimizer themselves,
+    e.g. ``ZeroRedundancyOptimizer(params, optimizer_class=offloaded(AdamW, client), lr=...)``."""
+
+    def make(params: Iterable[Any], **kwargs: Any) -> OffloadedOptimizer:
+        return OffloadedOptimizer(optimizer_class(params, **kwargs), client, tier=tier, prefix=prefix, **offload_kw)
+
+    make.__name__ = f"Offloaded{optimizer_class.__name__}"
+    return make

@@ -1,0 +1,148 @@
+"""The offloaded optimizer's state in the wrapped optimizer's own form: ``optimizer.state``
+(a mapping read from the pool on access) and the ``state_dict`` format.
+
+State comes out of the pool as copies (sharded state as DTensors like the parameter,
+no fp32 master) and goes in as both versions kept, with a fresh fp32 master where one
+is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .state import Key, StateTensors, local, pytag, untag, wrap_like
+
+__all__ = ["PoolState", "param_state", "set_param_state", "pack", "placed"]
+
+
+def param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor) -> dict[str, Any]:
+    """Parameter ``p``'s current state as the wrapped optimizer keeps it (copies out of
+    the pool; sharded state as a DTensor like the parameter; no fp32 master)."""
+    st: dict[str, Any] = {}
+    for name, tag in states.layout.get((gi, pi), {}).items():
+        if name == "master":
+            continue
+        t = states.get_current(gi, pi, name)
+        if tag == "dtensor":
+            st[name] = wrap_like(t, p)
+        else:
+            st[name] = t if tag == "tensor" else untag(tag, t)
+    return st
+
+
+def set_param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor, st: dict[str, Any], *,
+                    master: bool) -> None:
+    """Put parameter ``p``'s state (the wrapped optimizer's form) into the pool as every
+    version kept, with a fresh fp32 master where one is kept (``master``)."""
+    layout = states.layout[(gi, pi)] = {}
+    for name, v in st.items():
+        if isinstance(v, torch.Tensor):
+            layout[name], v = local(v)
+            # as torch does: floating state follows the dtype of what is updated (the fp32
+            # master where there is one, else the parameter), except "step"
+            if v.is_floating_point() and name != "step":
+                v = v.to(torch.float32 if master else p.dtype)
+            t = v
+        else:
+            layout[name], t = pytag(v)
+        states.put_both(gi, pi, name, t)
+    if master:
+        layout["master"] = "tensor"
+        states.put_both(gi, pi, "master", p.detach().float())
+    states.cur[(gi, pi)] = 0
+
+
+def pack(states: StateTensors, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``state_dict()``: state keyed by integer ids in parameter-group order."""
+    packed: dict[int, dict[str, Any]] = {}
+    groups = []
+    idx = 0
+    for gi, group in enumerate(param_groups):
+        ids = []
+        for pi, p in enumerate(group["params"]):
+            if states.layout.get((gi, pi)):
+                packed[idx] = param_state(states, gi, pi, p)
+            ids.append(idx)
+            idx += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": packed, "param_groups": groups}
+
+
+def placed(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> list[tuple[Key, dict[str, Any]]]:
+    """``load_state_dict``'s check and match: each saved state's parameter (group, index),
+    found by position in its group; the groups' settings are taken over. Nothing in the
+    pool changes here."""
+    groups = state_dict["param_groups"]
+    if len(groups) != len(param_groups):
+        raise ValueError(f"state_dict has {len(groups)} parameter groups, the optimizer {len(param_groups)}")
+    idx_of: dict[Any, Key] = {}
+    for gi, (g, saved) in enumerate(zip(param_groups, groups)):
+        if len(g["params"]) != len(saved["params"]):
+            raise ValueError(f"parameter group {gi} has {len(g['params'])} parameters, the state_dict "
+                             f"{len(saved['params'])}")
+        for k, v in saved.items():
+            if k != "params":
+                g[k] = v
+        for pi, i in enumerate(saved["params"]):
+            idx_of[i] = (gi, pi)
+    out = []
+    for i, st in state_dict["state"].items():
+        where = idx_of.get(i)
+        if where is None and isinstance(i, str) and i.isdigit():
+            where = idx_of.get(int(i))  # integer ids that went through a text format
+        if where is None:
+            raise ValueError(f"state_dict has state for parameter {i!r}, which none of its parameter "
+                             "groups lists; was it saved from a different model or optimizer?")
+        out.append((where, st))
+    return out
+
+
+class PoolState(MutableMapping):
+    """``optimizer.state`` of an offloaded optimizer: parameter -> its state, read from the
+    pool on access (copies), written into the pool on assignment (``set_state``). It is
+    non-empty once any parameter has state, so tools that test ``optimizer.state`` (DCP's
+    ``get_state_dict`` runs a zero-gradient step on an optimizer whose state looks empty)
+    see the pool's."""
+
+    def __init__(self, groups: Callable[[], list[dict[str, Any]]], states: StateTensors,
+                 set_state: Callable[[int, int, dict[str, Any]], None]) -> None:
+        self._groups = groups
+        self._states = states
+        self._set_state = set_state
+        self._index: dict[int, Key] = {}  # id(parameter) -> (group, index)
+
+    def _where(self, p: Any) -> Key | None:
+        groups = self._groups()
+        where = self._index.get(id(p))
+        if where is None or where[0] >= len(groups) or where[1] >= len(groups[where[0]]["params"]) \
+                or groups[where[0]]["params"][where[1]] is not p:  # groups changed since: index them again
+            self._index = {id(q): (gi, pi) for gi, g in enumerate(groups) for pi, q in enumerate(g["params"])}
+            where = self._index.get(id(p))
+        return where
+
+    def __getitem__(self, p: Any) -> dict[str, Any]:
+        where = self._where(p)
+        if where is None or where not in self._states.layout:
+            return {}  # as the defaultdict of torch.optim.Optimizer.state does, without storing it
+        return param_state(self._states, *where, p)
+
+    def __setitem__(self, p: Any, st: dict[str, Any]) -> None:
+        where = self._where(p)
+        if where is None:
+            raise KeyError("not a parameter of this optimizer")
+        self._set_state(*where, dict(st))
+
+    def __delitem__(self, p: Any) -> None:
+        raise TypeError("the state of an offloaded optimizer's parameter cannot be deleted on its own; "
+                        "use load_state_dict or free()")
+
+    def __iter__(self) -> Iterator[Any]:
+        groups = self._groups()
+        for gi, pi in sorted(self._states.layout):
+            yield groups[gi]["params"][pi]
+
+    def __len__(self) -> int:
+        return len(self._states.layout)

@@ -1,0 +1,210 @@
+"""The offloaded optimizer's update loop: parameters updated from their state in the
+pool, in a fixed order — one at a time, a bucket at a time, or on their GPU — each
+step's next state fetched or hinted while the current one updates.
+
+``Updates`` knows the order and the overlap; what a bucket is comes from ``Buckets``,
+where state lives from ``StateTensors``, the CUDA path from ``GpuUpdates``. The step's
+bookkeeping (which versions are current, the progress record) is the caller's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from tierstore.errors import CapacityExceeded
+from tierstore.units import format_size
+
+from .buckets import Buckets
+from .gpu import GpuItem, GpuUpdates
+from .state import Item, Key, StateTensors, local, pytag, untag, wrap_like
+
+__all__ = ["Updates"]
+
+Views = dict[str, torch.Tensor]
+
+
+class Updates:
+    """Runs the wrapped optimizer's update rule on state checked out of the pool."""
+
+    def __init__(self, inner: torch.optim.Optimizer, groups: Callable[[], list[dict[str, Any]]],
+                 states: StateTensors, buckets: Buckets, *, on_gpu: Callable[[torch.Tensor], bool],
+                 needs_master: Callable[[torch.Tensor], bool]) -> None:
+        self._inner = inner
+        self._groups = groups
+        self._states = states
+        self._buckets = buckets
+        self._on_gpu = on_gpu
+        self._needs_master = needs_master
+        self.gpu = GpuUpdates(states, groups, self.apply)
+
+    def run(self, work: list[Item], ver: dict[Key, int]) -> None:
+        """Update the parameters ``work`` names, in that order, each from version ``ver`` of
+        its state into the version it writes."""
+        states, buckets, gpu = self._states, self._buckets, self.gpu
+        saved_groups = self._inner.param_groups
+        pending: list[GpuItem] = []  # updated on the GPU, state still being written back
+        nxt: GpuItem | None = None
+        try:
+            k = 0
+            while k < len(work):
+                gi, pi, p = work[k]
+                read = ver[(gi, pi)]
+                if not (self._on_gpu(p) and (gi, pi) in states.layout):
+                    end = buckets.end(work, k)
+                    if end < len(work):  # overlap the next bucket's fetch with this update
+                        states.hint(work[end:buckets.end(work, end)], ver)
+                    if end == k + 1:
+                        self.one(gi, pi, p, read, states.write_version(read))
+                    else:
+                        self.bucket(work[k:end], ver)
+                    k = end
+                    continue
+                item = nxt if nxt is not None and nxt.key == (gi, pi) else \
+                    gpu.fetch(gi, pi, p, read, states.write_version(read))
+                nxt = None
+                if k + 1 < len(work):
+                    g2, p2, q = work[k + 1]
+                    if self._on_gpu(q) and (g2, p2) in states.layout:
+                        v2 = ver[(g2, p2)]
+                        nxt = gpu.fetch(g2, p2, q, v2, states.write_version(v2))  # H2D overlaps this update
+                    else:
+                        states.hint(work[k + 1:buckets.end(work, k + 1)], ver)
+                if k + 2 < len(work):
+                    states.hint(work[k + 2:k + 3], ver)  # the pool brings it up from NVMe meanwhile
+                pending.append(item)
+                gpu.update(item)
+                while len(pending) > 1:
+                    gpu.finish(pending.pop(0))
+                k += 1
+        finally:
+            self._inner.param_groups = saved_groups
+            for item in pending + ([nxt] if nxt is not None else []):
+                gpu.finish(item)
+
+    def bucket(self, items: list[Item], versions: dict[Key, int]) -> None:
+        """Update several small parameters of one group together: their state tensors are
+        checked out with one ``checkout_each`` (each new version from the current one),
+        updated by one call of the wrapped optimizer and checked in with one message."""
+        states = self._states
+        gi = items[0][0]
+        wanted = [(g, pi, name, states.write_version(versions[(g, pi)]), versions[(g, pi)])
+                  for g, pi, _ in items for name in states.layout[(g, pi)]]
+        try:
+            leases = states.checkout_states(wanted)
+        except CapacityExceeded:
+            # more than the host tier holds at once (nothing was taken): smaller buckets from now on
+            self._buckets.shrink(items)
+            half = len(items) // 2
+            for part in (items[:half], items[half:]):
+                if len(part) == 1:
+                    g, pi, p = part[0]
+                    self.one(g, pi, p, versions[(g, pi)], states.write_version(versions[(g, pi)]))
+                else:
+                    self.bucket(part, versions)
+            return
+        try:
+            updates, i = [], 0
+            for g, pi, p in items:
+                layout = states.layout[(g, pi)]
+                updates.append((p, layout, {name: leases[i + j].tensor for j, name in enumerate(layout)}))
+                i += len(layout)
+            self.apply_many(self._groups()[gi], updates)
+        finally:
+            leases.release()
+
+    def one(self, gi: int, pi: int, p: torch.Tensor, read: int, write: int) -> None:
+        """Update one parameter on the CPU (its first update makes its state in the pool)."""
+        states = self._states
+        group = self._groups()[gi]
+        layout = states.layout.get((gi, pi))
+        if layout is None:
+            self._first(gi, pi, p, group)
+            return
+        try:
+            # two versions: out of place, version `read` stays intact until the step completes
+            # (the pool hands its bytes to version `write`); one version: in place (`write` is `read`)
+            leases = states.checkout_states([(gi, pi, name, write, read) for name in layout])
+        except CapacityExceeded as e:
+            need = sum(int(states.store.info(states.lookup(gi, pi, n, write))["nbytes"]) for n in layout)
+            raise CapacityExceeded(
+                f"{e}. Updating parameter {gi}.{pi} holds the new version of each of its {len(layout)} state "
+                f"tensors (each made from the old version in place): the host tier needs at least about "
+                f"{format_size(need)} free for it (plus the prefetch budget)") from None
+        try:
+            self.apply(group, p, layout, {name: lease.tensor for name, lease in zip(layout, leases)})
+        finally:
+            leases.release()
+
+    def _first(self, gi: int, pi: int, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """A parameter's first step: the wrapped optimizer creates its state, which then moves
+        into the pool (with an fp32 master where one is kept)."""
+        states = self._states
+        master_needed = self._needs_master(p)
+        host_update = p.is_cuda and not self._on_gpu(p)
+        if master_needed:
+            target = p.detach().to("cpu" if host_update else p.device, torch.float32, copy=True)
+            target.grad = p.grad.to(target.device, torch.float32)
+        else:
+            target = p
+        self._inner.param_groups = [dict(group, params=[target])]
+        self._inner.step()
+        state = self._inner.state.pop(target, {})
+        layout = states.layout[(gi, pi)] = {}
+        for name, v in state.items():
+            if isinstance(v, torch.Tensor):
+                layout[name], t = local(v)
+            else:
+                layout[name], t = pytag(v)
+            states.put_both(gi, pi, name, t)
+        if master_needed:
+            layout["master"] = "tensor"
+            states.put_both(gi, pi, "master", target.detach())
+            p.copy_(target)
+            target.grad = None
+
+    def apply(self, group: dict[str, Any], p: torch.Tensor, layout: dict[str, str], views: Views) -> None:
+        """Run the wrapped optimizer's update of ``p`` on state ``views`` (written in place;
+        with a master in ``views``, the update runs on it and is rounded into ``p``)."""
+        self.apply_many(group, [(p, layout, views)])
+
+    def apply_many(self, group: dict[str, Any], updates: list[tuple[torch.Tensor, dict[str, str], Views]]) -> None:
+        """``apply`` to several parameters of ``group`` by one call of the wrapped optimizer
+        (its update of each parameter is the same as alone: elementwise, per parameter)."""
+        inner = self._inner
+        targets = []
+        try:
+            for p, layout, views in updates:
+                state: dict[str, Any] = {}
+                for name, tag in layout.items():
+                    if name == "master":
+                        continue
+                    if tag == "tensor":
+                        state[name] = views[name]
+                    elif tag == "dtensor":  # writes through the local shard land in the pool
+                        state[name] = wrap_like(views[name], p)
+                    else:
+                        state[name] = untag(tag, views[name])
+                master = views.get("master") if "master" in layout else None
+                if master is not None:
+                    target = master
+                    target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
+                else:
+                    target = p
+                inner.state[target] = state
+                targets.append(target)
+            inner.param_groups = [dict(group, params=targets)]
+            inner.step()
+            for (p, layout, views), target in zip(updates, targets):
+                new_state = inner.state.get(target, {})
+                for name, tag in layout.items():  # python scalars changed by the update go back into their views
+                    if name != "master" and tag not in ("tensor", "dtensor"):
+                        views[name].fill_(new_state[name])
+                if target is not p:
+                    p.copy_(target)  # the parameter is the master rounded to its dtype
+        finally:
+            for (p, _, _), target in zip(updates, targets):
+                inner.state.pop(target, None)  # the views go with their leases
+                if target is not p:
+                    target.grad = None
