@@ -3,13 +3,11 @@ a holder goes (revocation, expiry, a closed connection's leases).
 
 ``LeaseTable`` owns the leases and their ids. It is given the object index (the lock,
 the objects and the waits), placement (bringing an object into the host tier, handing a
-block over, giving space back), durability (a durable check-in is journaled) and the
-prefetcher (each check-out is an access it learns from).
+block over, moving a revoked lease's bytes off the holder's block, giving space back),
+durability (a durable check-in is journaled) and the prefetcher (each check-out is an
+access it learns from).
 
 Batches of check-outs and check-ins are built on this table in ``leasebatches``.
-
-Length: one concept (who holds what) whose single, sourced and revoked paths share
-their checks and their undo.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import Busy, CapacityExceeded, InvalidArgument, NotFound, StaleHandle, TierstoreError
-from .gpu import loc_device
+from .errors import Busy, InvalidArgument, NotFound, StaleHandle, TierstoreError
 from .index import Handle, ObjectMeta
 from .placement import Placement
 from .objectindex import ObjectIndex
@@ -392,51 +389,12 @@ class LeaseTable:
             move = owner is not LOCAL and info.mode != "r" and meta is not None and not meta.freeing \
                 and meta.nbytes > 0
         if move:
-            self._move_off(info, meta)
+            self.placement.move_off(meta, info, lambda: self.leases.get(info.lid) is info)
         try:
             self.release(lid, owner=owner)
         except NotFound:
             pass  # its connection ended meanwhile
         return True
-
-    def _move_off(self, info: LeaseInfo, meta: ObjectMeta) -> None:
-        """Copy a revoked write lease's bytes into a new block and make that the object's
-        (the lease is exclusive: nobody else touches the object's block meanwhile). Without
-        room the object stays where it is, still exposed to the holder: logged."""
-        n = meta.nbytes
-        if info.gpu_loc is not None:
-            device = loc_device(info.gpu_loc)
-            with self.cv:
-                new = self.placement.gpu.alloc(n, device)
-            if new is None:
-                log.error("revoked lease %d: no GPU-tier room to move object %d off the holder's block",
-                          info.lid, meta.id)
-                return
-            gpu = self.placement.gpu
-            gpu.backend.copy(device, gpu.ptr(new), gpu.ptr(info.gpu_loc), n)
-            with self.cv:
-                if self.leases.get(info.lid) is not info or meta.gpu_loc != info.gpu_loc:
-                    self.placement.gpu.free(new, n)  # checked in meanwhile: the object is not ours to move
-                    return
-                old, meta.gpu_loc, info.gpu_loc = info.gpu_loc, new, new
-                self.placement.gpu.free(old, n)  # fenced: held back until the holder's connection ends
-            return
-        try:
-            new = self.placement.alloc_host(n, wait_s=self.lease_wait_s)
-        except CapacityExceeded:
-            log.error("revoked lease %d: no host room to move object %d off the holder's block; "
-                      "it stays there", info.lid, meta.id)
-            return
-        self.placement.arena.view(new, n)[:] = self.placement.arena.view(info.host_off, n)
-        with self.cv:
-            if self.leases.get(info.lid) is not info or meta.host_off != info.host_off:
-                self.placement.host.free(new, n)  # checked in meanwhile: the object is not ours to move
-                self.cv.notify_all()
-                return
-            old = info.host_off
-            meta.host_off = info.host_off = new
-            self.durability.log_host(meta)  # (not a durable one's: its check-in below logs it)
-            self.placement.host.free(old, n)  # fenced: held back until the holder's connection ends
 
     def drop_owner(self, owner: Any) -> int:
         """End every lease of ``owner`` (a connection that went away) as check-ins; the
