@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .state import Item as _Item
+from .state import local as _local
 
 if TYPE_CHECKING:
     from .offloaded import OffloadedOptimizer
@@ -55,8 +56,7 @@ def _sample(grad: torch.Tensor) -> torch.Tensor:
     """A few of a gradient's values (a copy). In-place changes bump a tensor's version, but
     not all of them: GradScaler's unscaling kernel leaves it as it is, and scales every
     nonzero value, so a sample shows it where the version does not."""
-    local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor: this rank's shard
-    flat = local.detach().reshape(-1)
+    flat = _local(grad)[1].detach().reshape(-1)  # a DTensor: this rank's shard
     stride = max(1, flat.numel() // 8)
     return flat[::stride][:8].clone()
 
