@@ -201,11 +201,15 @@ class Durability:
         rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
         for r, payload in zip(res.records, res.payloads):
             rp.apply(r, payload)
+        # each decoded record goes as soon as it is used: the objects built from them reuse
+        # the memory instead of adding to it (the journal's records are a million maps)
+        res.records = res.payloads = []
+        rp.settle()
         dropped, specs = 0, {}
         for oid in sorted(rp.live):
-            r = rp.live[oid]
+            r = rp.live.pop(oid)
             meta = ObjectMeta.from_record(r, specs)
-            meta.record = rp.payloads.get(oid) or pack_record(r)
+            meta.record = rp.payloads.pop(oid, None) or pack_record(r)
             try:
                 self.nvme.reserve(meta.nvme)
             except (ValueError, TierstoreError) as e:  # (validated and disjoint: not expected)
@@ -278,6 +282,12 @@ class Replay:
         self._space = [_Extents() for _ in range(ndrives)]
         self._key: dict[tuple[str, str], int] = {}
         self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
+
+    def settle(self) -> None:
+        """Every record is applied: let go of what only resolving conflicts needed (the
+        space and key maps), so the objects built next reuse that memory."""
+        self._space = [_Extents() for _ in range(self.ndrives)]
+        self._key = {}
 
     def apply(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         """Apply one record; ``payload``: its packed form as found (kept as the live
