@@ -178,12 +178,15 @@ class Server:
         # no cyclic collection while a million objects are built (each pass would walk every one
         # made so far); then they are frozen out of later collections: they live as long as the
         # daemon, and a full pass over them all would hold up the event loop
+        gc_was_on = gc.isenabled()
         gc.disable()
         try:
             self.store = Store(self.config, inherited_fds=inherited, populate_host=False)
         finally:
+            gc.collect(0)  # the opening's own short-lived cycles, not frozen with the rest
             gc.freeze()
-            gc.enable()
+            if gc_was_on:
+                gc.enable()
         # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
         # crash) gets them back and adopts every host-resident object
         if self.notifier.store_fd("arena", self.store.arena.fd) and \
@@ -458,7 +461,7 @@ class Server:
                 self._close(sess)
                 return
             if not data:
-                self._close(sess)
+                self._flush_and_close(sess)  # a half-closed client still reads its burst's replies
                 return
             if flags & _MSG_TRUNC or len(data) > limit:
                 self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
@@ -608,10 +611,23 @@ class Server:
     def _fatal(self, sess: Session, e: TierstoreError, rid: int | None = None) -> None:
         log.warning("session %d (pid %d): %s", sess.cid, sess.cred.pid, e.message)
         self._count_error(e.code)
+        self._flush_queued(sess)  # the requests before the bad one happened: their replies go first
         try:
             sess.sock.send(reply_err(rid, e))
         except OSError:
             pass
+        self._close(sess)
+
+    def _flush_queued(self, sess: Session) -> None:
+        """Send what is queued for ``sess`` now, as far as the socket takes it without blocking
+        (replies held back to leave joined with the rest of their burst)."""
+        if self._corked is not None:
+            self._corked.discard(sess)
+        if not sess.closed:
+            self._flush(sess)
+
+    def _flush_and_close(self, sess: Session) -> None:
+        self._flush_queued(sess)
         self._close(sess)
 
     def _send(self, sess: Session, blob: bytes, fds: list[int] | None = None, rid: int | None = None) -> None:

@@ -125,6 +125,39 @@ def test_the_replies_of_a_burst_of_requests_travel_joined_in_one_packet(daemon):
     s.close()
 
 
+def test_a_burst_ended_by_a_bad_message_or_a_half_close_still_gets_its_replies(daemon):
+    """The requests before a message that ends the session, and those before a client's
+    half-close, happened: their replies (held back to leave joined) are sent before the error
+    and before the close, not dropped with the session."""
+    for ending in ("garbage", "half-close"):
+        s = _raw(daemon.socket, "joined", fragments=True, joined=True)
+        daemon.proc.send_signal(signal.SIGSTOP)  # all in the socket before the daemon reads any: one burst
+        try:
+            for i in range(1, 11):
+                s.send(msgpack.packb({"id": i, "op": "ping"}))
+            if ending == "garbage":
+                s.send(b"\xc1 not msgpack")
+            else:
+                s.shutdown(socket.SHUT_WR)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        got = []
+        s.settimeout(30)
+        while True:
+            data = s.recv(1 << 20)
+            if not data:
+                break
+            reply = msgpack.unpackb(data)
+            got += reply if isinstance(reply, list) else [reply]
+        s.close()
+        assert [r["id"] for r in got[:10]] == list(range(1, 11)), (ending, got)
+        assert all(r["ok"] == {} for r in got[:10])
+        if ending == "garbage":
+            assert len(got) == 11 and got[10]["err"]["code"] == "ProtocolError", got[10:]
+        else:
+            assert len(got) == 10
+
+
 def test_stat_with_many_long_named_namespaces(daemon):
     """1 200 namespaces of 200-character names: stat() and `tierstore stat --json` list them all."""
     names = [f"{i:04d}-" + "n" * 195 for i in range(1200)]
