@@ -183,6 +183,10 @@ class Durability:
                         gone = ix.objects.pop(prev)
                         if gone.nvme:
                             self.nvme.free(gone.nvme)
+                        if gone.host_valid and gone.host_off is not None:  # adopted above: its block too
+                            self.host.free(gone.host_off, gone.spec.nbytes)
+                            gone.host_off, gone.host_valid = None, False
+                            adopted = [m for m in adopted if m is not gone]
                     ix.keys[k] = meta.id
                 ix.objects[meta.id] = meta
             meta.host_off, meta.host_valid = off, True
