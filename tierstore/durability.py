@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import bisect
-from typing import Any
+from typing import Any, Callable
 
 from .allocator import ExtentAllocator
 from .checksum import BLOCK_BYTES
@@ -29,6 +29,7 @@ from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .units import PAGE, align_up
 from .tensors import TensorSpec
+from .waits import WouldBlock
 
 __all__ = ["Durability", "Replay"]
 
@@ -58,6 +59,37 @@ class Durability:
             rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
         self.journal.append(rec, sync=sync)
         meta.record = pack_record(rec)
+
+    def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], ObjectMeta | None],
+                   nowait: bool = False) -> ObjectMeta | None:
+        """A put's one pass through durability: under the journal lock, the key is checked
+        again, a durable object's record appended and ``publish`` run (under the index's
+        ``cv``; it makes the object visible and returns what it replaced, which this
+        returns); then, the lock let go, a durable put waits for the group commit. The record
+        is visible from the publish, but a durable put returns only once an fdatasync that
+        covers it is done: a crash in between may lose an object someone saw, never one
+        whose put returned. ``nowait``: ``WouldBlock`` (nothing done) while a durable op holds
+        the journal lock, so the daemon's event loop never waits on a sync."""
+        if nowait:
+            if not self.lock.acquire(blocking=False):
+                raise WouldBlock()
+        else:
+            self.lock.acquire()
+        cv = self.index.cv
+        try:
+            # journal lock held across check, append and publish: no other put can bind
+            # the same key in between, and compaction sees either both or neither
+            with cv:
+                self.index.check_key(meta.namespace, meta.key, replace)
+            if meta.durable:
+                self.journal_put(meta, sync=False)  # made durable by the group commit below
+            with cv:
+                old = publish()
+        finally:
+            self.lock.release()
+        if meta.durable:
+            self.commit()
+        return old
 
     def journal_free(self, oid: int) -> None:
         """A free, journaled and synced: once this returns it is never undone."""

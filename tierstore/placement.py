@@ -44,7 +44,7 @@ from .units import PAGE, align_up
 if TYPE_CHECKING:
     from .leases import LeaseInfo
 
-__all__ = ["Placement", "TIERS"]
+__all__ = ["Landing", "Placement", "TIERS"]
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +343,15 @@ class Placement:
             meta.nvme, meta.crcs, meta.nvme_valid = extents, crcs, True
         if old:
             self.nvme.free(old)
+
+    def land(self, meta: ObjectMeta, *, tier: str | None, gpu_loc: int | None) -> "Landing":
+        """A reserved, filled object about to be committed: everything placement does for
+        it before it is published (a durable object, or one put to ``tier="nvme"``, is
+        written down to NVMe, synced if durable), and, returned, what placement does once
+        the index has published it (``Landing``)."""
+        if meta.durable or tier == "nvme":
+            self.write_down(meta, sync=meta.durable)
+        return Landing(self, meta, tier, gpu_loc)
 
     # ------------------------------------------------------------------ reads
     def read(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
@@ -670,3 +679,44 @@ class Placement:
                     log.error("background demotion of %s failed: %s", victim.handle, e)
                     break
         log.info("demoter stopped")
+
+
+class Landing:
+    """What placement does for a committed put after the index publishes it: ``placed``
+    (under cv, in the same hold as the publish) puts the object in its tier's eviction
+    order; ``settle`` (once the put is durable) discards the object it replaced and
+    wakes the demoter. Made by ``Placement.land``."""
+
+    __slots__ = ("placement", "meta", "tier", "gpu_loc")
+
+    def __init__(self, placement: Placement, meta: ObjectMeta, tier: str | None, gpu_loc: int | None) -> None:
+        self.placement, self.meta, self.tier, self.gpu_loc = placement, meta, tier, gpu_loc
+
+    def placed(self) -> None:
+        """(under cv, right after ``ObjectIndex.publish``) The object's bytes are where it
+        says; a host block of a ``tier="nvme"`` put goes back; the object joins its tier's
+        eviction order and may move from here."""
+        p, meta = self.placement, self.meta
+        meta.host_valid = self.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
+        meta.gpu_loc = self.gpu_loc
+        if self.tier == "nvme" and meta.host_off is not None:
+            p.host.free(meta.host_off, meta.nbytes)
+            meta.host_off, meta.host_valid = None, False
+        if meta.host_valid:
+            p.durability.log_host(meta)
+        if meta.gpu_loc is not None or (meta.host_valid and meta.host_off is not None):
+            p.admit(meta)
+        meta.moving = False
+        p.index.cv.notify_all()
+
+    def settle(self, old: ObjectMeta | None, *, later: bool = False) -> None:
+        """(no lock held; the put is durable) Discard the object the put replaced, if any
+        (``later``: on the background pool, so the daemon's event loop never waits on a
+        leased or durable one), and wake the demoter past the high watermark."""
+        p = self.placement
+        if old is not None:
+            if later:
+                p.later(p.discard_replaced, old)
+            else:
+                p.discard_replaced(old)
+        p.maybe_demote()

@@ -5,9 +5,11 @@ puts and gets.
 ``Puts`` owns the open reservations. It is given the object index (checks a key,
 publishes the object), placement (the block to fill, the write-down to NVMe, the
 replaced object's discard), durability (the put record, group commit) and the
-prefetcher (a staged get is an access it learns from). A put goes through them in that
-order: placement for space, then durability, then the index, then the replaced
-object's discard.
+prefetcher (a staged get is an access it learns from). A commit passes through them
+once, in order: placement (``land``: the write-down; it hands back a ``Landing``, what
+it does after the publish), durability (``record_put``: the record, the publish it is
+given, the group commit), the index (``publish``, run inside that call), and last the
+landing's own steps (admit the new object, discard the one it replaced).
 """
 
 from __future__ import annotations
@@ -182,54 +184,29 @@ class Puts:
             # connection's cleanup aborts what it left open) cannot pull the block and the
             # extents from under the write-down and publish an object without its bytes
             res.committing = True
-        if nowait and not self.durability.lock.acquire(blocking=False):
+        landing = None
+
+        def publish() -> ObjectMeta | None:  # (under cv, run by durability)
+            self.reservations.pop(rid, None)
+            old = self.index.publish(meta)  # (the replaced one is ``freeing`` from here)
+            landing.placed()
+            return old
+
+        try:
+            landing = self.placement.land(meta, tier=res.tier, gpu_loc=res.gpu_loc)
+            old = self.durability.record_put(meta, replace=res.replace, publish=publish, nowait=nowait)
+        except WouldBlock:
+            # a durable op is syncing the journal: nothing was done; the commit runs again
+            # off the event loop
             with self.cv:
                 meta.moving = res.committing = False
-            raise WouldBlock()  # a durable op is syncing the journal; do not wait on the event loop
-        try:
-            if meta.durable or res.tier == "nvme":
-                self.placement.write_down(meta, sync=meta.durable)
-            # journal lock held across check, append and publish: no other put can bind
-            # the same key in between, and compaction sees either both or neither
-            with self.durability.lock:
-                with self.cv:
-                    self.index.check_key(meta.namespace, meta.key, res.replace)
-                if meta.durable:
-                    self.durability.journal_put(meta, sync=False)  # made durable by the commit below
-                with self.cv:
-                    self.reservations.pop(rid, None)
-                    old = self.index.publish(meta)  # (the replaced one is ``freeing`` from here)
-                    meta.host_valid = res.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
-                    meta.gpu_loc = res.gpu_loc
-                    if res.tier == "nvme" and meta.host_off is not None:
-                        self.placement.host.free(meta.host_off, meta.nbytes)
-                        meta.host_off, meta.host_valid = None, False
-                    if meta.host_valid:
-                        self.durability.log_host(meta)
-                    if meta.gpu_loc is not None or (meta.host_valid and meta.host_off is not None):
-                        self.placement.admit(meta)
-                    meta.moving = False
-                    self.cv.notify_all()
-        except BaseException:
-            self.abort(rid, owner=owner, committing=True)
             raise
-        finally:
-            if nowait:
-                self.durability.lock.release()
-        if meta.durable:
-            # group commit, outside the lock: the record is visible from here, but the put is
-            # acknowledged only once an fdatasync that covers it has completed
-            self.durability.commit()
+        except BaseException:
+            self.abort(rid, owner=owner, committing=True)  # (a no-op once published)
+            raise
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
-        if old is not None:
-            if nowait:
-                # the replaced object may still be leased, or durable (a journal fsync): its
-                # removal must not hold up the daemon's event loop
-                self.placement.later(self.placement.discard_replaced, old)
-            else:
-                self.placement.discard_replaced(old)
-        self.placement.maybe_demote()
+        landing.settle(old, later=nowait)
         return meta.handle
 
     def put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
@@ -339,24 +316,23 @@ class Puts:
             with self.cv:
                 ix.check_key(ns, key, replace)
         extents = placement.nvme_take(spec.nbytes, demoting=False)
+        published = False
         try:
             crcs = placement.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
             with self.cv:
                 meta = ObjectMeta(id=ix.new_id(), gen=ix.epoch, namespace=ns, key=key, spec=spec,
                                   durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home=home,
                                   ephemeral=LOCAL if ephemeral else None)
-            with self.durability.lock:
-                with self.cv:
-                    ix.check_key(ns, key, replace)
-                if durable:
-                    self.durability.journal_put(meta, sync=False)
-                with self.cv:
-                    old = ix.publish(meta)
+            def publish() -> ObjectMeta | None:  # (under cv, run by durability)
+                nonlocal published
+                published = True
+                return ix.publish(meta)
+
+            old = self.durability.record_put(meta, replace=replace, publish=publish)
         except BaseException:
-            placement.nvme.free(extents)
+            if not published:
+                placement.nvme.free(extents)
             raise
-        if durable:
-            self.durability.commit()  # group commit (see commit)
         self.counters["puts"] += 1
         self.counters["put_bytes"] += spec.nbytes
         if old is not None:
