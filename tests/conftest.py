@@ -10,6 +10,33 @@ from tierstore import Config, Store
 sys.path.insert(0, os.path.dirname(__file__))  # tests/faults.py is a module of the suite
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """A short temporary root unless one is given: tests put daemon sockets under their
+    tmp_path, an AF_UNIX path holds at most 107 bytes, and pytest-xdist adds a level
+    (``popen-gw0``) under pytest's default root (``/tmp/pytest-of-USER/pytest-N``)."""
+    import tempfile
+
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="ts-")
+        config._tierstore_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "_tierstore_basetemp", None)
+    if root:  # what passing tests left is gone already (tmp_path_retention_policy); keep failures
+        for sub, dirs, _files in os.walk(root, topdown=False):
+            for d in dirs:
+                try:
+                    os.rmdir(os.path.join(sub, d))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+
+
 def pytest_collection_modifyitems(config, items):
     import importlib.util
 
