@@ -107,7 +107,7 @@ class Handlers:
                                 "install matching tierstore versions")
         ns = validate_namespace(field(msg, "namespace", str))
         # a namespace is claimed by its first put, so `tierstore stat` claims nothing
-        self.store.check_namespace(ns, sess.cred.uid)
+        self.store.daemon.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
         sess.fragments = field(msg, "fragments", bool, False)
         sess.joined = field(msg, "joined", bool, False)
@@ -130,7 +130,7 @@ class Handlers:
 
     def gpu_attach(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         """The client opens the GPU tier's slabs (CUDA IPC); they stay allocated until it disconnects."""
-        return {"slabs": self.store.gpu_attach(sess)}
+        return {"slabs": self.store.daemon.gpu_attach(sess)}
 
     # -- puts ------------------------------------------------------------------------------
     def _put_args(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> dict[str, Any]:
@@ -139,36 +139,36 @@ class Handlers:
                 "ephemeral": field(msg, "ephemeral", bool, False),
                 "wait_s": float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600)),
                 "namespace": sess.namespace, "owner": sess, "nowait": nowait}
-        if self.store.namespace_owner(sess.namespace) is None:
+        if self.store.daemon.namespace_owner(sess.namespace) is None:
             if nowait:
                 raise WouldBlock()  # the first put claims the namespace: a journal append
-            self.store.claim_namespace(sess.namespace, sess.cred.uid)
+            self.store.daemon.claim_namespace(sess.namespace, sess.cred.uid)
         return args
 
     def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         spec = _spec(msg)
-        res = self.store.reserve_put(spec, **self._put_args(sess, msg, nowait),
+        res = self.store.daemon.reserve_put(spec, **self._put_args(sess, msg, nowait),
                                      device=field(msg, "device", int, 0, min_value=0, max_value=255))
         return {"rid": res.rid, "offset": res.host_off, "gpu_loc": res.gpu_loc}
 
     def scratch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
-        off, n = self.store.staging_area(sess, nbytes)
+        off, n = self.store.daemon.staging_area(sess, nbytes)
         return {"offset": off, "nbytes": n}
 
     def put_staged(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         spec = _spec(msg)
         src = field(msg, "src", int, min_value=0)
         args = self._put_args(sess, msg, nowait)
-        h = self.store.put_staged(args.pop("owner"), src, spec, **args)
+        h = self.store.daemon.put_staged(args.pop("owner"), src, spec, **args)
         return {"handle": int(h)}
 
     def put_commit(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         rid = field(msg, "rid", int, min_value=0)
-        return {"handle": int(self.store.commit_put(rid, owner=sess, nowait=nowait))}
+        return {"handle": int(self.store.daemon.commit_put(rid, owner=sess, nowait=nowait))}
 
     def put_abort(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        self.store.abort_put(field(msg, "rid", int, min_value=0), owner=sess)
+        self.store.daemon.abort_put(field(msg, "rid", int, min_value=0), owner=sess)
         return {}
 
     # -- leases ----------------------------------------------------------------------------
@@ -176,11 +176,11 @@ class Handlers:
         h = _handle(msg)
         stream = field(msg, "stream", str, "default")
         if field(msg, "staged", bool, False):
-            spec = self.store.get_staged(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
+            spec = self.store.daemon.get_staged(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
             if spec is not None:  # the bytes wait in the staging area; no lease to release
                 return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                         "nbytes": spec.nbytes}
-        info = self.store.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream,
+        info = self.store.daemon.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream,
                                   device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
@@ -190,11 +190,11 @@ class Handlers:
         if msg.get("source") is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
-            info = self.store.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess, namespace=sess.namespace,
+            info = self.store.daemon.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess, namespace=sess.namespace,
                                            timeout_s=timeout_s, nowait=nowait,
                                            stream=field(msg, "stream", str, "default"))
             return _lease_reply(info)
-        info = self.store.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
+        info = self.store.daemon.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
                                   nowait=nowait, stream=field(msg, "stream", str, "default"),
                                   device=field(msg, "device", bool, False))
         return _lease_reply(info)
@@ -209,7 +209,7 @@ class Handlers:
         if not all(isinstance(m, str) for m in modes):
             raise InvalidArgument("field 'modes' must be a str or a list of str")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        infos = self.store.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess, namespace=sess.namespace,
+        infos = self.store.daemon.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess, namespace=sess.namespace,
                                         timeout_s=timeout_s, nowait=nowait,
                                         stream=field(msg, "stream", str, "default"),
                                         progress=msg.setdefault(_PROGRESS, []))
@@ -227,7 +227,7 @@ class Handlers:
                 raise InvalidArgument(f"check-out #{i}: expected [handle, mode, source or nil]")
             parsed.append((Handle.parse(r[0]), r[1], None if r[2] is None else Handle.parse(r[2])))
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        infos = self.store.acquire_each(parsed, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
+        infos = self.store.daemon.acquire_each(parsed, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
                                         nowait=nowait, stream=field(msg, "stream", str, "default"),
                                         progress=msg.setdefault(_PROGRESS, []))
         return {"leases": [_lease_reply(i) for i in infos]}
@@ -267,7 +267,7 @@ class Handlers:
                 field(msg, "limit", int, most, min_value=1, max_value=most))
 
     def _whole_list(self, sess: "Session", nowait: bool) -> None:
-        if nowait and self.store.key_count(sess.namespace) > _INLINE_LIST:
+        if nowait and self.store.daemon.key_count(sess.namespace) > _INLINE_LIST:
             raise WouldBlock()  # an unpaged listing of a big namespace would hold up the event loop
 
     def keys(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

@@ -18,7 +18,7 @@ Three pools, so that no one's wait holds up anyone else's work:
 - wait threads, which may block for as long as the request's ``timeout_s`` (at
   most ``_WAITS_PER_SESSION`` of them per connection; its further waits queue behind
   its own). A wait ends when it is satisfied, times out, its connection goes, or the
-  daemon stops (``Store.cancel_waits``).
+  daemon stops (``DaemonSurface.cancel_waits``).
 - control threads run what releases memory and leases: a closed connection's
   clean-up, lease revocation and reservation expiry. They never queue behind requests.
 
@@ -191,7 +191,7 @@ class Server:
         # crash) gets them back and adopts every host-resident object
         if self.notifier.store_fd("arena", self.store.arena.fd) and \
                 self.notifier.store_fd("index", self.store.hostlog.fd):
-            self.store.enable_host_index()
+            self.store.daemon.enable_host_index()
         self.handlers = Handlers(self.store, self._server_stats)
         try:
             self._listen = self._bind(path)
@@ -323,7 +323,7 @@ class Server:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self.store is not None:
-            self.store.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
+            self.store.daemon.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
         self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
         self._waits.shutdown(wait=True)
         self._drain_done()
@@ -539,7 +539,7 @@ class Server:
     def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
         if sess.closed:
             # the client went away while this ran: whatever it acquired is released now
-            self.store.release_owner(sess)
+            self.store.daemon.release_owner(sess)
         self._done.put((sess, rid, (blob, op, code), seconds))
         self._wake()
 
@@ -707,7 +707,7 @@ class Server:
         # every lease and unfinished put of the connection ends with it, however it ended;
         # a durable rw write-back may touch the disk, so not on the loop thread
         if sync:
-            self.store.release_owner(sess)
+            self.store.daemon.release_owner(sess)
         else:
             self._control.submit(self._release_owner, sess)
 
@@ -715,14 +715,14 @@ class Server:
         """(a control thread, once a second) Revoke old leases, drop old reservations."""
         try:
             if self.config.daemon.lease_timeout_s > 0:
-                self.store.expire_leases(self.config.daemon.lease_timeout_s)
+                self.store.daemon.expire_leases(self.config.daemon.lease_timeout_s)
             if self.config.daemon.reservation_timeout_s > 0:
-                self.store.expire_reservations(self.config.daemon.reservation_timeout_s)
+                self.store.daemon.expire_reservations(self.config.daemon.reservation_timeout_s)
         except Exception:  # logged; the next tick tries again
             log.exception("expiring leases and reservations failed")
 
     def _release_owner(self, sess: Session) -> None:
-        leases, puts = self.store.release_owner(sess)
+        leases, puts = self.store.daemon.release_owner(sess)
         if leases or puts:
             log.info("session %d ended holding %d leases and %d unfinished puts; released", sess.cid, leases, puts)
 

@@ -153,7 +153,7 @@ def test_gpu_tier_put_get_checkout_free(gpu_store):
     assert s.info(h)["residency"] == ["gpu"] and s.info(h)["dirty"]
     np.testing.assert_array_equal(s.get(h), x)  # copied out without leaving the GPU tier
     assert s.counters["gpu_hits"] == 1 and s.stat()["tiers"]["gpu"]["objects"] == 1
-    lease = s.acquire(h, "r", owner="c", device=True)  # a CUDA caller leases it where it is
+    lease = s.daemon.acquire(h, "r", owner="c", device=True)  # a CUDA caller leases it where it is
     assert lease.gpu_loc is not None and s.gpu.used() > 0
     s.release(lease.lid, owner="c")
     with s.checkout(h, "rw") as v:  # a host check-out moves it down to the host tier
@@ -190,13 +190,13 @@ def test_a_full_gpu_tier_moves_least_recently_used_objects_to_host(gpu_store):
 def test_leased_gpu_objects_never_move(gpu_store):
     s, _ = gpu_store
     hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(4)]  # the tier is full
-    leases = [s.acquire(h, "r", owner="c", device=True) for h in hs]
+    leases = [s.daemon.acquire(h, "r", owner="c", device=True) for h in hs]
     with pytest.raises(CapacityExceeded, match="GPU tier full"):
         s.put(np.zeros(1 << 20, np.uint8), tier="gpu", wait_s=0.1)
     assert all(s.index.objects[h.id].gpu_loc is not None for h in hs)
     for ls in leases:
         s.release(ls.lid, owner="c")
-    s.release_owner("c")
+    s.daemon.release_owner("c")
 
 
 def test_background_demoter_brings_the_gpu_tier_under_its_watermark(tmp_path):
@@ -229,10 +229,10 @@ def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_st
     s, _ = gpu_store
     x = np.arange(300_000, dtype=np.float32)  # 1.2 MiB
     h = s.put(x, key="w", tier="gpu")
-    lease = s.acquire(h, "rw", owner="c", device=True)
+    lease = s.daemon.acquire(h, "rw", owner="c", device=True)
     old = s.gpu.ptr(lease.gpu_loc)
     ctypes.memset(old, 0, 4000)  # the holder writes part of it, then stops answering
-    assert s.revoke(lease.lid, owner="c") and not s.revoke(lease.lid, owner="c")
+    assert s.daemon.revoke(lease.lid, owner="c") and not s.daemon.revoke(lease.lid, owner="c")
     assert s.counters["leases_revoked"] == 1 and s.stat()["leases"] == 0
     want = x.copy()
     want[:1000] = 0  # what it had written became the object's
@@ -244,7 +244,7 @@ def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_st
     np.testing.assert_array_equal(s.get(h), want)
     np.testing.assert_array_equal(s.get(other), np.full(300_000, 7, np.float32))
     s.free(other)
-    s.release_owner("c")  # its connection ends: the block is reused again
+    s.daemon.release_owner("c")  # its connection ends: the block is reused again
     assert s.stat()["tiers"]["gpu"]["fenced_bytes"] == 0
     on_gpu = s.info(h)["residency"] == ["gpu"]  # (the put above may have moved it down)
     assert s.gpu.used() == (s.gpu.rounded(x.nbytes) if on_gpu else 0)
@@ -262,8 +262,8 @@ def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(tmp_path):
 
 def _revoked_read_lease_keeps_its_block(s):
     h = s.put(np.full(1 << 20, 5, np.uint8), key="r", tier="host")
-    lease = s.acquire(h, "r", owner="c")
-    assert s.revoke(lease.lid, owner="c")
+    lease = s.daemon.acquire(h, "r", owner="c")
+    assert s.daemon.revoke(lease.lid, owner="c")
     assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0  # still the object's block
     s.free(h)
     assert s.stat()["tiers"]["host"]["fenced_bytes"] == 1 << 20
@@ -272,7 +272,7 @@ def _revoked_read_lease_keeps_its_block(s):
     s.arena.view(lease.host_off, 1 << 20)[:] = 99  # a stale view's write
     for i, o in enumerate(hs):
         assert (s.get(o) == i).all()
-    s.release_owner("c")
+    s.daemon.release_owner("c")
     assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0
 
 

@@ -44,7 +44,7 @@ def test_adoption_of_a_replaced_object_whose_drop_never_made_it_frees_its_block(
 
     cfg = Config(host_bytes=8 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=64 << 20)
     with Store(cfg) as s:
-        s.enable_host_index()
+        s.daemon.enable_host_index()
         s.put(np.full(100_000, 1, np.uint8), key="k")
         old = s.hostlog.replay()
         s.put(np.full(100_000, 2, np.uint8), key="k", replace=True)  # the replacement; its drop of the old follows

@@ -129,9 +129,9 @@ def test_damage_in_the_middle_costs_only_the_damaged_records(tmp_path, where):
 def test_flipped_namespace_record_does_not_give_the_namespace_away(tmp_path):
     d = tmp_path / "nvme"
     with Store(_cfg(d)) as s:
-        s.claim_namespace("team", 1000)
+        s.daemon.claim_namespace("team", 1000)
         s.put(torch.ones(10), key="w", durable=True, namespace="team")
-        s.claim_namespace("empty", 1000)  # no object of its own: the records after it repeat it
+        s.daemon.claim_namespace("empty", 1000)  # no object of its own: the records after it repeat it
         s.put(torch.ones(10), key="other", durable=True)
     _, recs = _records(d)
     for name in ("team", "empty"):
@@ -140,11 +140,11 @@ def test_flipped_namespace_record_does_not_give_the_namespace_away(tmp_path):
     with Store(_cfg(d)) as s:
         assert s.stat()["journal"]["corrupt_records"] == 2
         for name in ("team", "empty"):
-            assert s.namespace_owner(name) == 1000
+            assert s.daemon.namespace_owner(name) == 1000
             with pytest.raises(PermissionDenied):
-                s.check_namespace(name, 2000)
+                s.daemon.check_namespace(name, 2000)
             with pytest.raises(PermissionDenied):
-                s.claim_namespace(name, 2000)
+                s.daemon.claim_namespace(name, 2000)
 
 
 def test_a_record_with_a_valid_crc_but_missing_or_wrong_fields_costs_that_record_alone(tmp_path):

@@ -259,11 +259,11 @@ def test_unanswered_check_ins_never_leave_the_event_loop(make_store):
     s = make_store()
     for tier, durable, mode in [(None, False, "r"), (None, False, "rw"), ("nvme", False, "w"), (None, True, "r")]:
         h = s.put(torch.ones(1 << 16), tier=tier, durable=durable)
-        info = s.acquire(h, mode, owner="conn")
+        info = s.daemon.acquire(h, mode, owner="conn")
         s.release(info.lid, owner="conn", nowait=True)  # WouldBlock would fail here
         assert s.stat()["leases"] == 0
     h = s.put(torch.ones(10), durable=True)
-    info = s.acquire(h, "w", owner="conn")
+    info = s.daemon.acquire(h, "w", owner="conn")
     with pytest.raises(WouldBlock):  # a durable write-back syncs: the client waits for it
         s.release(info.lid, owner="conn", nowait=True)
     s.release(info.lid, owner="conn")
@@ -402,7 +402,7 @@ def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durab
     s = make_store(host_bytes="16MiB")
     t = torch.arange(1 << 18, dtype=torch.float32)
     u8, spec = to_bytes(t)
-    res = s.reserve_put(spec, key="k", tier=tier, durable=durable, replace=False, namespace="default", owner="c1")
+    res = s.daemon.reserve_put(spec, key="k", tier=tier, durable=durable, replace=False, namespace="default", owner="c1")
     s.arena.view(res.host_off, spec.nbytes)[:] = u8
     written, go = threading.Event(), threading.Event()
     real = s.placement.write_down
@@ -413,10 +413,10 @@ def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durab
         go.wait(10)
     s.placement.write_down = slow_write_down
     out = {}
-    committer = threading.Thread(target=lambda: out.setdefault("h", s.commit_put(res.rid, owner="c1")))
+    committer = threading.Thread(target=lambda: out.setdefault("h", s.daemon.commit_put(res.rid, owner="c1")))
     committer.start()
     assert written.wait(10)
-    s.release_owner("c1")  # the client's connection closed while its commit was under way
+    s.daemon.release_owner("c1")  # the client's connection closed while its commit was under way
     go.set()
     committer.join(10)
     assert torch.equal(s.get(out["h"]), t) and torch.equal(s.get(s.lookup("k")), t)

@@ -110,7 +110,7 @@ class Puts:
                     nowait: bool = False, device: int = 0, ephemeral: bool = False) -> Reservation:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
         object; the caller fills it, then ``commit``. ``ephemeral``: the object is
-        freed when ``owner`` goes (``Store.release_owner``)."""
+        freed when ``owner`` goes (``DaemonSurface.release_owner``)."""
         tier = self.placement.check_tier(tier)
         self._check_ephemeral(ephemeral, durable)
         self.placement.check_fits(spec.nbytes, tier)

@@ -8,16 +8,17 @@
 - ``Placement`` (``placement``): the tiers' space and the moves between them;
 - ``LeaseTable`` (``leases``): who holds what, and ``LeaseBatches`` (``leasebatches``)
   over it: several check-outs or check-ins in one call;
-- ``Puts`` (``puts``): reservations, commits, staging-area transfers.
+- ``Puts`` (``puts``): reservations, commits, staging-area transfers;
 
-The in-process API below is the same contract as ``tierstore.client.Client``; the
-section "daemon surface" holds the calls only the daemon makes (two-phase puts, leases
-by owner, expiry, a closed connection's cleanup). Each method checks its arguments and
+and last ``DaemonSurface`` (``daemonsurface``, as ``Store.daemon``): the calls only the
+daemon makes (two-phase puts, leases by owner, expiry, a closed connection's cleanup).
+
+The methods of ``Store`` itself are the in-process API, the same contract as
+``tierstore.client.Client`` (``tierstore.contract.Pool``). Each checks its arguments and
 hands the call to the one component that does it.
 
 Length: one short method per documented call of the API (each with its docstring,
-which docs/store.md follows) plus the daemon surface's delegations; the logic is in
-the components.
+which docs/store.md follows); the logic is in the components.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from .policy import make_policy
 from .prefetch import Prefetcher
 from .preflight import check_start
 from .puts import Puts, Reservation
+from .daemonsurface import DaemonSurface
 from .durability import Durability
-from .tensors import TensorSpec, aligned_empty, cuda_out, from_bytes, out_bytes
+from .tensors import aligned_empty, cuda_out, from_bytes, out_bytes
 from .units import format_size
 from .waits import WouldBlock
 
@@ -186,6 +188,9 @@ class Store:
         self.leases = LeaseTable(ix, self.placement, self.durability, self.prefetcher, cfg.lease_wait_s)
         self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher)
+        self.daemon = DaemonSurface(ix, self.durability, self.placement, self.leases, self.batches, self.puts,
+                                    self.gpu, self.gpu_reason)
+        """The calls only the daemon makes, for its connections (``tierstore.daemonsurface``)."""
         self.replay_info = self.durability.replay()
         self.replay_info["adopted"] = 0
         if adopt:
@@ -508,115 +513,3 @@ class Store:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ daemon surface
-    # The calls below are made by the daemon (``daemon/handlers.py``, ``daemon/server.py``)
-    # on behalf of its connections (``owner``: the connection). ``nowait=True``: the call
-    # runs on the event loop and raises ``WouldBlock`` rather than wait or touch the disk.
-
-    def reserve_put(self, spec: TensorSpec, **kw: Any) -> Reservation:
-        """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
-        return self.puts.reserve(spec, **kw)
-
-    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
-        """Second phase: the reserved object becomes visible (``Puts.commit``)."""
-        return self.puts.commit(rid, owner=owner, nowait=nowait)
-
-    def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
-        self.puts.abort(rid, owner=owner)
-
-    def staging_area(self, owner: Any, nbytes: int) -> tuple[int, int]:
-        """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets
-        through the daemon pass through it in one round trip."""
-        return self.placement.staging_area(owner, nbytes)
-
-    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle:
-        """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
-        return self.puts.put_staged(owner, src, spec, **kw)
-
-    def get_staged(self, owner: Any, handle: Handle | int | str, **kw: Any) -> TensorSpec | None:
-        """A small object copied into ``owner``'s staging area (``Puts.get_staged``)."""
-        return self.puts.get_staged(owner, handle, **kw)
-
-    def acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
-        """A check-out for ``owner`` (``LeaseTable.acquire``)."""
-        return self.leases.acquire(handle, mode, **kw)
-
-    def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
-        return self.leases.acquire_from(handle, source, **kw)
-
-    def acquire_many(self, handles: list[Handle | int | str], modes: list[str], **kw: Any) -> list[LeaseInfo]:
-        return self.batches.acquire_many(handles, modes, **kw)
-
-    def acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo]:
-        return self.batches.acquire_each(requests, **kw)
-
-    def revoke(self, lid: int, *, owner: Any) -> bool:
-        return self.leases.revoke(lid, owner=owner)
-
-    def expire_leases(self, max_age_s: float) -> int:
-        """Revoke leases older than ``max_age_s`` (``LeaseTable.expire``)."""
-        return self.leases.expire(max_age_s)
-
-    def expire_reservations(self, max_age_s: float) -> int:
-        """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``)."""
-        return self.puts.expire(max_age_s)
-
-    def release_owner(self, owner: Any) -> tuple[int, int]:
-        """``owner`` (a connection) went away: its leases are checked in, its reservations
-        aborted, its staging area and fenced blocks freed, its ephemeral objects freed.
-        Returns (leases, reservations) ended."""
-        nleases = self.leases.drop_owner(owner)
-        nres = self.puts.drop_owner(owner)
-        self.placement.drop_owner(owner)
-        if owner is not LOCAL:
-            self._free_ephemeral(owner)
-        return nleases, nres
-
-    def _free_ephemeral(self, owner: Any) -> None:
-        """``owner`` went away: its ephemeral objects go too — now, or at the end of the
-        last lease another connection holds on one (its key is unbound at once)."""
-        ix = self.index
-        with ix.cv:
-            mine = [m for m in ix.objects.ephemeral_of(owner) if not m.freeing]
-            for m in mine:
-                m.freeing = True
-                ix.unbind(m)
-        for m in mine:
-            self.placement.discard_replaced(m)  # waits out copies and moves; a leased one goes at its check-in
-        if mine:
-            self.counters["frees"] += len(mine)
-            log.debug("freed %d ephemeral objects of a closed connection", len(mine))
-
-    def cancel_waits(self) -> None:
-        """End every wait for another holder now and from now on with ``Closed`` (the
-        daemon is stopping: SIGTERM must not wait out anyone's ``timeout_s``)."""
-        self.index.cancel_waits()
-
-    def claim_namespace(self, namespace: str, uid: int) -> None:
-        """Bind a namespace to the uid that first uses it (journaled); others are refused."""
-        self.durability.claim_namespace(namespace, uid)
-
-    def check_namespace(self, namespace: str, uid: int) -> None:
-        """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
-        self.durability.check_namespace(namespace, uid)
-
-    def namespace_owner(self, namespace: str) -> int | None:
-        return self.durability.namespace_owner(namespace)
-
-    def key_count(self, namespace: str) -> int:
-        """Keys in ``namespace`` (O(1)): whether an unpaged listing is worth a worker thread."""
-        return self.index.key_count(namespace)
-
-    def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
-        """``owner`` is about to open the GPU slabs: they stay allocated until it goes
-        (``release_owner``). Returns what it needs to open them."""
-        if self.gpu is None:
-            raise InvalidArgument(f"this store has no GPU tier: {self.gpu_reason}")
-        with self.index.cv:
-            self.gpu.attach(owner)
-            return self.gpu.export()
-
-    def enable_host_index(self) -> None:
-        """Start recording host residency in the index log (``Durability.enable_host_index``)."""
-        self.durability.enable_host_index()

@@ -1,0 +1,148 @@
+"""The daemon's surface of the store: the calls only the daemon makes, on behalf of its
+connections (``owner``: the connection) — two-phase puts, staging-area transfers,
+leases by owner, revocation and expiry, a closed connection's cleanup, namespace
+claims, GPU-tier attachment.
+
+``Store`` makes one (``Store.daemon``), given the components it reaches; the store's own
+methods are the user-facing contract (``tierstore.contract.Pool``), the same as
+``tierstore.client.Client``'s. Each method here hands the call to the one component
+that does it. ``nowait=True``: the call runs on the daemon's event loop and raises
+``WouldBlock`` rather than wait or touch the disk (``waits.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .durability import Durability
+from .errors import InvalidArgument
+from .gpu import GpuTier
+from .index import Handle
+from .leasebatches import LeaseBatches
+from .leases import LOCAL, LeaseInfo, LeaseTable
+from .objectindex import ObjectIndex
+from .placement import Placement
+from .puts import Puts, Reservation
+from .tensors import TensorSpec
+
+__all__ = ["DaemonSurface"]
+
+log = logging.getLogger(__name__)
+
+
+class DaemonSurface:
+    """The calls the daemon makes on the store for its connections; see the module docstring."""
+
+    def __init__(self, index: ObjectIndex, durability: Durability, placement: Placement, leases: LeaseTable,
+                 batches: LeaseBatches, puts: Puts, gpu: GpuTier | None, gpu_reason: str) -> None:
+        self.index, self.durability, self.placement = index, durability, placement
+        self.leases, self.batches, self.puts = leases, batches, puts
+        self.gpu, self.gpu_reason = gpu, gpu_reason
+
+    def reserve_put(self, spec: TensorSpec, **kw: Any) -> Reservation:
+        """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
+        return self.puts.reserve(spec, **kw)
+
+    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
+        """Second phase: the reserved object becomes visible (``Puts.commit``)."""
+        return self.puts.commit(rid, owner=owner, nowait=nowait)
+
+    def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
+        self.puts.abort(rid, owner=owner)
+
+    def staging_area(self, owner: Any, nbytes: int) -> tuple[int, int]:
+        """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets
+        through the daemon pass through it in one round trip."""
+        return self.placement.staging_area(owner, nbytes)
+
+    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle:
+        """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
+        return self.puts.put_staged(owner, src, spec, **kw)
+
+    def get_staged(self, owner: Any, handle: Handle | int | str, **kw: Any) -> TensorSpec | None:
+        """A small object copied into ``owner``'s staging area (``Puts.get_staged``)."""
+        return self.puts.get_staged(owner, handle, **kw)
+
+    def acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
+        """A check-out for ``owner`` (``LeaseTable.acquire``)."""
+        return self.leases.acquire(handle, mode, **kw)
+
+    def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
+        return self.leases.acquire_from(handle, source, **kw)
+
+    def acquire_many(self, handles: list[Handle | int | str], modes: list[str], **kw: Any) -> list[LeaseInfo]:
+        return self.batches.acquire_many(handles, modes, **kw)
+
+    def acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo]:
+        return self.batches.acquire_each(requests, **kw)
+
+    def revoke(self, lid: int, *, owner: Any) -> bool:
+        return self.leases.revoke(lid, owner=owner)
+
+    def expire_leases(self, max_age_s: float) -> int:
+        """Revoke leases older than ``max_age_s`` (``LeaseTable.expire``)."""
+        return self.leases.expire(max_age_s)
+
+    def expire_reservations(self, max_age_s: float) -> int:
+        """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``)."""
+        return self.puts.expire(max_age_s)
+
+    def release_owner(self, owner: Any) -> tuple[int, int]:
+        """``owner`` (a connection) went away: its leases are checked in, its reservations
+        aborted, its staging area and fenced blocks freed, its ephemeral objects freed.
+        Returns (leases, reservations) ended."""
+        nleases = self.leases.drop_owner(owner)
+        nres = self.puts.drop_owner(owner)
+        self.placement.drop_owner(owner)
+        if owner is not LOCAL:
+            self._free_ephemeral(owner)
+        return nleases, nres
+
+    def _free_ephemeral(self, owner: Any) -> None:
+        """``owner`` went away: its ephemeral objects go too — now, or at the end of the
+        last lease another connection holds on one (its key is unbound at once)."""
+        ix = self.index
+        with ix.cv:
+            mine = [m for m in ix.objects.ephemeral_of(owner) if not m.freeing]
+            for m in mine:
+                m.freeing = True
+                ix.unbind(m)
+        for m in mine:
+            self.placement.discard_replaced(m)  # waits out copies and moves; a leased one goes at its check-in
+        if mine:
+            ix.counters["frees"] += len(mine)
+            log.debug("freed %d ephemeral objects of a closed connection", len(mine))
+
+    def cancel_waits(self) -> None:
+        """End every wait for another holder now and from now on with ``Closed`` (the
+        daemon is stopping: SIGTERM must not wait out anyone's ``timeout_s``)."""
+        self.index.cancel_waits()
+
+    def claim_namespace(self, namespace: str, uid: int) -> None:
+        """Bind a namespace to the uid that first uses it (journaled); others are refused."""
+        self.durability.claim_namespace(namespace, uid)
+
+    def check_namespace(self, namespace: str, uid: int) -> None:
+        """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
+        self.durability.check_namespace(namespace, uid)
+
+    def namespace_owner(self, namespace: str) -> int | None:
+        return self.durability.namespace_owner(namespace)
+
+    def key_count(self, namespace: str) -> int:
+        """Keys in ``namespace`` (O(1)): whether an unpaged listing is worth a worker thread."""
+        return self.index.key_count(namespace)
+
+    def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
+        """``owner`` is about to open the GPU slabs: they stay allocated until it goes
+        (``release_owner``). Returns what it needs to open them."""
+        if self.gpu is None:
+            raise InvalidArgument(f"this store has no GPU tier: {self.gpu_reason}")
+        with self.index.cv:
+            self.gpu.attach(owner)
+            return self.gpu.export()
+
+    def enable_host_index(self) -> None:
+        """Start recording host residency in the index log (``Durability.enable_host_index``)."""
+        self.durability.enable_host_index()
