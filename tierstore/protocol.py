@@ -93,6 +93,8 @@ def field(msg: dict[str, Any], name: str, types: type | tuple[type, ...], defaul
     if not isinstance(v, types) or bad_bool:
         tn = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise InvalidArgument(f"field {name!r} must be {tn}, got {type(v).__name__}")
+    if isinstance(v, float) and v != v:  # NaN passes every bound check: a timeout of NaN would never end
+        raise InvalidArgument(f"field {name!r} must be a number, got NaN")
     if min_value is not None and v < min_value:
         raise InvalidArgument(f"field {name!r} must be >= {min_value}")
     if max_value is not None and v > max_value:

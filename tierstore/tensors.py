@@ -169,4 +169,7 @@ def out_bytes(out: Any, spec: TensorSpec) -> np.ndarray:
         raise InvalidArgument(f"out holds {got_n} bytes, the object has {spec.nbytes} (shape {list(spec.shape)})")
     if not ok_layout:
         raise InvalidArgument("out must be contiguous and writable")
-    return view()
+    dst = view()
+    if not dst.flags.writeable:  # e.g. the tensor of an 'r' check-out: a read-only mapping
+        raise InvalidArgument("out is read-only (an 'r' check-out's tensor?); pass a writable tensor")
+    return dst

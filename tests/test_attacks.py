@@ -1,0 +1,326 @@
+"""A real daemon under careless and hostile clients: raw messages with wrong values,
+ops out of order, bursts cut short, clients that stop reading or are stopped, odd
+tensors. After each attack the daemon serves a fresh client, every error is a typed
+``TierstoreError`` with a one-line message, and no lease or reservation outlives its
+connection."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from conftest import DaemonProc, poll_until
+from tierstore import Busy, InvalidArgument, InvalidKey, NotFound, TierstoreError
+
+_REPLY_S = 10.0
+"""How long a raw client waits for one reply: a request that gets none by then hangs."""
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    # a short lease wait: an attack that meets a held lease ends in Busy within a second
+    d = DaemonProc(tmp_path_factory.mktemp("attacks"), ["--lease-wait-s", "1"])
+    d.start()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def ns(request):
+    """A namespace of the test's own (the daemon is shared by the module's tests)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:200]
+
+
+@pytest.fixture
+def victim(daemon, ns):
+    """A well-behaved client in ``ns``; at teardown the daemon is alive, serves a fresh client, and
+    holds no lease or reservation (the attacker is gone)."""
+    with daemon.client(ns) as v:
+        yield v
+    assert daemon.proc.poll() is None
+    with daemon.client("fresh") as f:
+        h = f.put(torch.arange(7), key="probe", replace=True)
+        assert torch.equal(f.get(h), torch.arange(7))
+        poll_until(lambda: (lambda st: st["leases"] == 0 and st["reservations"] == 0)(f.stat()),
+                   "leases and reservations back to none after the attack")
+    assert "Traceback" not in daemon.log.read_text()
+
+
+class Raw:
+    """A client speaking msgpack over the SEQPACKET socket by hand."""
+
+    def __init__(self, daemon, namespace="raw", joined=False):
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.s.settimeout(_REPLY_S)
+        self.s.connect(daemon.socket)
+        self.s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": namespace,
+                                   "fragments": True, "joined": joined}))
+        _, fds, _, _ = socket.recv_fds(self.s, 1 << 20, 4)
+        for fd in fds:
+            os.close(fd)
+        self.next_id = 1
+
+    def send(self, op, **fields):
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.s.send(msgpack.packb({"id": rid, "op": op, **fields}, use_bin_type=True))
+        return rid
+
+    def replies(self):
+        """The replies of one packet (or one fragmented reply), as a list."""
+        blob = b""
+        while True:
+            data = self.s.recv(1 << 24)
+            if not data:
+                return []  # end of the connection
+            r = msgpack.unpackb(data, raw=False)
+            if isinstance(r, dict) and "frag" in r:
+                blob += r["frag"]
+                if r["more"]:
+                    continue
+                r = msgpack.unpackb(blob, raw=False)
+            return r if isinstance(r, list) else [r]
+
+    def call(self, op, **fields):
+        rid = self.send(op, **fields)
+        [r] = self.replies()
+        assert r["id"] == rid
+        return r
+
+    def err(self, op, **fields):
+        """The error code of a request that must fail, checked to be a one-line message."""
+        r = self.call(op, **fields)
+        assert "err" in r, r
+        assert "\n" not in r["err"]["message"] and "Traceback" not in r["err"]["message"], r
+        return r["err"]["code"]
+
+    def close(self):
+        self.s.close()
+
+
+def test_nan_timeouts_are_refused_not_waited_on_forever(daemon, victim, ns):
+    """NaN passes every bound check (``nan > 86400`` is false): a check-out with
+    ``timeout_s`` NaN behind a held lease never ended, and a put's ``wait_s`` NaN was
+    taken. Both are refused as InvalidArgument."""
+    h = victim.put(np.ones(4, np.float32), key="x")
+    raw = Raw(daemon, ns)
+    try:
+        with victim.checkout(h, "w"):
+            assert raw.err("checkout", handle=int(h), mode="w", timeout_s=float("nan")) == "InvalidArgument"
+            assert raw.err("checkout_many", handles=[int(h)], modes="r", timeout_s=float("nan")) == "InvalidArgument"
+        assert raw.err("put_reserve", kind="torch", dtype="float32", shape=[1], nbytes=4,
+                       wait_s=float("nan")) == "InvalidArgument"
+    finally:
+        raw.close()
+    with pytest.raises(InvalidArgument, match="NaN"):
+        victim.checkout(h, "r", timeout_s=float("nan"))
+
+
+def test_get_into_an_r_checkouts_tensor_is_a_typed_error(victim):
+    """``get(out=)`` into the read-only tensor of an ``r`` check-out: InvalidArgument
+    (it was a bare ValueError from the copy), the object's bytes unchanged, no lease left."""
+    a = victim.put(torch.arange(6.0), key="a")
+    b = victim.put(torch.full((6,), 9.0), key="b")
+    with victim.checkout(a, "r") as t:
+        with pytest.raises(InvalidArgument, match="read-only"):
+            victim.get(b, out=t)
+        assert torch.equal(t, torch.arange(6.0))
+    assert torch.equal(victim.get(a), torch.arange(6.0))
+
+
+def test_ops_out_of_order_and_across_connections(daemon, victim, ns):
+    """A reservation commits and a lease checks in only on its own connection; double
+    and never-granted check-ins, forged handles and wrong field types are typed errors;
+    the owner's work is untouched."""
+    h = victim.put(np.arange(4, dtype=np.float32), key="x")
+    a, b = Raw(daemon, ns), Raw(daemon, ns)
+    try:
+        rid = a.call("put_reserve", kind="numpy", dtype="float32", shape=[4], nbytes=16, key="y")["ok"]["rid"]
+        assert b.err("put_commit", rid=rid) == "NotFound"
+        lid = a.call("checkout", handle=int(h), mode="r")["ok"]["lid"]
+        assert b.err("release", lid=lid) == "NotFound"
+        assert b.err("release_many", lids=[lid]) == "NotFound"
+        assert b.err("free", handle=int(h)) == "Busy"  # a's lease holds it
+        assert "ok" in a.call("release", lid=lid)
+        assert a.err("release", lid=lid) == "NotFound"
+        assert a.err("release", lid=lid, unused=True) == "NotFound"
+        assert a.err("release", lid=2**64 - 1) == "NotFound"
+        assert "ok" in a.call("put_commit", rid=rid)
+        assert a.err("put_commit", rid=rid) == "NotFound"
+        for handle in (2**64 - 1, "1.99999999999999999999", "-1.0", True, 1.5, None):
+            assert a.err("get", handle=handle) in ("NotFound", "InvalidArgument")
+        for fields in ({"page": True, "after": 5}, {"page": True, "rows": True, "after": [1]},
+                       {"page": True, "limit": 0}, {"page": True, "limit": 2**64 - 1}, {"prefix": 5}):
+            assert a.err("ls", **fields) == "InvalidArgument"
+            assert a.err("keys", **fields) == "InvalidArgument"
+        assert a.err("namespaces", after=7) == "InvalidArgument"
+        assert a.err("put_reserve", kind="torch", dtype="float32", shape=[-1], nbytes=4) == "InvalidArgument"
+        assert a.err("put_reserve", kind="torch", dtype="float32", shape=[1], nbytes=-4) == "InvalidArgument"
+        assert a.err("checkout_many", handles=[int(h), int(h)], modes=["r"]) == "InvalidArgument"
+        # a reservation and a lease left open when the connection goes are given back
+        a.call("put_reserve", kind="numpy", dtype="uint8", shape=[1 << 20], nbytes=1 << 20)
+        a.call("checkout", handle=int(h), mode="w")
+    finally:
+        a.close()
+        b.close()
+    assert victim.lookup("y") is not None
+    with victim.checkout(h, "w") as t:  # a's write lease went with its connection
+        assert np.array_equal(t, np.arange(4, dtype=np.float32))
+
+
+def test_a_cursor_reaches_no_other_namespace(daemon, victim):
+    """An ``after`` cursor names a key, never a place in another namespace: a cursor
+    taken from (or forged for) another namespace lists only the caller's own keys."""
+    for i in range(5):
+        victim.put(torch.ones(1), key=f"k{i}")
+    other = Raw(daemon, "attacker")
+    try:
+        for fields in ({"page": True, "after": "k2"}, {"page": True, "rows": True, "after": "k2"},
+                       {"page": True, "after": ""}, {"page": True, "after": "\uffff" * 300}):
+            r = other.call("ls", **fields)["ok"]
+            assert r.get("objects", r.get("rows")) == [] and r["next"] is None
+            assert other.call("keys", **fields)["ok"] == {"keys": [], "next": None}
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("joined", [True])
+def test_a_burst_then_a_half_close_gets_every_reply(daemon, victim, ns, joined):
+    """Hundreds of requests (small replies mixed with fragmented ``stat`` ones), then
+    ``shutdown(SHUT_WR)``: every request gets its reply, then EOF; the read leases
+    taken are given back with the connection."""
+    h = victim.put(np.ones(4, np.float32), key="x")
+    raw = Raw(daemon, ns, joined=joined)
+    n = 300
+    for i in range(n):
+        if i % 3:
+            raw.send("checkout", handle=int(h), mode="r")
+        else:
+            raw.send("stat")
+    raw.s.shutdown(socket.SHUT_WR)
+    ids = []
+    try:
+        while len(ids) < n:
+            got = raw.replies()
+            assert got, f"EOF after {len(ids)} of {n} replies"
+            ids += [r["id"] for r in got]
+        assert raw.s.recv(16) == b""
+    finally:
+        raw.close()
+    assert sorted(ids) == list(range(1, n + 1))
+
+
+def test_a_burst_then_an_immediate_close(daemon, victim, ns):
+    """A burst of check-outs and puts closed before any reply is read: nothing is held."""
+    h = victim.put(np.ones(4, np.float32), key="x")
+    for joined in (True, False):
+        raw = Raw(daemon, ns, joined=joined)
+        for i in range(400):
+            if i % 2:
+                raw.send("checkout", handle=int(h), mode="r" if i % 4 == 1 else "w")
+            else:
+                raw.send("put_reserve", kind="numpy", dtype="uint8", shape=[4096], nbytes=4096)
+        raw.close()
+    with victim.checkout(h, "w"):
+        pass
+
+
+def test_a_joined_client_that_never_reads_holds_up_no_one(daemon, victim, ns):
+    """A client sends ``stat`` requests until its socket is full and never reads: the
+    others are served meanwhile."""
+    raw = Raw(daemon, ns, joined=True)
+    raw.s.setblocking(False)
+    try:
+        for _ in range(20000):
+            raw.send("stat")
+    except BlockingIOError:
+        pass
+    try:
+        h = victim.put(torch.arange(3), key="served")
+        assert torch.equal(victim.get(h), torch.arange(3))
+        with daemon.client("another") as c:
+            assert c.stat()["tiers"]["host"]["capacity_bytes"] > 0
+    finally:
+        raw.close()
+
+
+def test_a_stopped_client_holding_a_lease(daemon, victim, ns):
+    """A SIGSTOP'ed client's write lease makes other check-outs Busy after the lease wait
+    (nobody hangs); once it is killed its lease is gone."""
+    h = victim.put(np.ones(4, np.float32), key="held")
+    code = ("import sys\nfrom tierstore.client import Client\n"
+            f"c = Client.connect(socket={daemon.socket!r}, namespace={ns!r})\n"
+            "c.checkout(c.lookup('held'), 'w').__enter__()\nprint('held', flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        p.send_signal(signal.SIGSTOP)
+        with pytest.raises(Busy):
+            victim.checkout(h, "r")
+        assert victim.stat()["leases"] == 1
+    finally:
+        p.kill()
+        p.wait()
+    poll_until(lambda: victim.stat()["leases"] == 0, "the killed client's lease given back")
+    with victim.checkout(h, "w"):
+        pass
+
+
+def test_keys_and_namespaces_at_their_length_limits(daemon, victim):
+    h = victim.put(torch.ones(1), key="k" * 1024)
+    assert victim.lookup("k" * 1024) == h
+    victim.put(torch.ones(1), key="é" * 512)
+    for key in ("k" * 1025, "é" * 513):
+        with pytest.raises(InvalidKey):
+            victim.put(torch.ones(1), key=key)
+    for ns in ("n" * 255, "é" * 255):
+        with daemon.client(ns) as c:
+            assert c.get(c.put(torch.ones(2), key="a", replace=True)).sum() == 2
+    with pytest.raises(InvalidArgument):
+        daemon.client("n" * 256)
+
+
+ODD = {
+    "zero-bytes": torch.empty(0), "zero-dim": torch.tensor(3.5), "empty-middle": torch.empty(3, 0, 2),
+    "transposed": torch.arange(12.0).reshape(3, 4).t(), "strided": torch.arange(100.0)[::3],
+    "expanded": torch.tensor([1.0, 2.0]).expand(4, 2), "flipped": torch.arange(4.0).flip(0),
+    "bool": torch.tensor([True, False, True]), "complex": torch.tensor([1 + 2j, 3 - 1j]),
+    "conj": torch.tensor([1 + 2j]).conj(), "bfloat16": torch.arange(5, dtype=torch.bfloat16),
+    "float8": torch.ones(4, dtype=torch.float8_e4m3fn), "requires-grad": torch.ones(3, requires_grad=True),
+    "np-0d": np.array(7, np.int16), "np-bool": np.array([True, False]), "np-strided": np.arange(12.0).reshape(3, 4)[:, ::2],
+}
+
+
+def test_odd_tensors_round_trip(victim):
+    for name, t in ODD.items():
+        got = victim.get(victim.put(t))
+        if isinstance(t, np.ndarray):
+            assert got.dtype == t.dtype and got.shape == t.shape and np.array_equal(got, t), name
+        else:
+            want = t.detach().resolve_conj()
+            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, want), name
+    with pytest.raises(InvalidArgument):
+        victim.put(torch.eye(3).to_sparse())
+    with pytest.raises(InvalidArgument):
+        victim.put(np.array(["a"], dtype=object))
+
+
+def test_get_into_a_wrong_out_is_a_typed_error(victim):
+    h = victim.put(torch.arange(6.0))
+    ro = np.empty(6, np.float32)
+    ro.flags.writeable = False
+    n = victim.put(np.arange(6, dtype=np.float32))
+    for out, handle in [(torch.empty(5), h), (torch.empty(6, dtype=torch.int32), h), (torch.empty(6, 2)[:, 0], h),
+                        (ro, n), (np.empty(6, np.float64), n), ([0] * 6, h), (torch.empty(6, device="meta"), h)]:
+        with pytest.raises(InvalidArgument) as e:
+            victim.get(handle, out=out)
+        assert "\n" not in str(e.value)
+    assert isinstance(e.value, TierstoreError)
+    with pytest.raises(NotFound):
+        victim.get(2**40)
