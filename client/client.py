@@ -685,7 +685,7 @@ class Client:
 
     def _staging_area(self) -> tuple[int, int]:
         if self._staging is None:
-            r = self._conn.request("scratch", nbytes=_STAGED_MAX + _SLOTS * _SLOT_BYTES)
+            r = self._conn.request("staging", nbytes=_STAGED_MAX + _SLOTS * _SLOT_BYTES)
             self._staging = (int(r["offset"]), int(r["nbytes"]))
         return self._staging
 

@@ -95,7 +95,7 @@ class Handlers:
             "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "namespaces": self.namespaces,
             "info": self.info,
             "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
-            "scratch": self.scratch, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
+            "staging": self.staging, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
             "client_info": self.client_info,
         }
 
@@ -148,10 +148,10 @@ class Handlers:
     def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         spec = _spec(msg)
         res = self.store.daemon.reserve_put(spec, **self._put_args(sess, msg, nowait),
-                                     device=field(msg, "device", int, 0, min_value=0, max_value=255))
+                                            device=field(msg, "device", int, 0, min_value=0, max_value=255))
         return {"rid": res.rid, "offset": res.host_off, "gpu_loc": res.gpu_loc}
 
-    def scratch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def staging(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
         off, n = self.store.daemon.staging_area(sess, nbytes)
         return {"offset": off, "nbytes": n}
@@ -181,7 +181,7 @@ class Handlers:
                 return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                         "nbytes": spec.nbytes}
         info = self.store.daemon.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream,
-                                  device=field(msg, "device", bool, False))
+                                         device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
     def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
@@ -190,13 +190,13 @@ class Handlers:
         if msg.get("source") is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
-            info = self.store.daemon.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess, namespace=sess.namespace,
-                                           timeout_s=timeout_s, nowait=nowait,
-                                           stream=field(msg, "stream", str, "default"))
+            info = self.store.daemon.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess,
+                                                  namespace=sess.namespace, timeout_s=timeout_s, nowait=nowait,
+                                                  stream=field(msg, "stream", str, "default"))
             return _lease_reply(info)
         info = self.store.daemon.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                  nowait=nowait, stream=field(msg, "stream", str, "default"),
-                                  device=field(msg, "device", bool, False))
+                                         nowait=nowait, stream=field(msg, "stream", str, "default"),
+                                         device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
     def checkout_many(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
@@ -209,10 +209,10 @@ class Handlers:
         if not all(isinstance(m, str) for m in modes):
             raise InvalidArgument("field 'modes' must be a str or a list of str")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        infos = self.store.daemon.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess, namespace=sess.namespace,
-                                        timeout_s=timeout_s, nowait=nowait,
-                                        stream=field(msg, "stream", str, "default"),
-                                        progress=msg.setdefault(_PROGRESS, []))
+        infos = self.store.daemon.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess,
+                                               namespace=sess.namespace, timeout_s=timeout_s, nowait=nowait,
+                                               stream=field(msg, "stream", str, "default"),
+                                               progress=msg.setdefault(_PROGRESS, []))
         return {"leases": [_lease_reply(i) for i in infos]}
 
     def checkout_each(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
@@ -228,8 +228,8 @@ class Handlers:
             parsed.append((Handle.parse(r[0]), r[1], None if r[2] is None else Handle.parse(r[2])))
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
         infos = self.store.daemon.acquire_each(parsed, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                        nowait=nowait, stream=field(msg, "stream", str, "default"),
-                                        progress=msg.setdefault(_PROGRESS, []))
+                                               nowait=nowait, stream=field(msg, "stream", str, "default"),
+                                               progress=msg.setdefault(_PROGRESS, []))
         return {"leases": [_lease_reply(i) for i in infos]}
 
     def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:

@@ -546,8 +546,8 @@ def test_malformed_input_never_hurts_others(daemon_factory):
         ({"id": 15, "op": "prefetch", "handles": "all"}, "InvalidArgument"),
         ({"id": 17, "op": "put_staged", "src": 0, "kind": "numpy", "dtype": "uint8", "shape": [4], "nbytes": 4},
          "InvalidArgument"),  # no staging area yet
-        ({"id": 18, "op": "scratch", "nbytes": 1 << 40}, "InvalidArgument"),
-        ({"id": 19, "op": "scratch", "nbytes": 65536}, None),
+        ({"id": 18, "op": "staging", "nbytes": 1 << 40}, "InvalidArgument"),
+        ({"id": 19, "op": "staging", "nbytes": 65536}, None),
         ({"id": 21, "op": "put_staged", "src": 65000, "kind": "numpy", "dtype": "uint8", "shape": [4096],
           "nbytes": 4096}, "InvalidArgument"),  # outside its staging area
         ({"id": 22, "op": "checkout_many", "handles": int(h)}, "InvalidArgument"),  # not a list

@@ -41,7 +41,7 @@ OPS = frozenset({
     "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "checkout_many", "checkout_each",
     "release",
     "release_many", "free", "lookup",
-    "keys", "ls", "namespaces", "info", "prefetch", "step", "stat", "ping", "scratch", "put_staged", "gpu_attach", "client_info",
+    "keys", "ls", "namespaces", "info", "prefetch", "step", "stat", "ping", "staging", "put_staged", "gpu_attach", "client_info",
 })
 
 
