@@ -100,6 +100,8 @@ class Session:
     outbox_bytes: int = 0
     writing: bool = False
     """Registered for EVENT_WRITE (the outbox waits for room in the socket)."""
+    eof: bool = False
+    """The peer half-closed with replies still queued: no more reading; closed once they are sent."""
     fragments: bool = False
     """The client joins fragmented replies (said so in hello)."""
     joined: bool = False
@@ -461,7 +463,7 @@ class Server:
                 self._close(sess)
                 return
             if not data:
-                self._flush_and_close(sess)  # a half-closed client still reads its burst's replies
+                self._half_closed(sess)
                 return
             if flags & _MSG_TRUNC or len(data) > limit:
                 self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
@@ -630,6 +632,19 @@ class Server:
         self._flush_queued(sess)
         self._close(sess)
 
+    def _half_closed(self, sess: Session) -> None:
+        """EOF from the peer: it still reads the replies its burst earned, more of them than
+        the socket may take at once. Reading stops (EOF stays readable); the rest of the
+        outbox goes as the peer reads, then the connection closes (``_flush``)."""
+        self._flush_queued(sess)
+        if sess.closed:
+            return
+        if not sess.outbox:
+            self._close(sess)
+            return
+        sess.eof = sess.writing = True
+        self._sel.modify(sess.sock, selectors.EVENT_WRITE, ("sess", sess))
+
     def _send(self, sess: Session, blob: bytes, fds: list[int] | None = None, rid: int | None = None) -> None:
         if sess.closed:
             return
@@ -685,6 +700,9 @@ class Server:
                 return
             out.popleft()
             sess.outbox_bytes -= len(blob)
+        if sess.eof:  # a half-closed peer has all its replies
+            self._close(sess)
+            return
         if sess.writing:
             sess.writing = False
             self._sel.modify(sess.sock, selectors.EVENT_READ, ("sess", sess))

@@ -190,7 +190,7 @@ def test_a_cursor_reaches_no_other_namespace(daemon, victim):
         other.close()
 
 
-@pytest.mark.parametrize("joined", [True])
+@pytest.mark.parametrize("joined", [True, False])
 def test_a_burst_then_a_half_close_gets_every_reply(daemon, victim, ns, joined):
     """Hundreds of requests (small replies mixed with fragmented ``stat`` ones), then
     ``shutdown(SHUT_WR)``: every request gets its reply, then EOF; the read leases
