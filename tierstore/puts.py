@@ -202,7 +202,7 @@ class Puts:
                 meta.moving = res.committing = False
             raise
         except BaseException:
-            self.abort(rid, owner=owner, committing=True)  # (a no-op once published)
+            self._give_up(rid, owner)
             raise
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
@@ -266,9 +266,16 @@ class Puts:
                 self.placement.discard(meta)
         return meta.spec
 
-    def abort(self, rid: int, *, owner: Any = LOCAL, committing: bool = False) -> None:
-        """Drop an open reservation (a commit under way is left to finish, unless it is the
-        commit itself that gives up: ``committing=True``)."""
+    def abort(self, rid: int, *, owner: Any = LOCAL) -> None:
+        """Drop an open reservation; one a commit has taken up is left to it."""
+        self._drop(rid, owner, committing=False)
+
+    def _give_up(self, rid: int, owner: Any) -> None:
+        """The commit under way failed before the publish: its reservation goes (after the
+        publish there is none left, and this does nothing)."""
+        self._drop(rid, owner, committing=True)
+
+    def _drop(self, rid: int, owner: Any, *, committing: bool) -> None:
         with self.cv:
             res = self.reservations.get(rid)
             if res is None or res.owner != owner or res.committing != committing:
