@@ -19,6 +19,7 @@ from tierstore.objectindex import INFO_FIELDS
 from tierstore.protocol import PAGE_BYTES, PROTOCOL_VERSION, field
 from tierstore.store import Store, WouldBlock
 from tierstore.tensors import TensorSpec
+from tierstore.trace import MAX_STREAM_CHARS
 
 if TYPE_CHECKING:
     from .server import Session
@@ -81,6 +82,14 @@ def _lease_reply(info) -> dict[str, Any]:
     return {"lid": info.lid, "offset": info.host_off, "handle": int(Handle(info.oid, info.gen)), "kind": s.kind,
             "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes, "gpu_loc": info.gpu_loc,
             "durable": info.durable}
+
+
+def _stream(msg: dict[str, Any]) -> str:
+    """The access stream a get or check-out is recorded under (a short name)."""
+    stream = field(msg, "stream", str, "default")
+    if len(stream) > MAX_STREAM_CHARS:
+        raise InvalidArgument(f"field 'stream' is {len(stream)} characters; at most {MAX_STREAM_CHARS}")
+    return stream
 
 
 class Handlers:
@@ -174,7 +183,7 @@ class Handlers:
     # -- leases ----------------------------------------------------------------------------
     def get(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         h = _handle(msg)
-        stream = field(msg, "stream", str, "default")
+        stream = _stream(msg)
         if field(msg, "staged", bool, False):
             spec = self.store.daemon.get_staged(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
             if spec is not None:  # the bytes wait in the staging area; no lease to release
@@ -192,10 +201,10 @@ class Handlers:
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
             info = self.store.daemon.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess,
                                                   namespace=sess.namespace, timeout_s=timeout_s, nowait=nowait,
-                                                  stream=field(msg, "stream", str, "default"))
+                                                  stream=_stream(msg))
             return _lease_reply(info)
         info = self.store.daemon.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                         nowait=nowait, stream=field(msg, "stream", str, "default"),
+                                         nowait=nowait, stream=_stream(msg),
                                          device=field(msg, "device", bool, False))
         return _lease_reply(info)
 
@@ -211,7 +220,7 @@ class Handlers:
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
         infos = self.store.daemon.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess,
                                                namespace=sess.namespace, timeout_s=timeout_s, nowait=nowait,
-                                               stream=field(msg, "stream", str, "default"),
+                                               stream=_stream(msg),
                                                progress=msg.setdefault(_PROGRESS, []))
         return {"leases": [_lease_reply(i) for i in infos]}
 
@@ -228,7 +237,7 @@ class Handlers:
             parsed.append((Handle.parse(r[0]), r[1], None if r[2] is None else Handle.parse(r[2])))
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
         infos = self.store.daemon.acquire_each(parsed, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                               nowait=nowait, stream=field(msg, "stream", str, "default"),
+                                               nowait=nowait, stream=_stream(msg),
                                                progress=msg.setdefault(_PROGRESS, []))
         return {"leases": [_lease_reply(i) for i in infos]}
 

@@ -355,3 +355,25 @@ def test_two_clients_replace_a_key_while_a_third_checks_it_out(daemon, victim, n
     assert in_threads(work, 3) == []
     assert torn == []
     assert victim.get(victim.lookup("hot"))[0].item() in (60.0, 1060.0)
+
+
+def test_stream_names_cannot_grow_the_daemon_without_bound(daemon, victim, ns):
+    """Every access stream a connection names gets a trace: a name longer than
+    MAX_STREAM_CHARS is InvalidArgument, and past MAX_STREAMS names a connection's further
+    accesses share one trace, so a client inventing a name per access is bounded."""
+    from tierstore.trace import MAX_STREAM_CHARS, MAX_STREAMS, OVERFLOW_STREAM
+
+    h = victim.put(np.ones(4, np.float32), key="s")
+    raw = Raw(daemon, ns)
+    try:
+        assert raw.err("get", handle=int(h), stream="s" * (MAX_STREAM_CHARS + 1)) == "InvalidArgument"
+        for i in range(3 * MAX_STREAMS):
+            r = raw.call("checkout", handle=int(h), mode="r", stream=f"s{i}")
+            assert "ok" in r, r
+            assert "ok" in raw.call("release", lid=r["ok"]["lid"]), r
+        traces = [t for t in victim.stat()["prefetch"]["traces"] if t["stream"].startswith("s")
+                  or t["stream"] == OVERFLOW_STREAM]
+        assert len(traces) == MAX_STREAMS + 1, len(traces)
+        assert sum(t["stream"] == OVERFLOW_STREAM for t in traces) == 1
+    finally:
+        raw.close()

@@ -130,7 +130,7 @@ class Prefetcher:
         """A client went away: forget its traces, queued fetches and protections."""
         self.book.drop(owner)
         self._hints.pop(owner, None)
-        live = {id(t) for t in self.book.traces.values()}
+        live = {id(t) for t in self.book.all_traces()}
         for cache in (self._scanned, self._sums):
             for k in [k for k in cache if k not in live]:
                 del cache[k]
@@ -266,8 +266,8 @@ class Prefetcher:
         if self.enabled:
             # a slot and budget came free: go on down the owner's traces now, not at its next
             # access (a loop that checks a layer out in one batch accesses in bursts)
-            for (o, _), trace in list(self.book.traces.items()):
-                if o is owner and trace.state == "learned":
+            for trace in self.book.of(owner):
+                if trace.state == "learned":
                     self._advance(owner, trace)
 
     def stat(self) -> dict[str, Any]:

@@ -14,13 +14,19 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["HORIZON", "Trace", "TraceBook", "similarity"]
+__all__ = ["HORIZON", "MAX_STREAMS", "OVERFLOW_STREAM", "Trace", "TraceBook", "similarity"]
 
 _SIMILAR = 0.8
 """Fraction of accesses that must keep their relative order for a step to 'repeat'."""
 _MAX_STEP_ACCESSES = 1 << 20
 HORIZON = 64
 """Accesses ahead the prefetcher looks (its byte budget usually stops it earlier)."""
+MAX_STREAMS = 64
+"""Traces one owner (a connection, an in-process owner) may have; later stream names share one."""
+OVERFLOW_STREAM = "(more streams)"
+"""The trace an owner's accesses on stream names beyond ``MAX_STREAMS`` are recorded in."""
+MAX_STREAM_CHARS = 128
+"""Longest stream name a request may give."""
 
 
 def similarity(a: list[int], b: list[int]) -> float:
@@ -142,41 +148,63 @@ class Trace:
 
 
 class TraceBook:
-    """Every live trace, keyed by (owner, stream)."""
+    """Every live trace, by owner and stream.
+
+    An owner has at most ``MAX_STREAMS`` traces: accesses on further stream names are
+    recorded in one shared trace of that owner (``OVERFLOW_STREAM``), so a client that
+    invents a name per access cannot grow the book without bound; ``step`` costs the
+    owner's own traces, not everyone's."""
 
     def __init__(self) -> None:
-        self.traces: dict[tuple[object, str], Trace] = {}
+        self._owners: dict[object, dict[str, Trace]] = {}
         self.version = 0
         """Bumped whenever some trace's learned order changes or a trace goes away."""
 
+    @property
+    def traces(self) -> dict[tuple[object, str], Trace]:
+        return {(o, s): t for o, streams in self._owners.items() for s, t in streams.items()}
+
     def get(self, owner: object, stream: str) -> Trace:
-        t = self.traces.get((owner, stream))
+        streams = self._owners.get(owner)
+        if streams is None:
+            streams = self._owners[owner] = {}
+        t = streams.get(stream)
         if t is None:
-            t = self.traces[(owner, stream)] = Trace()
+            if len(streams) >= MAX_STREAMS:
+                stream = OVERFLOW_STREAM
+                t = streams.get(stream)
+            if t is None:
+                t = streams[stream] = Trace()
         return t
 
     def step(self, owner: object) -> None:
-        for (o, _), t in self.traces.items():
-            if o is owner or o == owner:
-                before = t.version
-                t.step()
-                self.version += t.version != before
+        for t in self._owners.get(owner, {}).values():
+            before = t.version
+            t.step()
+            self.version += t.version != before
 
     def drop(self, owner: object) -> None:
-        for k in [k for k in self.traces if k[0] is owner or k[0] == owner]:
-            del self.traces[k]
+        if self._owners.pop(owner, None) is not None:
             self.version += 1
 
+    def of(self, owner: object) -> list[Trace]:
+        """The owner's traces."""
+        return list(self._owners.get(owner, {}).values())
+
+    def all_traces(self) -> Iterator[Trace]:
+        for streams in self._owners.values():
+            yield from streams.values()
+
     def learned(self) -> bool:
-        return any(t.state == "learned" for t in self.traces.values())
+        return any(t.state == "learned" for t in self.all_traces())
 
     def learned_traces(self) -> list[Trace]:
-        return [t for t in self.traces.values() if t.state == "learned" and t.learned]
+        return [t for t in self.all_traces() if t.state == "learned" and t.learned]
 
     def distance(self, oid: int) -> int | None:
         """Smallest predicted distance to the next use of ``oid`` over all traces."""
         best = None
-        for t in self.traces.values():
+        for t in self.all_traces():
             d = t.distance(oid)
             if d is not None and (best is None or d < best):
                 best = d
