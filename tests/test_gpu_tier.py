@@ -187,8 +187,15 @@ def test_a_full_gpu_tier_moves_least_recently_used_objects_to_host(gpu_store):
     assert on_gpu and all(h.id in on_gpu for h in hs[-len(on_gpu):])  # the newest stayed up
 
 
-def test_leased_gpu_objects_never_move(gpu_store):
-    s, _ = gpu_store
+def test_leased_gpu_objects_never_move(tmp_path):
+    # watermarks at 1.0: the background demoter leaves the full GPU tier full before the leases
+    cfg = Config(host_bytes=16 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=128 << 20, gpu_bytes=4 << 20,
+                 gpu_slab_bytes=2 << 20, high_watermark=1.0, low_watermark=1.0)
+    with Store(cfg, gpu_backend=HostBackend()) as s:
+        _leased_gpu_objects_never_move(s)
+
+
+def _leased_gpu_objects_never_move(s):
     hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(4)]  # the tier is full
     leases = [s.daemon.acquire(h, "r", owner="c", device=True) for h in hs]
     with pytest.raises(CapacityExceeded, match="GPU tier full"):

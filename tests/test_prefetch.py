@@ -3,6 +3,7 @@
 import signal
 import subprocess
 import sys
+import threading
 
 import torch
 from conftest import poll_until
@@ -17,14 +18,35 @@ def _cyclic_store(make_store, policy, prefetch, n_objs=32, host="8MiB", budget="
     return s, hs
 
 
-def _run_steps(s, order, steps, check=None):
+def _fetches_after_each_access(s):
+    """Hold the prefetcher's fetches until the access that queued them has checked in:
+    which object a fetch pushes out then no longer depends on whether its worker ran
+    before or after the check-in (a leased object cannot be chosen). Returns the gate
+    ``_run_steps`` closes around each access."""
+    gate = threading.Event()
+    gate.set()
+    fetch = s.placement.fetch
+
+    def gated(oid):
+        assert gate.wait(30), "the gate stayed closed"
+        return fetch(oid)
+
+    s.placement.fetch = gated
+    return gate
+
+
+def _run_steps(s, order, steps, check=None, gate=None):
     """One access per object in ``order`` per step; returns the per-step hit fractions."""
     rates = []
     for _ in range(steps):
         before = s.stat()["prefetch"]
         for i, h in order:
+            if gate is not None:
+                gate.clear()
             with s.checkout(h, "r") as v:
                 assert v[0].item() == float(i)
+            if gate is not None:
+                gate.set()
             if check:
                 check()
             s.wait_prefetch(timeout_s=30)  # compute at least as long as the fetch: prefetch is never late
@@ -81,14 +103,15 @@ def test_the_rotation_is_spread_over_the_step(make_store):
                    prefetch_max_inflight=1, high_watermark=1.0, low_watermark=0.9)
     hs = [s.put(torch.full((OBJ // 4,), float(i)), key=f"p{i}") for i in range(32)]  # room for 24
     order = list(enumerate(hs))
-    _run_steps(s, order, 3)
+    gate = _fetches_after_each_access(s)
+    _run_steps(s, order, 3, gate=gate)
     for _ in range(2):
         rotated = set()
 
         def check():
             rotated.update(i for i in range(32) if "host" not in s.info(hs[i])["residency"])
 
-        assert min(_run_steps(s, order, 1, check=check)) >= 0.95
+        assert min(_run_steps(s, order, 1, check=check, gate=gate)) >= 0.95
         assert len(rotated) >= 8 and min(rotated) >= 4, sorted(rotated)  # the head (the budget's 4) stays
         # in one stretch, any 8 consecutive accesses there would all be read back
         assert max(len(rotated & set(range(a, a + 8))) for a in range(4, 25)) <= 5, sorted(rotated)
