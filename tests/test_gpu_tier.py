@@ -187,15 +187,18 @@ def test_a_full_gpu_tier_moves_least_recently_used_objects_to_host(gpu_store):
     assert on_gpu and all(h.id in on_gpu for h in hs[-len(on_gpu):])  # the newest stayed up
 
 
-def test_leased_gpu_objects_never_move(tmp_path):
-    # watermarks at 1.0: the background demoter leaves the full GPU tier full before the leases
+@pytest.fixture
+def full_store(tmp_path):
+    """``gpu_store``'s tiers with watermarks at 1.0: the background demoter leaves a full
+    tier full, so a test that fills one sees it full whatever the demoter's timing."""
     cfg = Config(host_bytes=16 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=128 << 20, gpu_bytes=4 << 20,
                  gpu_slab_bytes=2 << 20, high_watermark=1.0, low_watermark=1.0)
     with Store(cfg, gpu_backend=HostBackend()) as s:
-        _leased_gpu_objects_never_move(s)
+        yield s
 
 
-def _leased_gpu_objects_never_move(s):
+def test_leased_gpu_objects_never_move(full_store):
+    s = full_store
     hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(4)]  # the tier is full
     leases = [s.daemon.acquire(h, "r", owner="c", device=True) for h in hs]
     with pytest.raises(CapacityExceeded, match="GPU tier full"):
@@ -258,16 +261,8 @@ def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_st
     np.testing.assert_array_equal(s.get(h), want)
 
 
-def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(tmp_path):
-    # watermarks at 1.0: the background demoter leaves a full host tier full, so "full but
-    # for the held block" is a function of the puts alone
-    cfg = Config(host_bytes=16 << 20, nvme_dirs=[str(tmp_path)], nvme_bytes=128 << 20, gpu_bytes=4 << 20,
-                 gpu_slab_bytes=2 << 20, high_watermark=1.0, low_watermark=1.0)
-    with Store(cfg, gpu_backend=HostBackend()) as s:
-        _revoked_read_lease_keeps_its_block(s)
-
-
-def _revoked_read_lease_keeps_its_block(s):
+def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(full_store):
+    s = full_store  # "full but for the held block" is then a function of the puts alone
     h = s.put(np.full(1 << 20, 5, np.uint8), key="r", tier="host")
     lease = s.daemon.acquire(h, "r", owner="c")
     assert s.daemon.revoke(lease.lid, owner="c")
