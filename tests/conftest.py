@@ -9,6 +9,14 @@ from tierstore import Config, Store
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/faults.py is a module of the suite
 
+# The suite starts a few hundred Python processes (daemons, clients, torchrun ranks), most of
+# them importing torch. Where the environment forbids writing bytecode caches
+# (PYTHONDONTWRITEBYTECODE, common in containers) and the install skipped compiling
+# (``pip install --no-compile``), each of them would compile torch's sources again: about
+# 3 s of CPU apiece on a small machine. The tests let Python cache what it compiles.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
