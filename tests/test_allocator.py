@@ -126,3 +126,37 @@ def test_a_fenced_extent_is_not_handed_out_again_until_its_owner_goes():
     a.free(x, 4 * page)
     assert a.unfence("other") == 4 * page
     assert a.held_bytes == 0 and a.used_bytes == 0 and a.free_extents() == [(0, 16 * page)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_reserving_many_at_once_equals_reserving_one_by_one(seed):
+    """Replay reserves every live object's extents in one pass (``reserve_sorted``): the
+    free lists and counts it leaves are those of ``reserve`` called extent by extent, and an
+    extent that is not free, or two that overlap, refuse the whole list and change nothing."""
+    rng = random.Random(seed)
+    cap = 4096 * rng.randint(1, 300)
+    one, many = ExtentAllocator(cap), ExtentAllocator(cap)
+    for _ in range(rng.randint(0, 12)):  # the same fragmented start for both
+        n = rng.randint(1, 5 * 4096)
+        assert one.alloc(n) == many.alloc(n)
+    extents = []
+    for start, size in one.free_extents():
+        pos = start
+        while pos < start + size:
+            step = 4096 * rng.randint(1, max(1, min(3, (start + size - pos) // 4096)))
+            if rng.random() < 0.6:
+                extents.append((pos, step - rng.randint(0, 4095)))
+            pos += step
+    rng.shuffle(extents)
+    before = (many.free_extents(), many.used_bytes, many.largest_free)
+    if extents and rng.random() < 0.3:
+        bad = rng.choice([extents[0], (extents[0][0] + 4096 * cap, 1), (cap, 1)])
+        with pytest.raises(ValueError):
+            many.reserve_sorted(sorted(extents + [bad]))
+        assert (many.free_extents(), many.used_bytes, many.largest_free) == before
+    for off, n in extents:
+        one.reserve(off, n)
+    many.reserve_sorted(sorted(extents))
+    assert many.free_extents() == one.free_extents() and many.used_bytes == one.used_bytes
+    assert many.largest_free == one.largest_free
+    assert [many.alloc(4096) for _ in range(3)] == [one.alloc(4096) for _ in range(3)]

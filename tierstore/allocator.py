@@ -160,6 +160,39 @@ class ExtentAllocator:
             self._add_free(offset + size, start + fsize - offset - size)
         self.used_bytes += size
 
+    def reserve_sorted(self, extents: list[tuple[int, int]]) -> None:
+        """``reserve`` of many extents at once (journal replay: a million objects): the
+        free lists are rebuilt in one pass instead of being edited extent by extent.
+        ``extents``: ``(offset, nbytes)`` sorted by offset. All or nothing: raises
+        ValueError, changing nothing, if one is not free or two overlap."""
+        free = [(s, s + self._size_at[s]) for s in self._starts]
+        gaps: list[tuple[int, int]] = []
+        used, i, n = 0, 0, len(free)
+        fs, fe = free[0] if free else (0, 0)
+        for offset, nbytes in extents:
+            size = self.rounded(nbytes)
+            end = offset + size
+            while i < n and fe <= offset:  # free extents wholly before this one stay free
+                if fe > fs:
+                    gaps.append((fs, fe))
+                i += 1
+                if i < n:
+                    fs, fe = free[i]
+            if i == n or offset < fs or end > fe:
+                raise ValueError(f"extent ({offset}, {size}) is not free")
+            if offset > fs:
+                gaps.append((fs, offset))
+            fs = end  # (what follows it in this free extent stays free)
+            used += size
+        if i < n:
+            if fe > fs:
+                gaps.append((fs, fe))
+            gaps.extend(free[i + 1:])
+        self._starts = [s for s, _ in gaps]
+        self._size_at = {s: e - s for s, e in gaps}
+        self._by_size = sorted((e - s, s) for s, e in gaps)
+        self.used_bytes += used
+
     # -- internals -----------------------------------------------------------------------
     def _add_free(self, start: int, size: int) -> None:
         bisect.insort(self._starts, start)

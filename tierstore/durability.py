@@ -24,7 +24,7 @@ from .checksum import BLOCK_BYTES
 from .errors import InvalidArgument, PermissionDenied, StorageError, TierstoreError
 from .hostindex import HostIndexLog
 from .index import KeyIndex, ObjectMeta, validate_key, validate_namespace
-from .journal import Journal, pack as pack_record
+from .journal import Journal, ReplayResult, pack as pack_record
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .units import PAGE, align_up
@@ -233,26 +233,25 @@ class Durability:
         """Rebuild the durable index from the journal, losing only what is damaged (see
         ``Replay``); a damaged journal is kept aside before it is rewritten."""
         ix = self.index
-        res = self.journal.replay()
+        res = ReplayResult()
         rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
-        for r, payload in zip(res.records, res.payloads):
-            rp.apply(r, payload)
-        # each decoded record goes as soon as it is used: the objects built from them reuse
-        # the memory instead of adding to it (the journal's records are a million maps)
-        res.records = res.payloads = []
+        for r, payload in self.journal.stream(res):
+            rp.apply(r, payload)  # (each decoded record goes once applied: they are never all held)
         rp.settle()
-        dropped, specs = 0, {}
-        for oid in sorted(rp.live):
-            r = rp.live.pop(oid)
-            meta = ObjectMeta.from_record(r, specs)
-            meta.record = rp.payloads.pop(oid, None) or pack_record(r)
-            try:
-                self.nvme.reserve(meta.nvme)
-            except (ValueError, TierstoreError) as e:  # (validated and disjoint: not expected)
-                log.error("journal names object %s with extents the NVMe tier cannot hold; dropped: %s", oid, e)
-                dropped += 1
-                continue
-            ix.objects[oid] = meta
+        dropped, live = 0, rp.live
+        try:  # the usual case, in one pass: replay left the live objects' extents disjoint
+            self.nvme.reserve_all([e for m in live.values() for e in m.nvme])
+        except (ValueError, TierstoreError):
+            for oid in list(live):  # (not expected) one at a time, dropping those that fail
+                try:
+                    self.nvme.reserve(live[oid].nvme)
+                except (ValueError, TierstoreError) as e:
+                    log.error("journal names object %s with extents the NVMe tier cannot hold; dropped: %s",
+                              oid, e)
+                    del live[oid]
+                    dropped += 1
+        for oid in sorted(live):
+            ix.objects[oid] = live.pop(oid)
         ix.keys = KeyIndex({(m.namespace, m.key): m.id for m in ix.objects.values() if m.key is not None})
         self.owners.update(rp.owners)
         ix.epoch = (rp.epoch % 0xFFFF) + 1
@@ -309,44 +308,48 @@ class Replay:
 
     def __init__(self, *, ndrives: int, drive_bytes: int) -> None:
         self.ndrives, self.drive_bytes = ndrives, drive_bytes
-        self.live: dict[int, dict[str, Any]] = {}
-        self.payloads: dict[int, bytes] = {}
-        """The live objects' records as found, packed (those that held nothing else)."""
+        self.live: dict[int, ObjectMeta] = {}
+        """The live objects, built as their records come (``record``: the put record as
+        found, packed)."""
         self.owners: dict[str, int] = {}
         self.epoch, self.next_id = 0, 1
         self.malformed = self.superseded = self.owner_conflicts = 0
         self._space = [_Extents() for _ in range(ndrives)]
         self._key: dict[tuple[str, str], int] = {}
         self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
+        self._specs: dict[tuple, TensorSpec] = {}
+        """Validated (kind, dtype, shape, nbytes) -> the one TensorSpec the objects share."""
 
     def settle(self) -> None:
         """Every record is applied: let go of what only resolving conflicts needed (the
-        space and key maps), so the objects built next reuse that memory."""
+        space and key maps)."""
         self._space = [_Extents() for _ in range(self.ndrives)]
         self._key = {}
 
     def apply(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         """Apply one record; ``payload``: its packed form as found (kept as the live
         object's record, when it holds nothing but the object)."""
-        why = _check_record(r, self.ndrives, self.drive_bytes, self._ns_ok)
+        why = _check_record(r, self.ndrives, self.drive_bytes, self._ns_ok, self._specs)
         if why is not None:
             self.malformed += 1
             log.error("journal record skipped (%s): %.200r", why, r)
             return
-        for oid in r.get("fr") or ():
-            self._free(oid)
-        for name, uid in r.get("own") or ():
-            self._claim(name, uid)
+        if "fr" in r:
+            for oid in r["fr"] or ():
+                self._free(oid)
+        if "own" in r:
+            for name, uid in r["own"] or ():
+                self._claim(name, uid)
         op = r["op"]
-        if op == "open":
+        if op == "put":
+            self._put(r, payload)
+        elif op == "open":
             self.epoch = max(self.epoch, r["epoch"])
             self.next_id = max(self.next_id, r["next_id"])
         elif op == "ns":
             self._claim(r["name"], r["uid"])
         elif op == "free":
             self._free(r["id"])
-        elif op == "put":
-            self._put(r, payload)
 
     def _claim(self, name: str, uid: int) -> None:
         have = self.owners.setdefault(name, uid)
@@ -356,48 +359,51 @@ class Replay:
                       name, have, uid, have)
 
     def _free(self, oid: int) -> None:
-        self.next_id = max(self.next_id, oid + 1)
-        r = self.live.pop(oid, None)
-        if r is None:
+        if oid >= self.next_id:
+            self.next_id = oid + 1
+        m = self.live.pop(oid, None)
+        if m is None:
             return
-        self.payloads.pop(oid, None)
-        for e in r["ext"]:
-            self._space[e[0]].remove(e[1])
-        if r.get("key") is not None and self._key.get((r["ns"], r["key"])) == oid:
-            del self._key[(r["ns"], r["key"])]
+        for e in m.nvme:
+            self._space[e.dev].remove(e.file_offset)
+        if m.key is not None and self._key.get((m.namespace, m.key)) == oid:
+            del self._key[(m.namespace, m.key)]
 
     def _put(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         oid = r["id"]
-        self.next_id = max(self.next_id, oid + 1)
-        self.epoch = max(self.epoch, r["gen"])
+        if oid >= self.next_id:
+            self.next_id = oid + 1
+        if r["gen"] > self.epoch:
+            self.epoch = r["gen"]
         if r.get("nsuid") is not None:
             self._claim(r["ns"].split("/")[0], r["nsuid"])
-        self._free(oid)  # an earlier record of the same object (a write-back): this one is newer
-        for dev, off, _, n in r["ext"]:
+        if oid in self.live:
+            self._free(oid)  # an earlier record of the same object (a write-back): this one is newer
+        ext = r["ext"]
+        for dev, off, _, n in ext:
             for other in self._space[dev].overlapping(off, align_up(max(n, 1), PAGE)):
                 if other != oid and other in self.live:
                     log.warning("journal: object %d's space was reused by object %d; it was freed", other, oid)
                     self.superseded += 1
                     self._free(other)
-        if r.get("key") is not None:
+        key = r.get("key")
+        if key is not None:
             # (a replace journals the new object's put before the old one's free: no damage needed)
-            k = (r["ns"], r["key"])
+            k = (r["ns"], key)
             other = self._key.get(k)
             if other is not None and other > oid:
                 return  # a late record of an object already replaced: it was on its way out
             if other is not None:
                 self._free(other)
             self._key[k] = oid
-        for dev, off, _, n in r["ext"]:
+        for dev, off, _, n in ext:
             self._space[dev].add(off, align_up(max(n, 1), PAGE), oid)
         if "fr" in r or "own" in r:  # (echoes are not its own)
-            payload = None
             r = {k: v for k, v in r.items() if k not in ("fr", "own")}
-        self.live[oid] = r
-        if payload is not None:
-            self.payloads[oid] = payload
-        else:
-            self.payloads.pop(oid, None)
+            payload = None
+        meta = ObjectMeta.from_record(r, self._specs)
+        meta.record = payload if payload is not None else pack_record(r)
+        self.live[oid] = meta
 
 
 class _Extents:
@@ -441,8 +447,11 @@ def _ints(vs: list[Any], lo: int = 0, hi: int = 1 << 63) -> bool:
     return True
 
 
-def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[str] | None = None) -> str | None:
-    """Why the record cannot be applied, or None. Every field a replay reads is checked."""
+def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[str] | None = None,
+                  specs: dict[tuple, Any] | None = None) -> str | None:
+    """Why the record cannot be applied, or None. Every field a replay reads is checked.
+    ``ns_ok``, ``specs``: namespaces and (kind, dtype, shape, nbytes) already found valid,
+    which are not checked again."""
     op = r.get("op")
     fr, own = r.get("fr"), r.get("own")
     if fr is not None and not (isinstance(fr, list) and _ints(fr, 1, _ID_LIMIT)):
@@ -478,15 +487,22 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[
         return "put: bad 'ns' or 'key'"
     if r.get("nsuid") is not None and not _is_int(r["nsuid"], 0, 1 << 32):
         return "put: bad 'nsuid'"
-    if r.get("kind") not in ("torch", "numpy") or not isinstance(r.get("dtype"), str) \
-            or not 0 < len(r["dtype"]) <= 32:
-        return "put: bad 'kind' or 'dtype'"
     shape, nbytes = r.get("shape"), r.get("nbytes")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and _ints(shape)) \
-            or not _is_int(nbytes):
-        return "put: bad 'shape' or 'nbytes'"
-    if nbytes and not all(shape):
-        return "put: 'nbytes' disagrees with 'shape'"
+    known = False
+    if specs is not None and type(shape) is list and type(nbytes) is int and _ints(shape):
+        try:
+            known = (r.get("kind"), r.get("dtype"), tuple(shape), nbytes) in specs
+        except TypeError:  # (an unhashable kind or dtype: checked below, and refused)
+            pass
+    if not known:
+        if r.get("kind") not in ("torch", "numpy") or not isinstance(r.get("dtype"), str) \
+                or not 0 < len(r["dtype"]) <= 32:
+            return "put: bad 'kind' or 'dtype'"
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and _ints(shape)) \
+                or not _is_int(nbytes):
+            return "put: bad 'shape' or 'nbytes'"
+        if nbytes and not all(shape):
+            return "put: 'nbytes' disagrees with 'shape'"
     ext, crc = r.get("ext"), r.get("crc")
     if not isinstance(ext, list) or not ext and nbytes:
         return "put: bad 'ext'"

@@ -105,16 +105,25 @@ class Journal:
         """Every valid record, in order. Nothing is changed on disk: the caller rewrites a
         damaged journal (after ``keep_aside``) once it has rebuilt the index."""
         res = ReplayResult()
+        for rec, payload in self.stream(res):
+            res.records.append(rec)
+            res.payloads.append(payload)
+        return res
+
+    def stream(self, res: ReplayResult) -> Iterator[tuple[dict[str, Any], bytes]]:
+        """``replay`` one record at a time: ``(record, payload as found)`` for each valid
+        record, in order, counting the damage in ``res`` (complete once exhausted) instead
+        of collecting the records, so a caller that uses each record as it comes never
+        holds them all."""
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            return res
+            return
         header = _HEADER.size
         for start, end, rec in scan(data):
             if rec is not None:
-                res.records.append(rec)
-                res.payloads.append(data[start + header:end])
+                yield rec, data[start + header:end]
             elif end == len(data):
                 res.torn_bytes = end - start
                 log.warning("journal %s: %d bytes at the end hold no valid record (torn tail); dropped",
@@ -123,7 +132,6 @@ class Journal:
                 res.corrupt_records += 1
                 res.corrupt_bytes += end - start
                 log.error("journal %s: %d damaged bytes at offset %d skipped", self.path, end - start, start)
-        return res
 
     def keep_aside(self) -> str | None:
         """Keep the journal as it is now under ``journal.damaged-<UTC time>`` (a hard link:

@@ -236,6 +236,30 @@ class NvmeTier:
                     raise InvalidArgument(f"extent on drive {e.dev}, but only {len(self.drives)} configured")
                 self.drives[e.dev].alloc.reserve(e.file_offset, e.nbytes)
 
+    def reserve_all(self, extents: list[Extent]) -> None:
+        """``reserve`` of every extent of every replayed object at once: all or nothing
+        (ValueError or InvalidArgument, nothing reserved, when one is not free or two overlap)."""
+        by_dev: list[list[tuple[int, int]]] = [[] for _ in self.drives]
+        for e in extents:
+            if e.dev >= len(self.drives):
+                raise InvalidArgument(f"extent on drive {e.dev}, but only {len(self.drives)} configured")
+            by_dev[e.dev].append((e.file_offset, e.nbytes))
+        with self._lock:
+            # each drive's list is checked whole before it is applied; a later drive that
+            # fails gives the earlier ones back
+            done = []
+            try:
+                for drv, mine in zip(self.drives, by_dev):
+                    if mine:
+                        mine.sort()
+                        drv.alloc.reserve_sorted(mine)
+                        done.append((drv, mine))
+            except ValueError:
+                for drv, mine in done:
+                    for off, n in mine:
+                        drv.alloc.free(off, n)
+                raise
+
     def _ensure_file_size(self, drv: _Drive, end: int) -> None:
         if end <= drv.file_size:
             return
