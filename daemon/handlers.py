@@ -2,16 +2,19 @@
 
 One function per op. A handler called with ``nowait=True`` (on the event loop)
 raises ``WouldBlock`` rather than wait or touch the disk; the server then runs it
-again on a worker thread with ``nowait=False``.
+again on a worker thread with ``nowait=False``. A durable put returns a ``Future`` of
+its reply instead: the group committer makes it durable and the server answers then.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
 
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
+from tierstore.groupcommit import then
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.batch import MAX_EACH
 from tierstore.leases import MAX_BATCH
@@ -75,6 +78,14 @@ def _spec(msg: dict[str, Any]) -> TensorSpec:
     if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
         raise InvalidArgument(f"nbytes {nbytes} does not match shape {shape} of {dtype}")
     return TensorSpec(kind, dtype, tuple(shape), nbytes)
+
+
+def _handle_reply(h: Handle | Future) -> dict[str, Any] | Future:
+    """A put's reply; for a durable put committed from the event loop, a future of it
+    (the server answers once the group commit has made it durable)."""
+    if isinstance(h, Future):
+        return then(h, lambda h: {"handle": int(h)})
+    return {"handle": int(h)}
 
 
 def _lease_reply(info) -> dict[str, Any]:
@@ -169,12 +180,11 @@ class Handlers:
         spec = _spec(msg)
         src = field(msg, "src", int, min_value=0)
         args = self._put_args(sess, msg, nowait)
-        h = self.store.daemon.put_staged(args.pop("owner"), src, spec, **args)
-        return {"handle": int(h)}
+        return _handle_reply(self.store.daemon.put_staged(args.pop("owner"), src, spec, **args))
 
     def put_commit(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         rid = field(msg, "rid", int, min_value=0)
-        return {"handle": int(self.store.daemon.commit_put(rid, owner=sess, nowait=nowait))}
+        return _handle_reply(self.store.daemon.commit_put(rid, owner=sess, nowait=nowait))
 
     def put_abort(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
         self.store.daemon.abort_put(field(msg, "rid", int, min_value=0), owner=sess)

@@ -3,7 +3,9 @@
 One event-loop thread owns every socket. A request that can finish without waiting
 (a lookup, a get of a host-resident object, a volatile put) runs right there;
 anything that may wait or touch the disk goes to a worker pool, and its reply comes
-back through a queue plus a wake-up pipe. So the loop never blocks on disk I/O, a
+back through a queue plus a wake-up pipe. A durable put is handed to the store's group
+committer instead (its handler returns a future), and its reply comes back the same
+way once the batch it joined is durable. So the loop never blocks on disk I/O, a
 lock held across an fsync, or a slow client (replies that do not fit in the socket
 buffer wait in a per-connection outbox, bounded in bytes: a client that stops reading
 is disconnected, not allowed to grow the daemon). A reply bigger than one packet
@@ -42,7 +44,7 @@ import stat as stat_mod
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -513,6 +515,11 @@ class Server:
             sess.hello_pending = False
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
             return
+        if isinstance(result, Future):  # a durable put: answered once the group commit is done
+            sess.inflight += 1
+            result.add_done_callback(
+                lambda f: self._finish(sess, rid, *_outcome(f.result, rid, op), time.perf_counter() - t0))
+            return
         self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
             sess.hello_pending = False
@@ -526,16 +533,10 @@ class Server:
         moves it to a wait thread) or on a wait thread."""
         try:
             with wait_context(park=park, abandoned=lambda: sess.closed):
-                result = fn(sess, msg, False)
-            out = (reply_ok(rid, result), op, None)
+                out = _outcome(lambda: fn(sess, msg, False), rid, op)
         except WouldWait:
             self._to_wait(sess, (fn, msg, rid, op, t0))
             return
-        except TierstoreError as e:
-            out = (reply_err(rid, e), op, e.code)
-        except Exception as e:
-            log.exception("op %s failed", op)
-            out = (reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal")
         self._finish(sess, rid, *out, time.perf_counter() - t0)
 
     def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
@@ -778,6 +779,20 @@ class Server:
         st = self.store.stat()
         st.update(self._server_stats())
         return st
+
+
+def _outcome(get, rid: int, op: str) -> tuple[bytes, str, str | None]:
+    """The reply to request ``rid`` from ``get()`` (its result, or the error it raises),
+    with its op and error code; ``WouldBlock`` passes on."""
+    try:
+        return reply_ok(rid, get()), op, None
+    except WouldBlock:
+        raise
+    except TierstoreError as e:
+        return reply_err(rid, e), op, e.code
+    except Exception as e:
+        log.exception("op %s failed", op)
+        return reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal"
 
 
 def _root_reserve(max_clients: int) -> int:

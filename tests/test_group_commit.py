@@ -240,3 +240,103 @@ def test_put_async_keeps_small_puts_in_flight_on_one_connection(daemon):
     daemon.start()
     with daemon.client("job") as c:  # the durable ones were on disk when their futures completed
         assert sorted(c.keys(prefix="p1/")) == sorted(f"p1/{k}" for k in range(100))
+
+
+def test_a_failed_data_sync_fails_every_put_of_its_batch_and_publishes_none(make_store, monkeypatch):
+    """The group committer syncs a batch's bytes once per drive before it appends any
+    record: a failed sync fails every put of the batch with a typed error, publishes
+    none of them and gives their space back; the next batch syncs again."""
+    s = make_store()
+    used_nvme, used_host = s.nvme.used_bytes, s.host.used_bytes
+    real = os.fdatasync
+    entered, release = threading.Event(), threading.Event()
+    data_syncs = []
+
+    def fdatasync(fd):
+        if fd == s.journal._fd:
+            return real(fd)
+        data_syncs.append(fd)
+        entered.set()
+        release.wait(10)  # the first batch's sync waits here while the others queue behind it
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    errors = {}
+
+    def putter(k):
+        try:
+            s.put(torch.full((64,), float(k)), key=f"k{k}", durable=True)
+        except Exception as e:
+            errors[k] = e
+
+    first = threading.Thread(target=putter, args=(0,))
+    first.start()
+    assert entered.wait(10)
+    rest = [threading.Thread(target=putter, args=(k,)) for k in range(1, 8)]
+    for t in rest:
+        t.start()
+    poll_until(lambda: len(s.puts.committer._queue) == 7, "seven commits queue behind the failing sync")
+    release.set()
+    for t in [first, *rest]:
+        t.join(10)
+    assert len(data_syncs) == 2, "one data sync per batch"
+    assert sorted(errors) == list(range(8))
+    assert all(isinstance(e, StorageError) and "syncing" in str(e) for e in errors.values()), errors
+    assert all(s.lookup(f"k{k}") is None for k in range(8)), "a put whose bytes were not synced was published"
+    assert (s.nvme.used_bytes, s.host.used_bytes) == (used_nvme, used_host)
+    assert s.stat()["reservations"] == 0
+    monkeypatch.setattr(os, "fdatasync", real)
+    s.put(torch.ones(4), key="k0", durable=True)  # the next batch syncs again
+    assert torch.equal(s.get(s.lookup("k0")), torch.ones(4))
+
+
+KILLER = r"""
+import os, signal, sys, threading, torch
+from tierstore import Config, Store
+s = Store(Config(host_bytes="16MiB", nvme_dirs=[sys.argv[1]], nvme_bytes="512MiB", io_chunk_bytes="1MiB",
+                 nvme_grow_bytes="16MiB"))
+owner = s.nvme if sys.argv[2] == "data" else s.durability
+name = "sync_drives" if sys.argv[2] == "data" else "commit"
+real, calls = getattr(owner, name), []
+def killing(*args):
+    calls.append(1)
+    if len(calls) == 6:  # the sixth batch dies between its writes and their sync
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args)
+setattr(owner, name, killing)
+out = threading.Lock()
+def run(k):
+    for i in range(10 ** 6):
+        s.put(torch.arange(100 + 37 * k + i, dtype=torch.int32) + k * 1000003 + i, key=f"w{k}/{i}", durable=True)
+        with out:
+            print(f"done {k} {i}", flush=True)
+for k in range(8):
+    threading.Thread(target=run, args=(k,), daemon=True).start()
+threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("window", ["data", "journal"])
+def test_sigkill_inside_a_group_commit_loses_nothing_acknowledged_and_leaves_no_half_object(make_store, nvme_dir,
+                                                                                          window):
+    """SIGKILL in the middle of a batch: after its bytes are written but before their
+    sync (``data``), or after its records are appended and its objects published but
+    before the journal's sync (``journal``). Every put acknowledged before is there and
+    whole; any put of the batch that is there is whole."""
+    p = subprocess.run([sys.executable, "-c", KILLER, nvme_dir, window], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    done = {tuple(map(int, line.split()[1:])) for line in p.stdout.splitlines() if line.startswith("done")}
+    assert done, "no put was acknowledged before the kill"
+
+    def expected(k, i):
+        return torch.arange(100 + 37 * k + i, dtype=torch.int32) + k * 1000003 + i
+
+    s = make_store(host_bytes="16MiB")
+    for k, i in done:
+        h = s.lookup(f"w{k}/{i}")
+        assert h is not None, f"w{k}/{i} was acknowledged as durable but is missing after SIGKILL"
+        assert torch.equal(s.get(h), expected(k, i))
+    for key in s.keys(prefix="w"):
+        k, i = map(int, key[1:].split("/"))
+        assert torch.equal(s.get(s.lookup(key)), expected(k, i))

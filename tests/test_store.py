@@ -405,13 +405,16 @@ def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durab
     res = s.daemon.reserve_put(spec, key="k", tier=tier, durable=durable, replace=False, namespace="default", owner="c1")
     s.arena.view(res.host_off, spec.nbytes)[:] = u8
     written, go = threading.Event(), threading.Event()
-    real = s.placement.write_down
+    # a durable commit is written down by the group committer (``land_many``), any other by ``write_down``
+    name = "land_many" if durable else "write_down"
+    real = getattr(s.placement, name)
 
-    def slow_write_down(meta, *, sync):
-        real(meta, sync=sync)
+    def slow_write_down(*args, **kw):
+        r = real(*args, **kw)
         written.set()
         go.wait(10)
-    s.placement.write_down = slow_write_down
+        return r
+    setattr(s.placement, name, slow_write_down)
     out = {}
     committer = threading.Thread(target=lambda: out.setdefault("h", s.daemon.commit_put(res.rid, owner="c1")))
     committer.start()

@@ -13,6 +13,7 @@ that does it. ``nowait=True``: the call runs on the daemon's event loop and rais
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Any
 
 from .durability import Durability
@@ -44,8 +45,9 @@ class DaemonSurface:
         """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
         return self.puts.reserve(spec, **kw)
 
-    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
-        """Second phase: the reserved object becomes visible (``Puts.commit``)."""
+    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Future:
+        """Second phase: the reserved object becomes visible (``Puts.commit``; ``nowait`` and
+        durable: a ``Future`` of the handle)."""
         return self.puts.commit(rid, owner=owner, nowait=nowait)
 
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
@@ -56,7 +58,7 @@ class DaemonSurface:
         through the daemon pass through it in one round trip."""
         return self.placement.staging_area(owner, nbytes)
 
-    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle:
+    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle | Future:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
         return self.puts.put_staged(owner, src, spec, **kw)
 

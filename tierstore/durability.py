@@ -75,21 +75,46 @@ class Durability:
                 raise WouldBlock()
         else:
             self.lock.acquire()
-        cv = self.index.cv
         try:
-            # journal lock held across check, append and publish: no other put can bind
-            # the same key in between, and compaction sees either both or neither
-            with cv:
-                self.index.check_key(meta.namespace, meta.key, replace)
-            if meta.durable:
-                self.journal_put(meta, sync=False)  # made durable by the group commit below
-            with cv:
-                old = publish()
+            old = self._append_and_publish(meta, replace, publish)
         finally:
             self.lock.release()
         if meta.durable:
             self.commit()
         return old
+
+    def record_puts(self, puts: list[tuple[ObjectMeta, bool, Callable[[], ObjectMeta | None]]]
+                    ) -> list[ObjectMeta | None | Exception]:
+        """``record_put`` for a batch of durable puts (``meta, replace, publish`` each): every
+        record appended and every object published in one hold of the journal lock, then
+        one group commit for all of them. Per put what it replaced, or the error that
+        failed it (a put that fails its key check is not appended; a failed commit fails
+        every put of the batch, as it fails ``record_put``)."""
+        out: list[ObjectMeta | None | Exception] = []
+        with self.lock:
+            for meta, replace, publish in puts:
+                try:
+                    out.append(self._append_and_publish(meta, replace, publish))
+                except Exception as e:  # this put fails; the others go on
+                    out.append(e)
+        if any(not isinstance(r, Exception) for r in out):
+            try:
+                self.commit()
+            except Exception as e:
+                return [e] * len(out)
+        return out
+
+    def _append_and_publish(self, meta: ObjectMeta, replace: bool, publish: Callable[[], ObjectMeta | None]
+                            ) -> ObjectMeta | None:
+        # (under the journal lock) held across check, append and publish: no other put can
+        # bind the same key in between, and compaction sees either both or neither
+        cv = self.index.cv
+        with cv:
+            self.index.check_key(meta.namespace, meta.key, replace)
+        if meta.durable:
+            self.journal_put(meta, sync=False)  # made durable by the group commit after the lock
+        with cv:
+            return publish()
 
     def journal_free(self, oid: int) -> None:
         """A free, journaled and synced: once this returns it is never undone."""

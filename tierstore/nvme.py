@@ -296,15 +296,63 @@ class NvmeTier:
         else:
             self._gather([self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, crcs)
                           for e, c_off, c_len in chunks], extents)
-        if sync:
-            for dev in {e.dev for e in extents}:
-                drv = self.drives[dev]
-                try:
-                    drv.sync.sync()  # the journal record that names these bytes comes after this
-                except OSError as err:
-                    raise _io_error(err, drv.path, "syncing") from None
+        if sync:  # the journal record that names these bytes comes after this
+            self.sync_drives({e.dev for e in extents})
         self.bytes_written += nbytes
         return crcs
+
+    def write_many(self, writes: list[tuple[list[Extent], np.ndarray, np.ndarray | None]]) -> list[list[int] | Exception]:
+        """Write several objects (each ``write``'s ``extents, src, src_padded``), unsynced;
+        per object its CRC32Cs, or the error that failed its write.
+
+        The group committer's write: small objects (one extent, one request) whose
+        buffers the kernel can take as they are go out in one ``pwritev`` per run of
+        adjacent extents on a drive, so a batch of page-sized puts costs a few requests,
+        not one each. Larger objects go through ``write``."""
+        out: list[list[int] | Exception | None] = [None] * len(writes)
+        runs: dict[int, list[tuple[int, int, np.ndarray]]] = {}  # drive -> (file offset, index, buffer)
+        for i, (extents, src, padded) in enumerate(writes):
+            n = src.nbytes
+            if len(extents) == 1 and 0 < n <= min(self.chunk_bytes, BLOCK_BYTES):
+                drv = self.drives[extents[0].dev]
+                io = self._io_buffer(src, padded, 0, n, drv.direct)
+                if io is not None:
+                    out[i] = [crc32c(src)]
+                    runs.setdefault(drv.index, []).append((extents[0].file_offset, i, io))
+                    continue
+            try:
+                out[i] = self.write(extents, src, src_padded=padded) if n else []
+            except Exception as e:  # this object fails; the others go on
+                out[i] = e
+        for dev, parts in runs.items():
+            drv = self.drives[dev]
+            parts.sort(key=lambda p: p[0])
+            start = 0
+            for k in range(1, len(parts) + 1):
+                # a run ends at a gap between extents, or at the kernel's limit on buffers per call
+                if k < len(parts) and parts[k][0] == parts[k - 1][0] + parts[k - 1][2].nbytes and k - start < 512:
+                    continue
+                run = parts[start:k]
+                try:
+                    _pwritev_all(drv.file.fileno(), [p[2] for p in run], run[0][0])
+                except OSError as e:
+                    err = _io_error(e, drv.path, "I/O on")
+                    for p in run:
+                        out[p[1]] = err
+                start = k
+        self.bytes_written += sum(src.nbytes for (_, src, _), r in zip(writes, out) if not isinstance(r, Exception))
+        return out  # type: ignore[return-value]
+
+    def sync_drives(self, devs: set[int]) -> None:
+        """fdatasync the data files of drives ``devs`` (shared with concurrent syncs of the
+        same file): every write to them that returned before this call is then on stable
+        storage."""
+        for dev in sorted(devs):
+            drv = self.drives[dev]
+            try:
+                drv.sync.sync()
+            except OSError as err:
+                raise _io_error(err, drv.path, "syncing") from None
 
     def read(self, extents: list[Extent], dst: np.ndarray, checksums: list[int], *,
              dst_padded: np.ndarray | None = None, priority: int = 0) -> None:
@@ -435,6 +483,21 @@ class NvmeTier:
         return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason,
                  "capacity_bytes": d.alloc.capacity, "used_bytes": d.alloc.used_bytes,
                  "file_bytes": d.file_size, "reserved": d.file_size >= d.alloc.capacity} for d in self.drives]
+
+
+def _pwritev_all(fd: int, bufs: list[np.ndarray], offset: int) -> None:
+    """Write ``bufs`` back to back at ``offset``, going on after a short write."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _fallocate(fd: int, offset: int, length: int) -> int:

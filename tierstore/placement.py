@@ -353,6 +353,42 @@ class Placement:
             self.write_down(meta, sync=meta.durable)
         return Landing(self, meta, tier, gpu_loc)
 
+    def land_many(self, puts: list[tuple[ObjectMeta, str | None, int | None]]) -> list["Landing | Exception"]:
+        """``land`` for a batch of durable commits (``meta, tier, gpu_loc`` each): every
+        object's bytes written to fresh NVMe extents, then one sync per drive written to;
+        per commit its ``Landing``, or the error that failed it. A failed sync fails every
+        commit of the batch (none of them is published; their extents go back)."""
+        out: list[Landing | Exception] = []
+        taken: list[tuple[int, ObjectMeta, list]] = []
+        for meta, tier, gpu_loc in puts:
+            try:
+                taken.append((len(out), meta, self.nvme_take(meta.nbytes, demoting=False)))
+                out.append(Landing(self, meta, tier, gpu_loc))
+            except Exception as e:  # this commit fails; the others go on
+                out.append(e)
+        views = self.arena.view
+        crcs = self.nvme.write_many([(ext, views(m.host_off, m.nbytes), views(m.host_off, align_up(m.nbytes, PAGE)))
+                                     if m.nbytes else (ext, np.empty(0, np.uint8), None) for _, m, ext in taken])
+        written = []
+        for (i, meta, extents), c in zip(taken, crcs):
+            if isinstance(c, Exception):
+                out[i] = c
+                self.nvme.free(extents)
+            else:
+                written.append((i, meta, extents, c))
+        try:
+            # the records that name these bytes are appended only after this
+            self.nvme.sync_drives({e.dev for _, _, extents, _ in written for e in extents})
+        except Exception as e:
+            for i, _, extents, _ in written:
+                out[i] = e
+                self.nvme.free(extents)
+            return out
+        with self.index.cv:
+            for _, meta, extents, c in written:
+                meta.nvme, meta.crcs, meta.nvme_valid = extents, c, True
+        return out
+
     # ------------------------------------------------------------------ reads
     def read(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
         """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them.

@@ -9,13 +9,17 @@ prefetcher (a staged get is an access it learns from). A commit passes through t
 once, in order: placement (``land``: the write-down; it hands back a ``Landing``, what
 it does after the publish), durability (``record_put``: the record, the publish it is
 given, the group commit), the index (``publish``, run inside that call), and last the
-landing's own steps (admit the new object, discard the one it replaced).
+landing's own steps (admit the new object, discard the one it replaced). A durable
+commit takes the first three steps a batch at a time on the group committer
+(``groupcommit.py``); ``commit`` waits for it, or, from the daemon's event loop, hands
+back a future.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +28,11 @@ import numpy as np
 from .errors import CapacityExceeded, InvalidArgument, NotFound
 from .index import Handle, ObjectMeta
 from .leases import LOCAL
-from .placement import Placement
+from .placement import Landing, Placement
 from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
 from .durability import Durability
+from .groupcommit import GroupCommit, then
 from .tensors import TensorSpec, cuda_source, to_bytes
 from .units import PAGE, align_up
 from .waits import WouldBlock
@@ -63,6 +68,8 @@ class Puts:
         self.cv = index.cv
         self.counters = index.counters
         self.reservations: dict[int, Reservation] = {}
+        self.committer = GroupCommit(placement, durability)
+        """Durable commits go through it, a batch at a time."""
 
     def put(self, tensor: Any, key: str | None, tier: str | None, durable: bool, replace: bool, ns: str,
             wait_s: float, ephemeral: bool) -> Handle:
@@ -167,8 +174,10 @@ class Puts:
             self.reservations[oid] = res
             return res
 
-    def commit(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle:
-        """Second phase: make the reserved object visible (and durable, if asked)."""
+    def commit(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Future:
+        """Second phase: make the reserved object visible (and durable, if asked). A durable
+        commit goes to the group committer; ``nowait`` (the daemon's event loop): it is not
+        waited for, and a ``Future`` of the handle is returned instead."""
         with self.cv:
             res = self.reservations.get(rid)
             if res is None or res.owner != owner:
@@ -177,26 +186,42 @@ class Puts:
             meta = res.meta
             if res.committing:
                 raise InvalidArgument(f"reservation {rid} is already being committed")
-            if nowait and (meta.durable or res.tier == "nvme"):
+            if nowait and res.tier == "nvme" and not meta.durable:
                 raise WouldBlock()
             meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
             # from here the commit owns the reservation: a client that dies now (its
             # connection's cleanup aborts what it left open) cannot pull the block and the
             # extents from under the write-down and publish an object without its bytes
             res.committing = True
-        landing = None
 
-        def publish() -> ObjectMeta | None:  # (under cv, run by durability)
+        def publish(landing: Landing) -> ObjectMeta | None:  # (under cv, run by durability)
             self.reservations.pop(rid, None)
             old = self.index.publish(meta)  # (the replaced one is ``freeing`` from here)
             landing.placed()
             return old
 
+        if meta.durable:
+            try:
+                done = self.committer.submit(meta, tier=res.tier, gpu_loc=res.gpu_loc, replace=res.replace,
+                                             publish=publish)
+            except BaseException:
+                self._give_up(rid, owner)
+                raise
+            if nowait:
+                return then(done, lambda r: self._committed(meta, *r, later=True),
+                             lambda: self._give_up(rid, owner))
+            try:
+                landing, old = done.result()
+            except BaseException:
+                self._give_up(rid, owner)
+                raise
+            return self._committed(meta, landing, old, later=False)
         try:
             landing = self.placement.land(meta, tier=res.tier, gpu_loc=res.gpu_loc)
-            old = self.durability.record_put(meta, replace=res.replace, publish=publish, nowait=nowait)
+            old = self.durability.record_put(meta, replace=res.replace, publish=lambda: publish(landing),
+                                             nowait=nowait)
         except WouldBlock:
-            # a durable op is syncing the journal: nothing was done; the commit runs again
+            # a durable op holds the journal lock: nothing was done; the commit runs again
             # off the event loop
             with self.cv:
                 meta.moving = res.committing = False
@@ -204,20 +229,29 @@ class Puts:
         except BaseException:
             self._give_up(rid, owner)
             raise
+        return self._committed(meta, landing, old, later=nowait)
+
+    def _committed(self, meta: ObjectMeta, landing: Landing, old: ObjectMeta | None, *, later: bool) -> Handle:
+        """The commit is done (durable, if asked): count it, discard what it replaced."""
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
-        landing.settle(old, later=nowait)
+        landing.settle(old, later=later)
         return meta.handle
+
+    def close(self) -> None:
+        """Commit the durable commits queued, then stop the group committer."""
+        self.committer.close()
 
     def put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
                    durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
-                   nowait: bool = False, ephemeral: bool = False) -> Handle:
-        """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
+                   nowait: bool = False, ephemeral: bool = False) -> Handle | Future:
+        """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area
+        (``nowait`` and durable: a ``Future`` of the handle, see ``commit``)."""
         with self.cv:
             area = self.placement.staging_of(owner)
         if area is None or src < 0 or src + spec.nbytes > area[1]:
             raise InvalidArgument("staged bytes lie outside this connection's staging area")
-        if nowait and (durable or tier == "nvme"):
+        if nowait and tier == "nvme" and not durable:
             raise WouldBlock()
         res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
                            owner=owner, wait_s=wait_s, nowait=nowait, ephemeral=ephemeral)
@@ -225,7 +259,7 @@ class Puts:
         if spec.nbytes:
             view(res.host_off, spec.nbytes)[:] = view(area[0] + src, spec.nbytes)
         try:
-            return self.commit(res.rid, owner=owner, nowait=nowait)
+            return self.commit(res.rid, owner=owner, nowait=nowait)  # (nowait, durable: a Future)
         except WouldBlock:
             self.abort(res.rid, owner=owner)
             raise
@@ -350,3 +384,4 @@ class Puts:
     def _check_ephemeral(ephemeral: bool, durable: bool) -> None:
         if ephemeral and durable:
             raise InvalidArgument("an ephemeral object is freed when its connection ends: it cannot be durable")
+

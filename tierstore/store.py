@@ -497,6 +497,7 @@ class Store:
                 return
             ix.closed = True
             ix.cv.notify_all()
+        self.puts.close()  # durable commits already queued finish first
         self.placement.close()
         self.prefetcher.close()
         self.engine.close()
