@@ -330,6 +330,8 @@ class Server:
             self.store.daemon.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
         self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
         self._waits.shutdown(wait=True)
+        if self.store is not None:
+            self.store.daemon.finish_commits()  # durable puts handed to the group committer are answered too
         self._drain_done()
         for sess in list(self._sessions.values()):
             self._close(sess, sync=True)
@@ -517,8 +519,7 @@ class Server:
             return
         if isinstance(result, Future):  # a durable put: answered once the group commit is done
             sess.inflight += 1
-            result.add_done_callback(
-                lambda f: self._finish(sess, rid, *_outcome(f.result, rid, op), time.perf_counter() - t0))
+            result.add_done_callback(lambda f: self._committed(sess, rid, op, t0, f))
             return
         self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
@@ -538,6 +539,16 @@ class Server:
             self._to_wait(sess, (fn, msg, rid, op, t0))
             return
         self._finish(sess, rid, *out, time.perf_counter() - t0)
+
+    def _committed(self, sess: Session, rid: int, op: str, t0: float, done: Future) -> None:
+        """(on the group committer's thread) A durable put's commit is done: its reply goes
+        out; a connection that went away meanwhile is cleaned up on a control thread, so
+        the committer goes on with the next batch."""
+        out = (*_outcome(done.result, rid, op), time.perf_counter() - t0)
+        if sess.closed:
+            self._control.submit(self._finish, sess, rid, *out)
+        else:
+            self._finish(sess, rid, *out)
 
     def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
         if sess.closed:

@@ -50,6 +50,11 @@ class DaemonSurface:
         durable: a ``Future`` of the handle)."""
         return self.puts.commit(rid, owner=owner, nowait=nowait)
 
+    def finish_commits(self) -> None:
+        """Commit the durable puts already handed to the group committer, and take no more
+        (the daemon is stopping; ``Store.close`` would do it too, after the replies are gone)."""
+        self.puts.close()
+
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
         self.puts.abort(rid, owner=owner)
 
