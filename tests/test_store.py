@@ -1,11 +1,13 @@
 """The in-process store against real files with O_DIRECT."""
 
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 from conftest import poll_until
+from tierstore.tensors import TensorSpec
 
 from tierstore.leases import WouldBlock
 from tierstore import (Busy, CapacityExceeded, ChecksumMismatch, Handle, InvalidArgument, KeyExists, NotFound,
@@ -591,3 +593,48 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
     for h in (src, dst, hot, small):
         s.free(h)
     poll_until(lambda: s.stat()["tiers"]["host"]["used_bytes"] == 0, "the host tier empties")
+
+
+def test_a_put_waits_for_the_space_a_replace_gave_up_instead_of_failing(make_store):
+    """A replace committed for the daemon (``nowait``: its event loop never waits on a
+    discard) discards the replaced object off the caller's path. A put that finds the host
+    tier full meanwhile (the rest checked out) waits for that discard instead of failing
+    with CapacityExceeded, however late it runs."""
+    s = make_store(host_bytes="1MiB", high_watermark=1.0, low_watermark=1.0)
+    blk = 448 << 10  # two fit, with the tier's read reserve
+    s.put(torch.zeros(blk, dtype=torch.uint8), key="a", tier="host")
+    gate, started = threading.Event(), threading.Event()
+    discard = s.placement.discard
+
+    def slow_discard(meta):  # the replaced object's discard runs late
+        started.set()
+        gate.wait(10)
+        discard(meta)
+
+    s.placement.discard = slow_discard
+    owner = object()
+    spec = TensorSpec("torch", "uint8", (blk,), blk)
+    res = s.daemon.reserve_put(spec, key="a", tier="host", durable=False, replace=True, namespace="default",
+                               owner=owner)
+    s.arena.view(res.host_off, blk)[:] = 1
+    a2 = s.daemon.commit_put(res.rid, owner=owner, nowait=True)
+    held = s.checkout(a2, "r")  # nothing in the tier can be demoted now
+    assert started.wait(10)
+    result = []
+
+    def put_b():
+        try:
+            result.append(s.put(torch.full((blk,), 7, dtype=torch.uint8), key="b", tier="host"))
+        except Exception as e:  # (the assertion below shows it)
+            result.append(e)
+
+    t = threading.Thread(target=put_b)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and not result, result  # waiting for the space, not failed
+    gate.set()
+    t.join(10)
+    assert not t.is_alive() and isinstance(result[0], Handle), result
+    assert torch.equal(s.get(result[0]), torch.full((blk,), 7, dtype=torch.uint8))
+    assert torch.equal(held.tensor, torch.ones(blk, dtype=torch.uint8))
+    held.release()

@@ -284,7 +284,7 @@ class LeaseTable:
             drop = self.index.droppable(meta)
         if drop:
             # a durable discard journals (syncs): off the caller's path
-            self.placement.later(self.placement.discard, meta)
+            self.placement.discard_later(meta)
 
     def give_back(self, lid: int, *, owner: Any = LOCAL) -> None:
         """End a lease its holder never wrote through (a check-out it could not use): as if
@@ -363,7 +363,7 @@ class LeaseTable:
             # a replaced object's last check-out ended: it goes now (a durable one journals
             # its free, which syncs: off the event loop)
             if nowait and meta.durable:
-                self.placement.later(self.placement.discard, meta)
+                self.placement.discard_later(meta)
             else:
                 self.placement.discard(meta)
 

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 TIERS = (None, "host", "nvme", "gpu")
 
+DISCARD_WAIT_S = 5.0
+"""How long an allocation that finds no room waits, at least, for discards already queued."""
+
 _PREFETCH_WAIT_S = 1.0
 
 READ_RESERVE_BYTES = 64 << 20
@@ -75,6 +78,11 @@ class Placement:
         """owner -> (offset, nbytes) of its staging area in the host arena."""
         self._spill: list[int] = []  # home-NVMe objects released from use, to go back down
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
+        self._discards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-discard")
+        """Discards handed off the caller's path: a pool of their own, so no fetch waiting
+        for the space they give back can stand in front of them."""
+        self.discards_queued = 0
+        """Discards handed to ``_discards`` and not yet done (under the index's cv)."""
         self._wake = threading.Event()
         self._demoter = threading.Thread(target=self._demote_loop, name="tierstore-demoter", daemon=True)
 
@@ -87,10 +95,29 @@ class Placement:
         self._wake.set()
         self._demoter.join()
         self._pool.shutdown(wait=True)
+        self._discards.shutdown(wait=True)
 
     def later(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the background pool (off the caller's path)."""
         return self._pool.submit(fn, *args)
+
+    def discard_later(self, meta: ObjectMeta, *, replaced: bool = False) -> None:
+        """(no lock held) ``discard`` (``replaced``: ``discard_replaced``) on the background
+        pool. Until it has run, a host allocation that finds no room waits for it instead of
+        failing: the space is already given up, only not yet back."""
+        ix = self.index
+        with ix.cv:
+            self.discards_queued += 1
+
+        def run() -> None:
+            try:
+                (self.discard_replaced if replaced else self.discard)(meta)
+            finally:
+                with ix.cv:
+                    self.discards_queued -= 1
+                    ix.cv.notify_all()
+
+        self._discards.submit(run)
 
     # ------------------------------------------------------------------ checks
     def check_tier(self, tier: str | None) -> str | None:
@@ -193,7 +220,12 @@ class Placement:
         """``alloc()`` (under cv) until it succeeds, moving ``pick()``'s victims out of the
         way with ``move`` (outside the lock); waiting up to ``wait_s`` while nothing can move."""
         ix = self.index
-        deadline = time.monotonic() + wait_s
+        now = time.monotonic()
+        deadline = now + wait_s
+        # space a replace or a check-in has given up is waited for even past ``wait_s`` (a
+        # put right after a replace must not fail for want of it), but not for ever: a
+        # discard waits for its object's copies and moves in flight
+        discard_deadline = now + max(wait_s, DISCARD_WAIT_S)
         while True:
             with ix.cv:
                 ix.check_open()
@@ -201,6 +233,9 @@ class Placement:
                 if got is not None:
                     return got
                 victim = pick()
+                if victim is None and self.discards_queued and time.monotonic() < discard_deadline:
+                    ix.wait(min(1.0, discard_deadline - time.monotonic()))
+                    continue
                 if victim is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -752,7 +787,7 @@ class Landing:
         p = self.placement
         if old is not None:
             if later:
-                p.later(p.discard_replaced, old)
+                p.discard_later(old, replaced=True)
             else:
                 p.discard_replaced(old)
         p.maybe_demote()
