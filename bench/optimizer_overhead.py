@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from common import emit_json, machine, print_table, start_daemon  # noqa: E402
 from tierstore.client import Client  # noqa: E402
-from tierstore.client.demo import TinyGPT  # noqa: E402
+from tierstore.client.cli.demo import TinyGPT  # noqa: E402
 from tierstore.client.torch import offload_optimizer  # noqa: E402
 
 

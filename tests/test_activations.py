@@ -317,7 +317,7 @@ def test_through_a_daemon_and_stat_and_metrics_show_bytes_in_flight(daemon_facto
         a = c.stat()["activations"]
         assert a["bytes_in_flight"] == 0 and a["peak_bytes_in_flight"] > 0 and a["offloaded_bytes"] > 0
         assert c.stat()["namespaces"].get("acts", {}).get("objects", 0) == 0
-        from tierstore.client.statview import render
+        from tierstore.client.cli.statview import render
 
         assert "activations (1 clients): in flight" in render(c.stat())
 

@@ -52,7 +52,7 @@ def _all_actions(parser):
 
 def test_every_option_has_help():
     from tierstore.client.cli import build_parser
-    from tierstore.client.demo import build_parser as demo_parser
+    from tierstore.client.cli.demo import build_parser as demo_parser
     from tierstore.config import daemon_parser
 
     for p in (build_parser(), demo_parser(), daemon_parser()):
@@ -73,7 +73,7 @@ def _all_parsers(parser):
 
 def test_every_help_text_renders():
     from tierstore.client.cli import build_parser
-    from tierstore.client.demo import build_parser as demo_parser
+    from tierstore.client.cli.demo import build_parser as demo_parser
     from tierstore.config import daemon_parser
 
     for top in (build_parser(), demo_parser(), daemon_parser()):

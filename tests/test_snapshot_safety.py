@@ -243,7 +243,7 @@ def test_a_restore_into_the_snapshots_namespace_needs_the_right_to_enter_it(daem
     code = r"""
 import os, sys, pwd
 from tierstore.client import cli
-import tierstore.client.cli_support, tierstore.snapshot, tierstore.client.client, zarr, numpy
+import tierstore.client.cli.support, tierstore.snapshot, tierstore.client.client, zarr, numpy
 import tierstore.errors, tierstore.tensors, tierstore.arena
 pw = pwd.getpwnam("nobody")
 os.setgroups([]); os.setgid(pw.pw_gid); os.setuid(pw.pw_uid)

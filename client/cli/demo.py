@@ -21,8 +21,8 @@ from tierstore.config import ArgumentParser
 from tierstore.errors import TierstoreError
 from tierstore.units import format_size
 
-from .client import Client
-from .torch import offload_optimizer
+from ..client import Client
+from ..torch import offload_optimizer
 
 __all__ = ["main", "TinyGPT", "make_corpus"]
 

@@ -195,7 +195,7 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _client_command(args: argparse.Namespace) -> int:
-    from .cli_support import connect
+    from .support import connect
 
     if args.cmd == "stat":
         from .statview import print_stat, watch
@@ -243,7 +243,7 @@ def _client_command(args: argparse.Namespace) -> int:
                 print(f"freed {k}")
         return rc
     if args.cmd in ("snapshot", "restore") and args.sharded:
-        from . import sharded
+        from .. import sharded
 
         def ns_client(ns):
             return connect(args.socket, ns)
@@ -275,6 +275,3 @@ def _client_command(args: argparse.Namespace) -> int:
         return 0
     raise AssertionError(args.cmd)  # argparse only yields the commands above
 
-
-if __name__ == "__main__":
-    sys.exit(main())
