@@ -163,11 +163,12 @@ def test_stat_with_many_long_named_namespaces(daemon):
     buffer): stat() and `tierstore stat --json` list them all."""
     names = [f"{i:04d}-" + "n" * 245 for i in range(900)]
     code = r"""
-import sys, torch
+import sys
+import numpy as np
 from tierstore.client import Client
 for ns in sys.argv[2:]:
     with Client.connect(socket=sys.argv[1], namespace=ns) as c:
-        c.put(torch.zeros(1), key="k")
+        c.put(np.zeros(1, np.float32), key="k")
 """
     procs = [subprocess.Popen([sys.executable, "-c", code, daemon.socket, *names[i::4]], stderr=subprocess.PIPE,
                               text=True) for i in range(4)]
