@@ -2,19 +2,18 @@
 
 One function per op. A handler called with ``nowait=True`` (on the event loop)
 raises ``WouldBlock`` rather than wait or touch the disk; the server then runs it
-again on a worker thread with ``nowait=False``. A durable put returns a ``Future`` of
-its reply instead: the group committer makes it durable and the server answers then.
+again on a worker thread with ``nowait=False``. A durable put returns a ``Deferred``
+reply instead: the group committer makes it durable and the server answers then.
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
-from tierstore.groupcommit import then
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.batch import MAX_EACH
 from tierstore.leases import MAX_BATCH
@@ -27,7 +26,7 @@ from tierstore.trace import MAX_STREAM_CHARS
 if TYPE_CHECKING:
     from .server import Session
 
-__all__ = ["Handlers", "ITEMSIZE"]
+__all__ = ["Deferred", "Handlers", "ITEMSIZE"]
 
 ITEMSIZE = {
     "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
@@ -80,11 +79,18 @@ def _spec(msg: dict[str, Any]) -> TensorSpec:
     return TensorSpec(kind, dtype, tuple(shape), nbytes)
 
 
-def _handle_reply(h: Handle | Future) -> dict[str, Any] | Future:
-    """A put's reply; for a durable put committed from the event loop, a future of it
-    (the server answers once the group commit has made it durable)."""
+class Deferred(NamedTuple):
+    """A reply to come: a durable put's, once the group commit has made it durable. The
+    server answers with ``reply(result of done)`` then."""
+
+    done: Future
+    reply: Callable[[Any], Any]
+
+
+def _handle_reply(h: Handle | Future) -> dict[str, Any] | Deferred:
+    """A put's reply; for a durable put committed from the event loop, a ``Deferred``."""
     if isinstance(h, Future):
-        return then(h, lambda h: {"handle": int(h)})
+        return Deferred(h, lambda h: {"handle": int(h)})
     return {"handle": int(h)}
 
 

@@ -44,7 +44,7 @@ import stat as stat_mod
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +57,7 @@ from tierstore.store import Store, WouldBlock
 from tierstore.units import format_size
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
-from .handlers import ACTIVATION_FIELDS, Handlers
+from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
 
@@ -146,6 +146,7 @@ class Server:
         """Sessions with replies held back until the current read burst or drain ends (clients that take joined replies)."""
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_pending = False
         self._stop = threading.Event()
         self._started = time.monotonic()
         self.errors_by_code: dict[str, int] = {}
@@ -517,9 +518,9 @@ class Server:
             sess.hello_pending = False
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
             return
-        if isinstance(result, Future):  # a durable put: answered once the group commit is done
+        if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
             sess.inflight += 1
-            result.add_done_callback(lambda f: self._committed(sess, rid, op, t0, f))
+            result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
             return
         self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
@@ -540,11 +541,11 @@ class Server:
             return
         self._finish(sess, rid, *out, time.perf_counter() - t0)
 
-    def _committed(self, sess: Session, rid: int, op: str, t0: float, done: Future) -> None:
-        """(on the group committer's thread) A durable put's commit is done: its reply goes
-        out; a connection that went away meanwhile is cleaned up on a control thread, so
-        the committer goes on with the next batch."""
-        out = (*_outcome(done.result, rid, op), time.perf_counter() - t0)
+    def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
+        """(on the group committer's thread) A durable put's commit is done: its reply
+        (``reply()``) goes out; a connection that went away meanwhile is cleaned up on a
+        control thread, so the committer goes on with the next batch."""
+        out = (*_outcome(reply, rid, op), time.perf_counter() - t0)
         if sess.closed:
             self._control.submit(self._finish, sess, rid, *out)
         else:
@@ -758,12 +759,19 @@ class Server:
 
     # ------------------------------------------------------------------ misc
     def _wake(self) -> None:
+        # (after the caller queued its work) one byte per wake-up, not per reply: a group
+        # commit answers hundreds at once. The loop clears the flag before it drains the
+        # pipe and then the queue, so work queued after a skipped write is still seen.
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass  # the pipe is full, so the loop is already going to wake
 
     def _drain_wake(self) -> None:
+        self._wake_pending = False
         try:
             while os.read(self._wake_r, 4096):
                 pass

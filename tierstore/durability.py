@@ -53,12 +53,20 @@ class Durability:
     def journal_put(self, meta: ObjectMeta, *, sync: bool = True) -> None:
         """Append meta's put record (caller holds ``lock``). ``sync=False``: the caller
         calls ``commit()`` once it has let go of the lock (group commit)."""
-        rec = meta.to_record()
-        owner = self.owners.get(meta.namespace.split("/")[0])
-        if owner is not None:
-            rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
-        self.journal.append(rec, sync=sync)
-        meta.record = pack_record(rec)
+        self.journal_puts([meta], sync=sync)
+
+    def journal_puts(self, metas: list[ObjectMeta], *, sync: bool = False) -> None:
+        """``journal_put`` of several objects with one write: all of them, or none."""
+        recs = []
+        for meta in metas:
+            rec = meta.to_record()
+            owner = self.owners.get(meta.namespace.split("/")[0])
+            if owner is not None:
+                rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
+            recs.append(rec)
+        self.journal.append_many(recs, sync=sync)
+        for meta, rec in zip(metas, recs):
+            meta.record = pack_record(rec)
 
     def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], ObjectMeta | None],
                    nowait: bool = False) -> ObjectMeta | None:
@@ -75,8 +83,16 @@ class Durability:
                 raise WouldBlock()
         else:
             self.lock.acquire()
+        cv = self.index.cv
         try:
-            old = self._append_and_publish(meta, replace, publish)
+            # journal lock held across check, append and publish: no other put can bind
+            # the same key in between, and compaction sees either both or neither
+            with cv:
+                self.index.check_key(meta.namespace, meta.key, replace)
+            if meta.durable:
+                self.journal_put(meta, sync=False)  # made durable by the group commit below
+            with cv:
+                old = publish()
         finally:
             self.lock.release()
         if meta.durable:
@@ -85,36 +101,56 @@ class Durability:
 
     def record_puts(self, puts: list[tuple[ObjectMeta, bool, Callable[[], ObjectMeta | None]]]
                     ) -> list[ObjectMeta | None | Exception]:
-        """``record_put`` for a batch of durable puts (``meta, replace, publish`` each): every
-        record appended and every object published in one hold of the journal lock, then
-        one group commit for all of them. Per put what it replaced, or the error that
-        failed it (a put that fails its key check is not appended; a failed commit fails
-        every put of the batch, as it fails ``record_put``)."""
-        out: list[ObjectMeta | None | Exception] = []
+        """``record_put`` for a batch of durable puts (``meta, replace, publish`` each), in
+        one hold of the journal lock: the keys checked, the records appended with one
+        write, the objects published; then one group commit for all of them. Per put what
+        it replaced, or the error that failed it (a put that fails its key check is not
+        appended; a failed append fails the puts it carried, unpublished; a failed commit
+        fails every put appended, as it fails ``record_put``)."""
+        out: list[ObjectMeta | None | Exception] = [None] * len(puts)
+        cv, ix = self.index.cv, self.index
+        appended = []
         with self.lock:
-            for meta, replace, publish in puts:
+            i = 0
+            while i < len(puts):
+                # a run of puts of distinct keys: each is checked against what is published so far,
+                # so a second put of a key in the batch waits for the next run (it may replace the first)
+                run, keys = [], set()
+                with cv:
+                    while i < len(puts) and (puts[i][0].key is None or
+                                             (puts[i][0].namespace, puts[i][0].key) not in keys):
+                        meta, replace, _ = puts[i]
+                        keys.add((meta.namespace, meta.key))
+                        try:
+                            ix.check_key(meta.namespace, meta.key, replace)
+                            run.append(i)
+                        except Exception as e:  # this put fails; the others go on
+                            out[i] = e
+                        i += 1
+                if not run:
+                    continue
                 try:
-                    out.append(self._append_and_publish(meta, replace, publish))
-                except Exception as e:  # this put fails; the others go on
-                    out.append(e)
-        if any(not isinstance(r, Exception) for r in out):
+                    # held across check, append and publish: no other put can bind these keys in
+                    # between, and compaction sees either both or neither
+                    self.journal_puts([puts[j][0] for j in run])  # made durable by the commit below
+                except Exception as e:
+                    for j in run:
+                        out[j] = e
+                    continue
+                appended += run
+                with cv:
+                    for j in run:
+                        try:
+                            out[j] = puts[j][2]()
+                        except Exception as e:
+                            out[j] = e
+        if appended:
             try:
                 self.commit()
             except Exception as e:
-                return [e] * len(out)
+                for j in appended:
+                    out[j] = e
         return out
-
-    def _append_and_publish(self, meta: ObjectMeta, replace: bool, publish: Callable[[], ObjectMeta | None]
-                            ) -> ObjectMeta | None:
-        # (under the journal lock) held across check, append and publish: no other put can
-        # bind the same key in between, and compaction sees either both or neither
-        cv = self.index.cv
-        with cv:
-            self.index.check_key(meta.namespace, meta.key, replace)
-        if meta.durable:
-            self.journal_put(meta, sync=False)  # made durable by the group commit after the lock
-        with cv:
-            return publish()
 
     def journal_free(self, oid: int) -> None:
         """A free, journaled and synced: once this returns it is never undone."""

@@ -2,8 +2,8 @@
 
 A durable put costs two syncs (its bytes on the NVMe tier, then its journal record)
 and, done one by one, a thread that waits through both. ``GroupCommit`` takes durable
-commits from any thread (``submit``: a future of the commit) and one thread of its own
-commits whatever has queued since its last batch, in the order the promise needs:
+commits from any thread (``submit``: a future of the commit) and threads of its own
+commit whatever has queued since its last batch, in the order the promise needs:
 
 1. every object's bytes written (adjacent small ones in one request,
    ``NvmeTier.write_many``), then one sync per drive written to
@@ -15,14 +15,16 @@ commits whatever has queued since its last batch, in the order the promise needs
    on stable storage. A crash at any point before loses only unanswered puts, and
    never leaves a record naming bytes that were not synced.
 
-So N durable puts in flight cost two syncs and a few writes, not 2N syncs and N
-threads. The committer knows nothing of reservations or replies: ``Puts`` hands it
-the object and its publish step, and finishes the put from the future.
+Steps 1 and 2 run on two threads, a batch apart: one batch's bytes are written and
+synced while the batch before it is journaled. So N durable puts in flight cost two
+syncs and a few writes, not 2N syncs and N threads. The committer knows nothing of reservations or replies: ``Puts`` hands it
+the object, its publish step and its last steps, and gets a future of the put.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -34,7 +36,7 @@ from .errors import Closed, StorageError
 from .index import ObjectMeta
 from .placement import Landing, Placement
 
-__all__ = ["GroupCommit", "MAX_BATCH", "then"]
+__all__ = ["GroupCommit", "MAX_BATCH"]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,28 @@ class _Commit:
     replace: bool
     publish: Callable[[Landing], ObjectMeta | None]
     """(under the index's cv) Make the object visible; what it replaced."""
+    finish: Callable[[Landing, ObjectMeta | None], Any]
+    """(once durable) The put's last steps; what it returns is the future's result."""
+    failed: Callable[[], None]
+    """(once failed) Give up the put, before the future gets the error."""
     future: Future = field(default_factory=Future)
-    """Its result: ``(landing, replaced object or None)``."""
     landing: Landing | None = None
+
+    def succeed(self, old: ObjectMeta | None) -> None:
+        try:
+            result = self.finish(self.landing, old)
+        except Exception as e:
+            self.fail(e)
+            return
+        self.future.set_result(result)
+
+    def fail(self, e: Exception) -> None:
+        if self.future.done():
+            return
+        try:
+            self.failed()
+        finally:
+            self.future.set_exception(e)
 
 
 class GroupCommit:
@@ -61,22 +82,29 @@ class GroupCommit:
     def __init__(self, placement: Placement, durability: Durability) -> None:
         self.placement, self.durability = placement, durability
         self._queue: deque[_Commit] = deque()
-        # guards the queue and ``_closing``; the committer waits on it for work
+        # guards the queue and ``_closing``; the writer waits on it for work
         self._cv = threading.Condition(threading.Lock())
         self._closing = False
+        # batches written and synced, waiting for the journal stage (None: no more); bounded,
+        # so the writer runs at most two batches ahead of the journal
+        self._landed: queue.Queue[list[_Commit] | None] = queue.Queue(maxsize=2)
         self.batches = 0
         """Batches committed (each: one sync per drive written to, one journal sync)."""
         self.commits = 0
-        self._thread = threading.Thread(target=self._run, name="tierstore-commit", daemon=True)
-        self._thread.start()
+        self._writer = threading.Thread(target=self._write_loop, name="tierstore-commit-data", daemon=True)
+        self._journaler = threading.Thread(target=self._journal_loop, name="tierstore-commit-journal", daemon=True)
+        self._writer.start()
+        self._journaler.start()
 
     def submit(self, meta: ObjectMeta, *, tier: str | None, gpu_loc: int | None, replace: bool,
-               publish: Callable[[Landing], ObjectMeta | None]) -> Future:
-        """Queue the durable commit of ``meta`` (reserved, filled, flagged ``moving``); the
-        future's result is ``(landing, replaced object or None)`` once it is durable, or
-        the error that failed it (then nothing was published, unless the journal sync
-        failed after the publish, as with ``Durability.record_put``)."""
-        c = _Commit(meta, tier, gpu_loc, replace, publish)
+               publish: Callable[[Landing], ObjectMeta | None], finish: Callable[[Landing, ObjectMeta | None], Any],
+               failed: Callable[[], None]) -> Future:
+        """Queue the durable commit of ``meta`` (reserved, filled, flagged ``moving``). Once
+        it is durable, ``finish(landing, replaced object or None)`` runs on the committer
+        and the future's result is what it returns; if it fails, ``failed()`` runs and the
+        future gets the error (nothing was published then, unless the journal sync failed
+        after the publish, as with ``Durability.record_put``)."""
+        c = _Commit(meta, tier, gpu_loc, replace, publish, finish, failed)
         with self._cv:
             if self._closing:
                 raise Closed("the store is closing; no more durable puts are taken")
@@ -85,13 +113,17 @@ class GroupCommit:
         return c.future
 
     def close(self) -> None:
-        """Commit what is queued, then stop the thread."""
+        """Commit what is queued, then stop both threads."""
         with self._cv:
             self._closing = True
             self._cv.notify()
-        self._thread.join()
+        self._writer.join()
+        self._journaler.join()
 
-    def _run(self) -> None:
+    # The two stages run on their own threads, so one batch's bytes are written and synced
+    # while the batch before it is journaled and synced: the drive and the journal work at
+    # once. The journal stage takes batches in the order they were written.
+    def _write_loop(self) -> None:
         while True:
             with self._cv:
                 while not self._queue and not self._closing:
@@ -100,47 +132,48 @@ class GroupCommit:
                     break
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
             try:
-                self._commit(batch)
+                live = self._land(batch)
             except Exception as e:  # a bug fails this batch's puts, not the committer
-                log.exception("group commit of %d puts failed", len(batch))
-                for c in batch:
-                    if not c.future.done():
-                        c.future.set_exception(StorageError(f"durable commit failed: {type(e).__name__}: {e}"))
+                self._fail(batch, e)
+                continue
+            if live:
+                self._landed.put(live)
+        self._landed.put(None)
+        log.info("group committer: writer stopped")
+
+    def _journal_loop(self) -> None:
+        while (batch := self._landed.get()) is not None:
+            try:
+                self._record(batch)
+            except Exception as e:  # a bug fails this batch's puts, not the committer
+                self._fail(batch, e)
         log.info("group committer stopped after %d batches of %d commits", self.batches, self.commits)
 
-    def _commit(self, batch: list[_Commit]) -> None:
+    def _land(self, batch: list[_Commit]) -> list[_Commit]:
+        """Stage 1: every object's bytes written and synced; the commits that got there."""
         landed = self.placement.land_many([(c.meta, c.tier, c.gpu_loc) for c in batch])
         live = []
         for c, landing in zip(batch, landed):
             if isinstance(landing, Exception):
-                c.future.set_exception(landing)
+                c.fail(landing)
             else:
                 c.landing = landing
                 live.append(c)
-        olds = self.durability.record_puts(
-            [(c.meta, c.replace, (lambda c=c: c.publish(c.landing))) for c in live]) if live else []
+        return live
+
+    def _record(self, batch: list[_Commit]) -> None:
+        """Stage 2: every record appended and object published, one journal sync, answers."""
+        olds = self.durability.record_puts([(c.meta, c.replace, (lambda c=c: c.publish(c.landing))) for c in batch])
         self.batches += 1
         self.commits += len(batch)
-        for c, old in zip(live, olds):
+        for c, old in zip(batch, olds):
             if isinstance(old, Exception):
-                c.future.set_exception(old)
+                c.fail(old)
             else:
-                c.future.set_result((c.landing, old))
+                c.succeed(old)
 
-
-def then(done: Future, ok: Callable[[Any], Any], failed: Callable[[], None] = lambda: None) -> Future:
-    """A future of ``ok(result of done)``; if ``done`` (or ``ok``) fails, ``failed()`` runs
-    and the error passes on. Both run on the thread that completes ``done``."""
-    out: Future = Future()
-
-    def finish(f: Future) -> None:
-        try:
-            out.set_result(ok(f.result()))
-        except BaseException as e:
-            try:
-                failed()
-            finally:
-                out.set_exception(e)
-
-    done.add_done_callback(finish)
-    return out
+    @staticmethod
+    def _fail(batch: list[_Commit], e: Exception) -> None:
+        log.exception("group commit of %d puts failed", len(batch))
+        for c in batch:
+            c.fail(StorageError(f"durable commit failed: {type(e).__name__}: {e}"))

@@ -167,18 +167,33 @@ class Journal:
         only once a ``commit`` called after this returned has returned.
         A free (``op: free``) or a namespace claim (``op: ns``) is repeated by the records
         of the next ``ECHO_BYTES``."""
+        self.append_many([record], sync=sync)
+
+    def append_many(self, records: list[dict[str, Any]], *, sync: bool = False) -> None:
+        """Append ``records`` in order with one write (``append``'s rules for each): all of
+        them, or, if the write fails, none."""
         with self.lock:
             if self._fd < 0:
                 raise StorageError("journal is closed")
             if self._sync_failed is not None:
                 raise StorageError(self._sync_failed)
-            while self._echo and self._echo[0][0] + ECHO_BYTES <= self._pos:
-                self._echo.popleft()
-            if self._echo:
-                record = dict(record)
-                for _, name, value in self._echo:
-                    record.setdefault(name, []).append(value)
-            blob = _encode(record)
+            pos, blobs, echoes = self._pos, [], []
+            for record in records:
+                # what this record repeats: the frees and claims of the last ECHO_BYTES before it
+                repeat = [(name, value) for end, name, value in (*self._echo, *echoes) if end + ECHO_BYTES > pos]
+                if repeat:
+                    record = dict(record)
+                    for name, value in repeat:
+                        record.setdefault(name, []).append(value)
+                blob = _encode(record)
+                blobs.append(blob)
+                pos += len(blob)
+                op = record.get("op")
+                if op == "free":
+                    echoes.append((pos, "fr", record["id"]))
+                elif op == "ns":
+                    echoes.append((pos, "own", [record["name"], record["uid"]]))
+            blob = blobs[0] if len(blobs) == 1 else b"".join(blobs)
             try:
                 n = os.write(self._fd, blob)
                 if n != len(blob):
@@ -195,13 +210,11 @@ class Journal:
                     self._pos = _size(self._fd, self._pos)
                 raise StorageError(f"journal append to {self.path} failed: {os.strerror(e.errno)}; "
                                    "free space on that filesystem or check the drive") from None
-            self._pos += len(blob)
+            self._pos = pos
             self.appended += len(blob)
-            op = record.get("op")
-            if op == "free":
-                self._echo.append((self._pos, "fr", record["id"]))
-            elif op == "ns":
-                self._echo.append((self._pos, "own", [record["name"], record["uid"]]))
+            self._echo.extend(echoes)
+            while self._echo and self._echo[0][0] + ECHO_BYTES <= self._pos:
+                self._echo.popleft()
 
     def commit(self) -> None:
         """Group commit: return once every record appended before this call is on stable

@@ -32,7 +32,7 @@ from .placement import Landing, Placement
 from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
 from .durability import Durability
-from .groupcommit import GroupCommit, then
+from .groupcommit import GroupCommit
 from .tensors import TensorSpec, cuda_source, to_bytes
 from .units import PAGE, align_up
 from .waits import WouldBlock
@@ -201,20 +201,20 @@ class Puts:
             return old
 
         if meta.durable:
+            # from the event loop the put finishes on the committer (the replaced object is
+            # discarded in the background); a caller that waits finishes it itself
             try:
-                done = self.committer.submit(meta, tier=res.tier, gpu_loc=res.gpu_loc, replace=res.replace,
-                                             publish=publish)
+                done = self.committer.submit(
+                    meta, tier=res.tier, gpu_loc=res.gpu_loc, replace=res.replace, publish=publish,
+                    finish=(lambda landing, old: self._committed(meta, landing, old, later=True)) if nowait
+                    else (lambda landing, old: (landing, old)),
+                    failed=lambda: self._give_up(rid, owner))
             except BaseException:
                 self._give_up(rid, owner)
                 raise
             if nowait:
-                return then(done, lambda r: self._committed(meta, *r, later=True),
-                             lambda: self._give_up(rid, owner))
-            try:
-                landing, old = done.result()
-            except BaseException:
-                self._give_up(rid, owner)
-                raise
+                return done
+            landing, old = done.result()
             return self._committed(meta, landing, old, later=False)
         try:
             landing = self.placement.land(meta, tier=res.tier, gpu_loc=res.gpu_loc)
