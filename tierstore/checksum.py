@@ -10,8 +10,9 @@ BLOCK_BYTES = 1 << 20
 """Unit of checksumming on the NVMe tier; I/O chunks are multiples of it."""
 
 
-def crc32c(data) -> int:
-    return _crc.crc32c(data)
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of ``data``; ``value``: the CRC of the bytes before it (to continue one)."""
+    return _crc.crc32c(data, value)
 
 
 def block_checksums(buf, nbytes: int) -> list[int]:

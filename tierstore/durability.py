@@ -15,10 +15,14 @@ its start-up uses.
 
 from __future__ import annotations
 
-import logging
 import bisect
+import logging
+import threading
 from typing import Any, Callable
 
+import numpy as np
+
+from . import checkpoint
 from .allocator import ExtentAllocator
 from .checksum import BLOCK_BYTES
 from .errors import InvalidArgument, PermissionDenied, StorageError, TierstoreError
@@ -48,6 +52,10 @@ class Durability:
         self.owners: dict[str, int] = {}
         """Root namespace -> the uid that claimed it."""
         self.hostlog_on = False
+        self._checkpoint_lock = threading.Lock()  # one checkpoint write at a time (they share a temp file)
+        self.damage_kept = False
+        """The journal holds damage a start found but could not set aside: no checkpoint may
+        cover it (the next start must find it again) until a compaction rewrites it."""
 
     # ------------------------------------------------------------------ journal
     def journal_put(self, meta: ObjectMeta, *, sync: bool = True) -> None:
@@ -170,7 +178,46 @@ class Durability:
             est = sum(len(r) if isinstance(r, bytes) else len(str(r)) for r in records)
             if not force and size < 2 * est:
                 return
+            checkpoint.remove(self.journal.directory)  # (it names the journal about to be replaced)
             self.journal.rewrite(iter(records))
+            self.damage_kept = False
+            covered = self._covered()  # (before the next append)
+        # the new journal is these records: its checkpoint, written with appends going on
+        self._write_checkpoint(covered, records)
+
+    def close(self) -> None:
+        """Close the journal (flushed) and write the index checkpoint of what it holds."""
+        self.journal.close()
+        if self.journal.sync_failed or self.damage_kept:
+            # a failed sync: objects were published under records that may be lost, none is
+            # vouched for; damage kept: the next start must meet it again. (An earlier
+            # checkpoint stays: what it covers is unchanged, or it is found stale.)
+            log.warning("index checkpoint not written: the journal %s", "failed a sync" if self.journal.sync_failed
+                        else "holds damage that was not set aside")
+            return
+        with self.lock:
+            records = self._live_records()
+            covered = self._covered()
+        self._write_checkpoint(covered, records)
+
+    def _covered(self) -> tuple[int, int] | Exception:
+        """(under the journal lock) What a checkpoint written of the journal now covers."""
+        try:
+            return checkpoint.journal_identity(self.journal.path)
+        except OSError as e:
+            return e
+
+    def _write_checkpoint(self, covered: tuple[int, int] | Exception, records: list[dict[str, Any] | bytes]
+                          ) -> None:
+        # an optimisation only: a checkpoint that cannot be written costs the next start time
+        with self._checkpoint_lock:
+            try:
+                if isinstance(covered, Exception):
+                    raise covered
+                checkpoint.write(self.journal.directory, covered, records)
+            except Exception as e:
+                log.warning("index checkpoint not written (the next start replays the whole journal): %s", e)
+                checkpoint.remove(self.journal.directory)
 
     def _live_records(self) -> list[dict[str, Any] | bytes]:
         """(under the journal lock) The journal's content as of now: the namespace claims
@@ -293,11 +340,12 @@ class Durability:
     def replay(self) -> dict[str, Any]:
         """Rebuild the durable index from the journal, losing only what is damaged (see
         ``Replay``); a damaged journal is kept aside before it is rewritten."""
+        with checkpoint.gc_paused():
+            return self._replay()
+
+    def _replay(self) -> dict[str, Any]:
         ix = self.index
-        res = ReplayResult()
-        rp = Replay(ndrives=len(self.nvme.drives), drive_bytes=self.nvme.drives[0].alloc.capacity)
-        for r, payload in self.journal.stream(res):
-            rp.apply(r, payload)  # (each decoded record goes once applied: they are never all held)
+        res, rp, ck = self._replay_journal()
         rp.settle()
         dropped, live = 0, rp.live
         try:  # the usual case, in one pass: replay left the live objects' extents disjoint
@@ -320,7 +368,7 @@ class Durability:
         info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
                 "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
                 "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,
-                "kept_aside": None, "objects": len(ix.objects)}
+                "kept_aside": None, "objects": len(ix.objects), **ck}
         damaged = res.torn_bytes or res.corrupt_records or rp.malformed or dropped or rp.owner_conflicts
         if damaged:
             # nothing recovery decided is final: the journal as found stays beside the new one
@@ -331,6 +379,7 @@ class Durability:
                         res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes, rp.superseded,
                         dropped, len(ix.objects), info["kept_aside"])
             if info["kept_aside"] is None:  # (logged) then nothing is decided for good: appended to as it is
+                self.damage_kept = True
                 self.journal.open_for_append()
             else:
                 try:
@@ -338,11 +387,51 @@ class Durability:
                 except StorageError as e:
                     log.error("journal recovery: the journal could not be rewritten (%s); appending to it as "
                               "it is", e)
+                    self.damage_kept = True
                     self.journal.open_for_append()
         else:
             self.journal.open_for_append()
         self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id})
         return info
+
+    def _replay_journal(self) -> tuple[ReplayResult, "Replay", dict[str, Any]]:
+        """The journal applied to a ``Replay``: from the index checkpoint and the records
+        after the point it covers when it is usable, else every record. Also what was
+        used (``checkpoint``: None, or why not; ``records_replayed``)."""
+        ndrives, drive_bytes = len(self.nvme.drives), self.nvme.drives[0].alloc.capacity
+        directory, path = self.journal.directory, self.journal.path
+        try:
+            ck = checkpoint.load(directory, path, ndrives=ndrives, drive_bytes=drive_bytes)
+        except checkpoint.Refused as e:
+            log.warning("index checkpoint not used, replaying the whole journal: %s", e)
+            ck, why = None, f"refused: {e}"
+        except Exception as e:  # (a bug in the loader must not stop a start the journal allows)
+            log.error("index checkpoint not used, replaying the whole journal: %r", e)
+            ck, why = None, f"refused: {e!r}"
+        else:
+            why = None if ck is not None else "none"
+        if ck is not None:
+            try:
+                res, rp = ReplayResult(), Replay(ndrives=ndrives, drive_bytes=drive_bytes)
+                rp.seed(ck)
+                n = self._apply(rp, res, ck.offset)
+                log.info("index checkpoint used: %d durable objects in %.2f s, then %d journal records after "
+                         "offset %d", len(ck.live), ck.load_s, n, ck.offset)
+                return res, rp, {"checkpoint": "used", "records_replayed": n}
+            except Exception as e:
+                log.error("index checkpoint not used, replaying the whole journal: the records after it "
+                          "failed: %r", e)
+                why = f"refused: {e!r}"
+        res, rp = ReplayResult(), Replay(ndrives=ndrives, drive_bytes=drive_bytes)
+        n = self._apply(rp, res, 0)
+        return res, rp, {"checkpoint": why, "records_replayed": n}
+
+    def _apply(self, rp: "Replay", res: ReplayResult, start: int) -> int:
+        n = 0
+        for r, payload in self.journal.stream(res, start):
+            rp.apply(r, payload)  # (each decoded record goes once applied: they are never all held)
+            n += 1
+        return n
 
 
 
@@ -380,6 +469,17 @@ class Replay:
         self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
         self._specs: dict[tuple, TensorSpec] = {}
         """Validated (kind, dtype, shape, nbytes) -> the one TensorSpec the objects share."""
+
+    def seed(self, ck: "checkpoint.Checkpoint") -> None:
+        """Start from an index checkpoint's state (``tierstore.checkpoint``: its objects, their
+        space per drive and their keys, validated as these rules would) instead of from
+        nothing: the journal records after the point it covers are then applied on top."""
+        self.live = ck.live
+        self._space = [_SeededExtents(*cols) for cols in ck.space]
+        self._key = _SeededKeys(ck.keys)
+        self.owners, self.epoch, self.next_id = dict(ck.owners), ck.epoch, ck.next_id
+        self._specs.update(ck.specs)
+        self._ns_ok.update(ck.namespaces)
 
     def settle(self) -> None:
         """Every record is applied: let go of what only resolving conflicts needed (the
@@ -493,6 +593,55 @@ class _Extents:
     def remove(self, start: int) -> None:
         if self._at.pop(start, None) is not None:
             del self._starts[bisect.bisect_left(self._starts, start)]
+
+
+class _SeededExtents(_Extents):
+    """``_Extents`` started from a checkpoint's sorted, disjoint columns of one drive
+    (starts, ends, ids): nothing is built per checkpointed object; what the journal tail
+    adds is kept as in ``_Extents``, a checkpointed range it removes is marked gone."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray, oids: np.ndarray) -> None:
+        super().__init__()
+        self._s, self._e, self._o = starts, ends, oids
+        self._gone: set[int] = set()
+
+    def overlapping(self, start: int, size: int) -> list[int]:
+        # disjoint and sorted by start: their ends are sorted too
+        lo = int(np.searchsorted(self._e, start, side="right"))
+        hi = int(np.searchsorted(self._s, start + size, side="left"))
+        return [int(self._o[i]) for i in range(lo, hi) if int(self._s[i]) not in self._gone] + \
+            super().overlapping(start, size)
+
+    def remove(self, start: int) -> None:
+        if start in self._at:
+            super().remove(start)
+            return
+        i = int(np.searchsorted(self._s, start))
+        if i < len(self._s) and int(self._s[i]) == start:
+            self._gone.add(start)
+
+
+class _SeededKeys:
+    """``Replay``'s key map started from a checkpoint, built on first use (a tail of
+    nothing but an ``open`` record never needs it)."""
+
+    def __init__(self, build: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._build: Callable[[], dict[tuple[str, str], int]] | None = build
+        self._d: dict[tuple[str, str], int] = {}
+
+    def _map(self) -> dict[tuple[str, str], int]:
+        if self._build is not None:
+            self._d, self._build = self._build(), None
+        return self._d
+
+    def get(self, k: tuple[str, str], default: Any = None) -> Any:
+        return self._map().get(k, default)
+
+    def __setitem__(self, k: tuple[str, str], oid: int) -> None:
+        self._map()[k] = oid
+
+    def __delitem__(self, k: tuple[str, str]) -> None:
+        del self._map()[k]
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = 1 << 63) -> bool:

@@ -110,28 +110,31 @@ class Journal:
             res.payloads.append(payload)
         return res
 
-    def stream(self, res: ReplayResult) -> Iterator[tuple[dict[str, Any], bytes]]:
+    def stream(self, res: ReplayResult, start: int = 0) -> Iterator[tuple[dict[str, Any], bytes]]:
         """``replay`` one record at a time: ``(record, payload as found)`` for each valid
         record, in order, counting the damage in ``res`` (complete once exhausted) instead
         of collecting the records, so a caller that uses each record as it comes never
-        holds them all."""
+        holds them all. ``start``: the records from this offset on (a record boundary:
+        the end of what an index checkpoint covers), scanned as a journal of their own."""
         try:
             with open(self.path, "rb") as f:
+                f.seek(start)
                 data = f.read()
         except FileNotFoundError:
             return
         header = _HEADER.size
-        for start, end, rec in scan(data):
+        for begin, end, rec in scan(data):
             if rec is not None:
-                yield rec, data[start + header:end]
+                yield rec, data[begin + header:end]
             elif end == len(data):
-                res.torn_bytes = end - start
+                res.torn_bytes = end - begin
                 log.warning("journal %s: %d bytes at the end hold no valid record (torn tail); dropped",
                             self.path, res.torn_bytes)
             else:
                 res.corrupt_records += 1
-                res.corrupt_bytes += end - start
-                log.error("journal %s: %d damaged bytes at offset %d skipped", self.path, end - start, start)
+                res.corrupt_bytes += end - begin
+                log.error("journal %s: %d damaged bytes at offset %d skipped", self.path, end - begin,
+                          start + begin)
 
     def keep_aside(self) -> str | None:
         """Keep the journal as it is now under ``journal.damaged-<UTC time>`` (a hard link:
@@ -231,6 +234,11 @@ class Journal:
                                  "appended since the last good sync may be lost: check the drive and restart")
             log.error("%s", self._sync_failed)
             raise StorageError(self._sync_failed) from None
+
+    @property
+    def sync_failed(self) -> bool:
+        """An fdatasync failed: what the file holds since the last good one is unknown."""
+        return self._sync_failed is not None
 
     @property
     def syncs(self) -> int:

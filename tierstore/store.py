@@ -501,7 +501,7 @@ class Store:
         self.placement.close()
         self.prefetcher.close()
         self.engine.close()
-        self.journal.close()
+        self.durability.close()  # the journal flushed, and its index checkpoint written
         self.nvme.close()
         if self.gpu is not None:
             self.gpu.close()  # unpins the arena before it is unmapped

@@ -1,0 +1,405 @@
+"""The index checkpoint: a restart loads the durable index from it and replays only the
+journal records after it, ending in exactly the state a full replay of the journal
+reaches; on any doubt it is not used and the whole journal is replayed, losing nothing."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import torch
+
+from tierstore import Config, PermissionDenied, Store
+from tierstore import checkpoint
+from tierstore.checkpoint import CHECKPOINT_FILE
+from tierstore.journal import JOURNAL_FILE, pack, scan
+
+
+def _cfg(d, **kw):
+    return Config(**{"host_bytes": "8MiB", "nvme_dirs": [str(d)], "nvme_bytes": "64MiB",
+                     "nvme_grow_bytes": "4MiB", "io_chunk_bytes": "1MiB", **kw})
+
+
+def _val(i, n=None):
+    return torch.arange(n or 100 + i, dtype=torch.float32) * 3 + i
+
+
+def _fill(s, n=40):
+    """Durable objects of several kinds: keyed and not, two namespaces (one claimed by
+    another uid), a multi-block one on NVMe, a replaced key and a freed object."""
+    hs = {}
+    for i in range(n):
+        hs[f"k{i}"] = s.put(_val(i), key=f"k{i}", durable=True, tier="nvme" if i % 3 == 0 else None)
+    hs["big"] = s.put(_val(7, 600_000), key="big", durable=True, tier="nvme")  # 2.3 MiB: 3 block CRCs
+    hs["anon"] = s.put(_val(5), durable=True)
+    s.durability.claim_namespace("team", 4242)
+    s.put(_val(9), key="t", durable=True, namespace="team")
+    s.put(_val(11), key="k1", durable=True, replace=True)
+    s.free(hs.pop("k2"))
+    return hs
+
+
+def _filled(tmp_path):
+    """A directory whose store was filled (``_fill``) and closed cleanly: it has a checkpoint."""
+    d = tmp_path / "nvme"
+    with Store(_cfg(d)) as s:
+        hs = _fill(s)
+    assert (d / CHECKPOINT_FILE).exists()
+    return d, hs
+
+
+def _flip_record(d, key):
+    """Flip the last byte of the journal's last record of ``key`` (its CRC no longer holds)."""
+    jpath = d / JOURNAL_FILE
+    data = bytearray(jpath.read_bytes())
+    _, end, _ = [x for x in scan(bytes(data)) if x[2] is not None and x[2].get("key") == key][-1]
+    data[end - 1] ^= 0xFF
+    jpath.write_bytes(bytes(data))
+
+
+def _state(s):
+    """Everything a replay decides, per durable object and overall."""
+    ix = s.index
+    objs = {oid: (m.gen, m.namespace, m.key, m.spec, tuple(m.nvme or ()), tuple(m.crcs or ()), m.home, m.record)
+            for oid, m in ix.objects.items() if m.durable}
+    keys = {ns: ix.keys.scan(ns) for ns in ("default", "team")}
+    used = s.stat()["tiers"]["nvme"]["used_bytes"]
+    return objs, keys, dict(s.durability.owners), ix.epoch, ix.next_id, used
+
+
+def _full_replay_state(d, tmp_path):
+    """The state a start without the checkpoint reaches, from a copy of ``d`` as it is now."""
+    ref = tmp_path / "reference"
+    shutil.rmtree(ref, ignore_errors=True)
+    shutil.copytree(d, ref)
+    (ref / CHECKPOINT_FILE).unlink(missing_ok=True)
+    with Store(_cfg(ref)) as s:
+        assert s.replay_info["checkpoint"] == "none"
+        return _state(s)
+
+
+def _check_contents(s, hs, extra=(), gone=()):
+    assert s.lookup("k2") is None
+    assert torch.equal(s.get(s.lookup("k1")), _val(11))
+    assert torch.equal(s.get(s.lookup("big")), _val(7, 600_000))
+    assert torch.equal(s.get(hs["anon"]), _val(5))
+    assert torch.equal(s.get(s.lookup("t", namespace="team"), namespace="team"), _val(9))
+    skip = {"k1", "k2", *gone, *(k for k, _ in extra)}
+    for i in range(40):
+        if f"k{i}" not in skip:
+            assert torch.equal(s.get(s.lookup(f"k{i}")), _val(i)), i
+    for k in gone:
+        assert s.lookup(k) is None, k
+    for k, v in extra:
+        assert torch.equal(s.get(s.lookup(k)), v), k
+    assert s.durability.namespace_owner("team") == 4242
+    with pytest.raises(PermissionDenied):
+        s.durability.check_namespace("team", 1000)
+
+
+def test_a_clean_close_writes_a_checkpoint_the_next_start_uses(tmp_path):
+    d, hs = _filled(tmp_path)
+    want = _full_replay_state(d, tmp_path)
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["records_replayed"] == 0
+        assert _state(s) == want  # exactly what replaying every record gives
+        _check_contents(s, hs)
+        h = s.put(_val(99), key="later", durable=True)  # ids and the epoch go on from where they were
+        assert h.id == want[4] and h.gen == want[3]
+
+
+WRITER = r"""
+import sys, torch
+from tierstore import Config, Store
+d = sys.argv[1]
+s = Store(Config(host_bytes="8MiB", nvme_dirs=[d], nvme_bytes="64MiB", nvme_grow_bytes="4MiB",
+                 io_chunk_bytes="1MiB"))
+print(s.replay_info["checkpoint"], flush=True)
+v = lambda i, n=None: torch.arange(n or 100 + i, dtype=torch.float32) * 3 + i
+s.put(v(50), key="tail-new", durable=True)
+s.put(v(51), key="k3", durable=True, replace=True)       # a replace of a checkpointed object
+s.free(s.lookup("k4"))                                   # a free of one
+s.put(v(52, 300_000), key="tail-big", durable=True, tier="nvme")  # in the space k4 gave back, maybe
+s.durability.claim_namespace("tail-team", 777)
+s.put(v(53), key="x", durable=True, namespace="tail-team")
+h = s.put(v(54), key="tail-gone", durable=True)
+s.free(h)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _kill_after_writer(d):
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        first, done = p.stdout.readline().strip(), p.stdout.readline().strip()
+    finally:
+        os.kill(p.pid, signal.SIGKILL)  # no clean close: no new checkpoint
+        p.wait()
+    assert done == "done", (first, done)
+    return first
+
+
+def test_changes_after_the_checkpoint_are_replayed_from_the_journal_tail_after_kill_9(tmp_path):
+    d, hs = _filled(tmp_path)
+    assert _kill_after_writer(d) == "used"
+    want = _full_replay_state(d, tmp_path)
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["records_replayed"] >= 8
+        assert j["corrupt_records"] == j["torn_bytes"] == j["superseded"] == 0
+        assert _state(s) == want
+        assert s.lookup("k4") is None and s.lookup("tail-gone") is None
+        _check_contents(s, hs, [("tail-new", _val(50)), ("k3", _val(51)), ("tail-big", _val(52, 300_000))],
+                        gone=["k4"])
+        assert torch.equal(s.get(s.lookup("x", namespace="tail-team"), namespace="tail-team"), _val(53))
+        with pytest.raises(PermissionDenied):
+            s.durability.check_namespace("tail-team", 1000)
+        for k in s.keys():  # every object freed: no space is left held
+            s.free(s.lookup(k))
+        for ns in ("team", "tail-team"):
+            for k in s.keys(namespace=ns):
+                s.free(s.lookup(k, namespace=ns), namespace=ns)
+        s.free(hs["anon"])
+        assert s.stat()["tiers"]["nvme"]["used_bytes"] == 0
+    with Store(_cfg(d)) as s:
+        assert s.replay_info["checkpoint"] == "used" and len(s.index.objects) == 0
+
+
+@pytest.mark.parametrize("where", ["magic", "version", "crc", "body-start", "body-middle", "last-byte"])
+def test_a_flipped_byte_anywhere_in_the_checkpoint_means_a_full_replay(tmp_path, where):
+    d, hs = _filled(tmp_path)
+    p = d / CHECKPOINT_FILE
+    data = bytearray(p.read_bytes())
+    at = {"magic": 0, "version": 8, "crc": 12, "body-start": 24, "body-middle": len(data) // 2,
+          "last-byte": len(data) - 1}[where]
+    data[at] ^= 0x10
+    p.write_bytes(bytes(data))
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"].startswith("refused") and j["records_replayed"] > 40
+        _check_contents(s, hs)
+    with Store(_cfg(d)) as s:  # the clean close wrote a good one again
+        assert s.replay_info["checkpoint"] == "used"
+        _check_contents(s, hs)
+
+
+def test_a_cut_or_empty_checkpoint_means_a_full_replay(tmp_path):
+    d, hs = _filled(tmp_path)
+    p = d / CHECKPOINT_FILE
+    for data in (p.read_bytes()[:-100], p.read_bytes()[:10], b""):
+        p.write_bytes(data)
+        with Store(_cfg(d)) as s:
+            assert s.replay_info["checkpoint"].startswith("refused")
+            _check_contents(s, hs)
+
+
+def test_a_journal_rewritten_cut_or_damaged_after_the_checkpoint_makes_it_stale(tmp_path):
+    d, hs = _filled(tmp_path)
+    old = (d / CHECKPOINT_FILE).read_bytes()
+    # rewritten: a compaction (which writes a checkpoint of its own), then the old one put back
+    with Store(_cfg(d)) as s:
+        s.put(_val(60), key="after", durable=True)
+        s.durability.maybe_compact(force=True)
+        assert s.replay_info["checkpoint"] == "used"
+    (d / CHECKPOINT_FILE).write_bytes(old)
+    with Store(_cfg(d)) as s:
+        assert s.replay_info["checkpoint"].startswith("refused")
+        _check_contents(s, hs, [("after", _val(60))])
+    # cut: the journal shorter than what the checkpoint covered
+    with Store(_cfg(d)):
+        pass
+    jpath = d / JOURNAL_FILE
+    data = jpath.read_bytes()
+    recs = [(b, e, r) for b, e, r in scan(data) if r is not None]
+    b_, _, last = recs[-1]
+    assert last["op"] == "open"
+    jpath.write_bytes(data[:b_])  # the last (open) record gone: every object still in the journal
+    with Store(_cfg(d)) as s:
+        assert s.replay_info["checkpoint"].startswith("refused")
+        _check_contents(s, hs, [("after", _val(60))])
+    # damaged in the middle of the covered bytes: found, reported and kept aside as always
+    _flip_record(d, "k20")
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"].startswith("refused") and j["corrupt_records"] == 1 and j["kept_aside"]
+        _check_contents(s, hs, [("after", _val(60))], gone=["k20"])
+
+
+def test_a_checkpoint_from_another_directory_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    with Store(_cfg(a)) as s:
+        hs = _fill(s)
+    with Store(_cfg(b)) as s:
+        s.put(_val(1), key="only-in-b", durable=True)
+    shutil.copyfile(a / CHECKPOINT_FILE, b / CHECKPOINT_FILE)
+    with Store(_cfg(b)) as s:
+        assert s.replay_info["checkpoint"].startswith("refused")
+        assert s.keys() == ["only-in-b"]
+    with Store(_cfg(a)) as s:
+        assert s.replay_info["checkpoint"] == "used"
+        _check_contents(s, hs)
+
+
+def _rewrite_checkpoint(d, edit):
+    """A checkpoint for ``d``'s journal as it is, whose object records ``edit`` changed:
+    consistent and CRC-valid, but not what the journal says."""
+    with Store(_cfg(d)) as s:
+        with s.durability.lock:
+            records = s.durability._live_records()
+    ident = checkpoint.journal_identity(str(d / JOURNAL_FILE))
+    recs = [r if not isinstance(r, bytes) else msgpack.unpackb(r) for r in records]
+    puts = [r for r in recs if r.get("op") == "put"]
+    edit(puts)
+    checkpoint.write(str(d), ident, [pack(r) if r.get("op") == "put" else r for r in recs])
+
+
+@pytest.mark.parametrize("bad,why", [("outside the tier", "outside the configured NVMe tier"),
+                                     ("overlapping", "overlap"), ("unaligned", "outside the configured"),
+                                     ("drive", "outside the configured"), ("crc count", "CRC count"),
+                                     ("key twice", "held by two"), ("bad key", "key is invalid"),
+                                     ("bad namespace", "namespace in the table")])
+def test_a_consistent_checkpoint_with_impossible_objects_is_refused(tmp_path, bad, why):
+    d, hs = _filled(tmp_path)
+
+    def edit(puts):
+        p, q = puts[3], puts[4]
+        if bad == "outside the tier":
+            p["ext"][0][1] = 64 << 20
+        elif bad == "overlapping":
+            p["ext"][0][1] = q["ext"][0][1]
+        elif bad == "unaligned":
+            p["ext"][0][1] += 512
+        elif bad == "drive":
+            p["ext"][0][0] = 1
+        elif bad == "crc count":
+            p["crc"].append(0)
+        elif bad == "key twice":
+            p["key"] = q["key"]
+        elif bad == "bad key":
+            p["key"] = "a\nb"
+        elif bad == "bad namespace":
+            p["ns"] = "../up"
+    _rewrite_checkpoint(d, edit)
+    with Store(_cfg(d)) as s:
+        assert s.replay_info["checkpoint"].startswith("refused") and why in s.replay_info["checkpoint"]
+        _check_contents(s, hs)
+
+
+def test_damage_in_the_journal_tail_is_handled_as_without_a_checkpoint(tmp_path):
+    d, hs = _filled(tmp_path)
+    old = (d / CHECKPOINT_FILE).read_bytes()
+    with Store(_cfg(d)) as s:
+        for i in range(5):
+            s.put(_val(70 + i), key=f"tail{i}", durable=True)
+    (d / CHECKPOINT_FILE).write_bytes(old)  # still valid: the journal only grew since
+    _flip_record(d, "tail2")
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["corrupt_records"] == 1 and j["kept_aside"]
+        assert s.lookup("tail2") is None
+        _check_contents(s, hs, [(f"tail{i}", _val(70 + i)) for i in (0, 1, 3, 4)])
+    with Store(_cfg(d)) as s:  # the damage was not carried forward
+        assert s.stat()["journal"]["corrupt_records"] == 0
+        _check_contents(s, hs, [(f"tail{i}", _val(70 + i)) for i in (0, 1, 3, 4)])
+
+
+def test_after_a_failed_journal_sync_no_checkpoint_vouches_for_what_memory_holds(tmp_path):
+    d, hs = _filled(tmp_path)
+    old = (d / CHECKPOINT_FILE).read_bytes()
+    s = Store(_cfg(d))
+    s.put(_val(80), key="in-memory-only", durable=True)
+    s.journal._sync_failed = "an fdatasync failed (test)"
+    data = (d / JOURNAL_FILE).read_bytes()  # what the failed sync left on disk: without that put's record
+    s.close()
+    assert (d / CHECKPOINT_FILE).read_bytes() == old
+    (d / JOURNAL_FILE).write_bytes(data[:next(b for b, _, r in scan(data) if r and r.get("key") == "in-memory-only")])
+    with Store(_cfg(d)) as s:
+        assert s.replay_info["checkpoint"] == "used" and s.lookup("in-memory-only") is None
+        _check_contents(s, hs)
+
+
+def test_the_daemon_restarts_from_its_checkpoint_after_sigterm_and_after_sigkill(daemon_factory):
+    dm = daemon_factory()
+    with dm.client() as c:
+        for i in range(30):
+            c.put(_val(i), key=f"o{i}", durable=True)
+    dm.stop()  # SIGTERM: a clean close writes the checkpoint
+    dm.start()
+    with dm.client() as c:
+        j = c.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["records_replayed"] == 0
+        c.put(_val(100), key="after", durable=True)
+        c.put(_val(101), key="o3", durable=True, replace=True)
+        c.free(c.lookup("o4"))
+    dm.kill()  # SIGKILL: the tail after the checkpoint is replayed
+    dm.start()
+    with dm.client() as c:
+        j = c.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["records_replayed"] >= 4 and j["corrupt_records"] == 0
+        assert c.lookup("o4") is None
+        assert torch.equal(c.get(c.lookup("after")), _val(100))
+        assert torch.equal(c.get(c.lookup("o3")), _val(101))
+        for i in range(30):
+            if i not in (3, 4):
+                assert torch.equal(c.get(c.lookup(f"o{i}")), _val(i)), i
+    assert "index checkpoint used" in dm.log.read_text()
+
+
+def test_tail_records_meet_checkpointed_objects_exactly_as_in_a_full_replay(tmp_path):
+    """Every conflict rule across the checkpoint's edge: a tail put in a checkpointed
+    object's space supersedes it (its free lost), a higher id takes its key, a late record
+    of a replaced object is ignored, a write-back moves it, frees and echoed frees remove,
+    and a disagreeing namespace claim is ignored."""
+    from tierstore.durability import Replay
+    from tierstore.journal import Journal, ReplayResult
+
+    def put(oid, key, off, n=16, ns="job", gen=1, **kw):
+        return {"op": "put", "id": oid, "gen": gen, "ns": ns, "key": key, "kind": "numpy", "dtype": "uint8",
+                "shape": [n], "nbytes": n, "ext": [[0, off, 0, n]], "crc": [0], "home": None, **kw}
+    prefix = [{"op": "open", "epoch": 3, "next_id": 1}, {"op": "ns", "name": "job", "uid": 10},
+              *[put(i, f"k{i}", i * 4096, nsuid=10) for i in range(1, 9)], put(9, None, 9 * 4096)]
+    tail = [put(20, "new", 1 * 4096),                      # in object 1's space: 1 is superseded
+            put(21, "k2", 40 * 4096),                      # a higher id takes k2: 2 goes
+            put(3, "k3", 41 * 4096, gen=2),                # a write-back of 3 to new space
+            put(22, "mine", 3 * 4096),                     # ... into 3's old space: nothing superseded
+            {"op": "free", "id": 4},
+            put(23, "z", 42 * 4096, fr=[5]),               # a free known only from its echo
+            {"op": "ns", "name": "job", "uid": 11},        # a later claim by another uid: ignored
+            put(5, "k5", 5 * 4096),                        # a record of 5 after its (echoed) free
+            put(9, None, 44 * 4096, gen=2),                # the keyless object written back
+            put(7, "k8", 45 * 4096),                       # a key a higher id holds: on its way out
+            {"op": "open", "epoch": 4, "next_id": 30}]
+    d = tmp_path / "j"
+    d.mkdir()
+    j = Journal(str(d))
+    j.rewrite(iter(prefix))
+    ident = checkpoint.journal_identity(j.path)
+    checkpoint.write(str(d), ident, [r if r["op"] != "put" else pack(r) for r in prefix])
+    j.open_for_append()
+    for r in tail:
+        j.append(r, sync=False)
+    j.close()
+
+    def replayed(seed):
+        rp, res = Replay(ndrives=1, drive_bytes=1 << 30), ReplayResult()
+        start = 0
+        if seed:
+            ck = checkpoint.load(str(d), j.path, ndrives=1, drive_bytes=1 << 30)
+            rp.seed(ck)
+            start = ck.offset
+        for r, payload in j.stream(res, start):
+            rp.apply(r, payload)
+        return ({oid: (m.gen, m.namespace, m.key, m.nvme, m.record) for oid, m in rp.live.items()},
+                rp.owners, rp.epoch, rp.next_id, rp.superseded, rp.owner_conflicts, rp.malformed)
+    full, seeded = replayed(False), replayed(True)
+    assert seeded == full
+    live = full[0]
+    assert 1 not in live and 2 not in live and 4 not in live and 20 in live and 22 in live
+    assert live[3][0] == 2 and live[9][0] == 2
+    assert full[1] == {"job": 10} and full[4] == 1 and full[5] >= 1  # (the claim's echoes count too)

@@ -1,0 +1,489 @@
+"""The index checkpoint: the durable index as of a point in the journal, in columns, so a
+restart builds a million objects without decoding and checking a million records.
+
+An optimisation only: the journal stays the source of truth. A checkpoint holds exactly
+what a compaction at the moment it was written would put in the journal (the live
+records, the namespace owners, the epoch and the next id), and names the journal it
+summarises: the journal's size then (``X``) and the CRC32C of its ``X`` bytes. The
+journal is append-only between rewrites, so a start whose journal still begins with
+exactly those bytes loads the checkpoint and replays only the records after ``X``, by
+the same rules and with the same damage-tolerant scan as a full replay. On any doubt
+(missing, a CRC or a version that does not check out, a journal rewritten, cut or
+damaged anywhere in the covered bytes, a column that does not validate) the start says
+why in one log line and replays the whole journal instead, so journal damage is found,
+reported and kept aside exactly as without a checkpoint.
+
+Written (temp file, fsync, rename, directory fsync) at a clean close and right after a
+compaction, beside the journal (``index.ckpt``). Removed before a compaction renames
+the new journal over the old, so no crash leaves a checkpoint naming a journal that is
+gone.
+
+File format: ``magic 8s | version u32 | crc32c(body) u32 | len(body) u64 | body``, the
+body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arrays):
+
+- ``journal``: ``[X, crc32c of the journal's bytes [0, X)]``
+- ``epoch``, ``next_id``, ``owners`` (``[[root namespace, uid], ...]`` in claim order)
+- ``ns``: the distinct namespaces; ``specs``: the distinct ``[kind, dtype, shape, nbytes]``
+- per object: ``id`` u64, ``gen`` u32, ``nsi`` u32 (into ``ns``), ``spec`` u32 (into
+  ``specs``), ``home`` u8 (1: ``"nvme"``), ``keys`` (a list, nil for none), ``next`` u32
+  (extents of each object), ``crcn`` u32 (block CRCs of each), ``recn`` u32 (bytes of
+  its journal record)
+- flat: ``ext`` u64 ``[dev, file_offset, obj_offset, nbytes]`` rows, ``crc`` u32, ``rec``
+  (the objects' put records as the journal holds them, one after another)
+
+The module knows nothing of the store: ``write`` takes the live records, ``load``
+returns the objects and the replay structures that seed ``durability.Replay``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import msgpack
+import numpy as np
+
+from .checksum import BLOCK_BYTES, crc32c
+from .errors import InvalidArgument
+from .index import ObjectMeta, validate_key, validate_namespace
+from .journal import _fsync_dir, _write_all
+from .nvme import Extent
+from .tensors import TensorSpec
+from .units import PAGE
+
+__all__ = ["CHECKPOINT_FILE", "Checkpoint", "Refused", "gc_paused", "journal_identity", "write", "load", "remove"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "index.ckpt"
+_MAGIC = b"TSINDEX\x00"
+VERSION = 1
+_HEAD = struct.Struct("<8sIIQ")
+_CHUNK = 8 << 20
+"""Journal bytes read at a time to check its CRC."""
+_ID_LIMIT = 1 << 48
+_SAMPLE = 64
+"""Records decoded at load to cross-check the columns (first, last and evenly between)."""
+
+
+class Refused(Exception):
+    """The checkpoint is not used; the message says why (the start logs it and replays
+    the whole journal)."""
+
+
+@dataclass
+class Checkpoint:
+    """What a usable checkpoint holds, ready to seed a replay."""
+
+    offset: int
+    """Journal bytes it covers: the replay goes on from here."""
+    live: dict[int, ObjectMeta]
+    owners: dict[str, int]
+    epoch: int
+    next_id: int
+    specs: dict[tuple, TensorSpec]
+    namespaces: set[str]
+    space: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """Per drive: the objects' byte ranges (starts, ends, ids), sorted by start and disjoint."""
+    keys: Callable[[], dict[tuple[str, str], int]]
+    """Builds the ``(namespace, key) -> id`` map of the objects (when a replay first needs it)."""
+    load_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a million long-lived objects are made: each
+    collection would walk every one made so far (about half the time of a replay)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def path_in(directory: str) -> str:
+    return os.path.join(directory, CHECKPOINT_FILE)
+
+
+# ---------------------------------------------------------------------------- write
+def write(directory: str, identity: tuple[int, int], records: Iterable[dict[str, Any] | bytes]) -> int:
+    """Write the checkpoint of ``directory`` from ``records``: the journal's live content
+    (``Durability._live_records``: an ``open`` map, ``ns`` maps and the durable objects'
+    packed put records) as of the moment ``identity`` (``journal_identity``) was taken,
+    with no record appended in between. Returns the objects written."""
+    with gc_paused():
+        return _write(directory, identity, records)
+
+
+def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str, Any] | bytes]) -> int:
+    t0 = time.perf_counter()
+    owners: dict[str, int] = {}
+    epoch, next_id = 0, 1
+    ns_ix: dict[str, int] = {}
+    spec_ix: dict[tuple, int] = {}
+    ids, gens, nsis, spis, homes, keys = [], [], [], [], [], []
+    nexts, ext, crcn, crc, recn, rec = [], [], [], [], [], []
+    unpack = msgpack.unpackb
+    for r in records:
+        if not isinstance(r, bytes):
+            op = r.get("op")
+            if op == "open":
+                epoch, next_id = max(epoch, r["epoch"]), max(next_id, r["next_id"])
+            elif op == "ns":
+                owners.setdefault(r["name"], r["uid"])
+            continue
+        d = unpack(r, raw=False, strict_map_key=False)
+        if not isinstance(d, dict) or d.get("op") != "put":
+            raise ValueError(f"not a put record: {d!r:.200}")
+        if d.get("nsuid") is not None:
+            root = d["ns"].split("/")[0]
+            if owners.setdefault(root, d["nsuid"]) != d["nsuid"]:
+                raise ValueError(f"namespace {root!r}: a record names uid {d['nsuid']}, the owner is "
+                                 f"uid {owners[root]}")
+        ns = d["ns"]
+        i = ns_ix.get(ns)
+        if i is None:
+            i = ns_ix[ns] = len(ns_ix)
+        sk = (d["kind"], d["dtype"], tuple(d["shape"]), d["nbytes"])
+        s = spec_ix.get(sk)
+        if s is None:
+            s = spec_ix[sk] = len(spec_ix)
+        ids.append(d["id"])
+        gens.append(d["gen"])
+        nsis.append(i)
+        spis.append(s)
+        homes.append(d.get("home") == "nvme")
+        keys.append(d.get("key"))
+        nexts.append(len(d["ext"]))
+        for e in d["ext"]:
+            ext.extend(e)
+        crcn.append(len(d["crc"]))
+        crc.extend(d["crc"])
+        recn.append(len(r))
+        rec.append(r)
+        epoch = max(epoch, d["gen"])
+        next_id = max(next_id, d["id"] + 1)
+    size, jcrc = identity
+    body = msgpack.packb({
+        "journal": [size, jcrc], "epoch": epoch, "next_id": next_id,
+        "owners": [[n, u] for n, u in owners.items()], "ns": list(ns_ix),
+        "specs": [[k, dt, list(sh), nb] for k, dt, sh, nb in spec_ix],
+        "id": _col(ids, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"), "spec": _col(spis, "<u4"),
+        "home": _col(homes, "u1"), "keys": keys, "next": _col(nexts, "<u4"), "ext": _col(ext, "<u8"),
+        "crcn": _col(crcn, "<u4"), "crc": _col(crc, "<u4"), "recn": _col(recn, "<u4"), "rec": b"".join(rec),
+    }, use_bin_type=True)
+    path = path_in(directory)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, _HEAD.pack(_MAGIC, VERSION, crc32c(body), len(body)))
+        _write_all(fd, body)
+        os.fsync(fd)  # complete on disk before the name points at it
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+    log.info("index checkpoint of %d durable objects written (journal offset %d, %.2f s)",
+             len(ids), size, time.perf_counter() - t0)
+    return len(ids)
+
+
+def remove(directory: str) -> None:
+    """No checkpoint (before the journal it names is replaced). A removal that fails, or
+    that a crash undoes, leaves one a start finds stale (logged, not raised)."""
+    for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp"):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("index checkpoint %s not removed (a start finds it stale): %s", name, e)
+
+
+def _col(values: list, dtype: str) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def journal_identity(journal_path: str) -> tuple[int, int]:
+    """The journal's size and the CRC32C of all of it: what a checkpoint written now
+    covers (taken with the journal's lock held, so nothing is appended meanwhile)."""
+    with open(journal_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return size, _crc_of(f, size)
+
+
+def _crc_of(f: Any, size: int) -> int:
+    """CRC32C of the first ``size`` bytes of ``f``, read a chunk at a time."""
+    crc, left = 0, size
+    f.seek(0)
+    while left:
+        chunk = f.read(min(left, _CHUNK))
+        if not chunk:
+            raise Refused(f"the journal ended {left} bytes before the {size} it covered")
+        crc = crc32c(chunk, crc)
+        left -= len(chunk)
+    return crc
+
+
+# ---------------------------------------------------------------------------- load
+def load(directory: str, journal_path: str, *, ndrives: int, drive_bytes: int) -> Checkpoint | None:
+    """The checkpoint of ``directory`` if there is one and every check holds; None if
+    there is none; ``Refused`` (saying why) if there is one that cannot be used."""
+    t0 = time.perf_counter()
+    try:
+        with open(path_in(directory), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise Refused(f"cannot read it: {os.strerror(e.errno or 0)}") from None
+    if len(data) < _HEAD.size:
+        raise Refused("it is shorter than its header")
+    magic, version, crc, n = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise Refused("bad magic")
+    if version != VERSION:
+        raise Refused(f"version {version}, this build reads version {VERSION}")
+    body = memoryview(data)[_HEAD.size:]
+    if n != len(body) or crc32c(body) != crc:
+        raise Refused("its CRC does not check out (damaged or cut)")
+    try:
+        b = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # (CRC-valid but undecodable: written by something else)
+        raise Refused(f"undecodable: {e}") from None
+    del data, body
+    _check_journal(b, journal_path)
+    ck = _build(b, ndrives, drive_bytes)
+    ck.load_s = time.perf_counter() - t0
+    return ck
+
+
+def _check_journal(b: dict, journal_path: str) -> None:
+    j = b.get("journal")
+    if not (isinstance(j, list) and len(j) == 2 and all(type(v) is int for v in j)):
+        raise Refused("no journal identity")
+    size, crc = j
+    try:
+        with open(journal_path, "rb") as f:
+            have = os.fstat(f.fileno()).st_size
+            if have < size:
+                raise Refused(f"the journal is {have} bytes, shorter than the {size} it covered (cut or rewritten)")
+            if _crc_of(f, size) != crc:
+                raise Refused(f"the journal's first {size} bytes are not the ones it covered (rewritten or damaged)")
+    except FileNotFoundError:
+        raise Refused("there is no journal") from None
+
+
+def _arr(b: dict, name: str, dtype: str, n: int | None = None) -> np.ndarray:
+    v = b.get(name)
+    if not isinstance(v, bytes) or len(v) % np.dtype(dtype).itemsize:
+        raise Refused(f"column {name!r} is missing or malformed")
+    a = np.frombuffer(v, dtype=dtype)
+    if n is not None and len(a) != n:
+        raise Refused(f"column {name!r} has {len(a)} entries, not {n}")
+    return a
+
+
+def _build(b: dict, ndrives: int, drive_bytes: int) -> Checkpoint:
+    epoch, next_id = b.get("epoch"), b.get("next_id")
+    if not (type(epoch) is int and 0 <= epoch < 1 << 63 and type(next_id) is int and 1 <= next_id <= _ID_LIMIT):
+        raise Refused("bad epoch or next id")
+    owners = _owners(b.get("owners"))
+    names, specs = _namespaces(b.get("ns")), _specs(b.get("specs"))
+    ids = _arr(b, "id", "<u8")
+    n = len(ids)
+    gens, nsi, spi = _arr(b, "gen", "<u4", n), _arr(b, "nsi", "<u4", n), _arr(b, "spec", "<u4", n)
+    home, nxt, crcn, recn = _arr(b, "home", "u1", n), _arr(b, "next", "<u4", n), _arr(b, "crcn", "<u4", n), \
+        _arr(b, "recn", "<u4", n)
+    ext = _arr(b, "ext", "<u8").reshape(-1, 4) if b.get("ext") is not None else None
+    crcs = _arr(b, "crc", "<u4")
+    keys, rec = b.get("keys"), b.get("rec")
+    if ext is None or len(b["ext"]) % 32:
+        raise Refused("column 'ext' is malformed")
+    if not isinstance(keys, list) or len(keys) != n or not isinstance(rec, bytes):
+        raise Refused("columns 'keys' or 'rec' are malformed")
+    # -- per object, vectorised (the checks ``_check_record`` makes of each put record)
+    if n and (ids.min() < 1 or ids.max() >= _ID_LIMIT or ids.max() >= next_id):
+        raise Refused("an object id is out of range")
+    if n and not (np.diff(ids.astype(np.int64)) > 0).all():
+        raise Refused("object ids are not unique and in order")
+    if n and (gens.max() >= 0x10000 or gens.max() > epoch):
+        raise Refused("a generation is out of range")
+    if n and (nsi.max() >= len(names) or spi.max() >= len(specs) or home.max() > 1):
+        raise Refused("a namespace, spec or home index is out of range")
+    nbytes = np.array([s.nbytes for s in specs], dtype=np.int64)[spi] if n else np.zeros(0, np.int64)
+    if int(nxt.sum(dtype=np.int64)) != len(ext) or int(crcn.sum(dtype=np.int64)) != len(crcs) \
+            or int(recn.sum(dtype=np.int64)) != len(rec):
+        raise Refused("per-object counts do not add up to the flat columns")
+    if ((nxt == 0) & (nbytes > 0)).any():
+        raise Refused("an object with bytes has no extent")
+    if not (crcn == -(-nbytes // BLOCK_BYTES)).all():
+        raise Refused("an object's block CRC count disagrees with its size")
+    dev, off, oof, en = (ext[:, k].astype(np.int64) for k in range(4)) if len(ext) else \
+        (np.zeros(0, np.int64),) * 4
+    if len(ext):
+        if ext.max() >= 1 << 62:
+            raise Refused("an extent field is out of range")
+        span = (np.maximum(en, 1) + PAGE - 1) // PAGE * PAGE
+        if dev.max() >= ndrives or (off % PAGE).any() or (off + span > drive_bytes).any():
+            raise Refused("an extent is outside the configured NVMe tier")
+        owner = np.repeat(np.arange(n), nxt)
+        first = np.cumsum(nxt, dtype=np.int64) - nxt
+        before = np.cumsum(en) - en  # bytes of all earlier extents
+        if not (oof == before - np.repeat(before[first[nxt > 0]], nxt[nxt > 0])).all():
+            raise Refused("an object's extents do not tile it")
+        total = np.zeros(n, np.int64)
+        np.add.at(total, owner, en)
+        if not (total == nbytes).all():
+            raise Refused("an object's extents do not add up to its size")
+        space = []
+        for d in range(ndrives):
+            sel = np.flatnonzero(dev == d)
+            order = sel[np.argsort(off[sel], kind="stable")]
+            s, e = off[order], off[order] + span[order]
+            if len(s) > 1 and (s[1:] < e[:-1]).any():
+                raise Refused(f"extents on drive {d} overlap")
+            space.append((s, e, ids[owner[order]].astype(np.int64)))
+    else:
+        if (nbytes > 0).any():
+            raise Refused("an object with bytes has no extent")
+        space = [(np.zeros(0, np.int64),) * 3 for _ in range(ndrives)]
+    _check_keys(keys, nsi, len(names))
+    # -- the objects
+    for ns, uid in owners.items():
+        if uid is None:
+            raise Refused(f"namespace {ns!r} has no owner")
+    live = _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, names, specs)
+    _cross_check(live, ids)
+    ns_used = [names[i] for i in np.unique(nsi)] if n else []
+
+    def keys_of() -> dict[tuple[str, str], int]:
+        return {(m.namespace, m.key): oid for oid, m in live.items() if m.key is not None}
+    return Checkpoint(offset=int(b["journal"][0]), live=live, owners=owners, epoch=epoch, next_id=next_id,
+                      specs={(s.kind, s.dtype, s.shape, s.nbytes): s for s in specs}, namespaces=set(ns_used),
+                      space=space, keys=keys_of)
+
+
+def _owners(v: Any) -> dict[str, int]:
+    if not isinstance(v, list):
+        raise Refused("bad owners")
+    out: dict[str, int] = {}
+    for x in v:
+        if not (isinstance(x, list) and len(x) == 2 and type(x[1]) is int and 0 <= x[1] < 1 << 32):
+            raise Refused("bad owner entry")
+        try:
+            if "/" in validate_namespace(x[0]):
+                raise InvalidArgument("not a root")
+        except InvalidArgument:
+            raise Refused(f"bad owned namespace {x[0]!r:.80}") from None
+        out.setdefault(x[0], x[1])
+    return out
+
+
+def _namespaces(v: Any) -> list[str]:
+    if not isinstance(v, list):
+        raise Refused("bad namespace table")
+    try:
+        return [sys.intern(validate_namespace(x)) for x in v]  # (each distinct one checked once)
+    except InvalidArgument:
+        raise Refused("a namespace in the table is invalid") from None
+
+
+def _specs(v: Any) -> list[TensorSpec]:
+    if not isinstance(v, list):
+        raise Refused("bad spec table")
+    out = []
+    for s in v:
+        if not (isinstance(s, list) and len(s) == 4):
+            raise Refused("bad spec")
+        kind, dtype, shape, nb = s
+        if kind not in ("torch", "numpy") or not isinstance(dtype, str) or not 0 < len(dtype) <= 32:
+            raise Refused("a spec has a bad kind or dtype")
+        if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and 0 <= d < 1 << 63
+                                                                   for d in shape)) \
+                or not (type(nb) is int and 0 <= nb < 1 << 62) or (nb and not all(shape)):
+            raise Refused("a spec has a bad shape or size")
+        out.append(TensorSpec(sys.intern(kind), sys.intern(dtype), tuple(shape), nb))
+    return out
+
+
+def _check_keys(keys: list, nsi: np.ndarray, nnames: int) -> None:
+    """Every key valid (``index.validate_key``), all at once in the usual case (every key
+    a str of at most 256 characters, so at most 1024 bytes, and the lot printable), and
+    no key held twice in a namespace."""
+    present = [k for k in keys if k is not None]
+    if not all(type(k) is str for k in present):
+        raise Refused("a key is not a string")
+    if nnames == 1:
+        distinct = len(set(present))
+    else:
+        distinct = len({(i, k) for i, k in zip(nsi.tolist(), keys) if k is not None})
+    if distinct != len(present):
+        raise Refused("a key is held by two objects")
+    lens = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
+    if len(present) and lens.min() < 1:
+        raise Refused("a key is empty")
+    if not len(present) or lens.max() <= 256 and "".join(present).isprintable():
+        return
+    try:
+        for k in present:
+            validate_key(k)
+    except InvalidArgument:
+        raise Refused("a key is invalid") from None
+
+
+def _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, names, specs
+             ) -> dict[int, ObjectMeta]:
+    """The ObjectMetas, in id order, as ``ObjectMeta.from_record`` makes them."""
+    rows = [Extent(*row) for row in ext.tolist()]
+    exts = [[e] for e in rows] if (nxt == 1).all() else _split(rows, nxt)  # (one extent each: the usual)
+    crc_list = crcs.tolist()
+    crc_of = [[c] for c in crc_list] if (crcn == 1).all() else _split(crc_list, crcn)
+    ri = np.cumsum(recn, dtype=np.int64).tolist()
+    rec_of = [rec[a:b] for a, b in zip([0, *ri], ri)]
+    ns_of = [names[i] for i in nsi.tolist()]
+    spec_of = [specs[i] for i in spi.tolist()]
+    home_of = [None, "nvme"]
+    live: dict[int, ObjectMeta] = {}
+    for oid, gen, ns, key, spec, h, ex, cr, rc in zip(ids.tolist(), gens.tolist(), ns_of, keys, spec_of,
+                                                      home.tolist(), exts, crc_of, rec_of):
+        m = ObjectMeta(id=oid, gen=gen, namespace=ns, key=key, spec=spec, durable=True, nvme=ex, crcs=cr,
+                       nvme_valid=True, home=home_of[h])
+        m.record = rc
+        live[oid] = m
+    return live
+
+
+def _split(items: list, counts: np.ndarray) -> list[list]:
+    ends = np.cumsum(counts, dtype=np.int64).tolist()
+    return [items[a:b] for a, b in zip([0, *ends], ends)]
+
+
+def _cross_check(live: dict[int, ObjectMeta], ids: np.ndarray) -> None:
+    """Decode a sample of the kept records and compare them with the objects built from
+    the columns: a checkpoint whose two halves disagree is not used."""
+    n = len(ids)
+    if not n:
+        return
+    for k in sorted({0, n - 1, *np.linspace(0, n - 1, min(n, _SAMPLE)).astype(int).tolist()}):
+        m = live[int(ids[k])]
+        try:
+            r = msgpack.unpackb(m.record, raw=False, strict_map_key=False)
+        except Exception:
+            raise Refused(f"the record of object {m.id} is undecodable") from None
+        want = m.to_record()
+        if not isinstance(r, dict) or any(r.get(f) != v for f, v in want.items()):
+            raise Refused(f"the record of object {m.id} disagrees with the columns")
