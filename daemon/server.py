@@ -250,8 +250,15 @@ class Server:
                 f"{'adopted' if self.store.arena.adopted else 'populated'} in {populate_s:.1f} s), "
                 f"nvme {format_size(nvme['capacity_bytes'])} in {', '.join(self.config.store.nvme_dirs)} "
                 f"(engine {nvme['engine']}, O_DIRECT {'on' if nvme.get('direct_io') else 'off'}), {gpu}; "
-                f"{self.store.replay_info['objects']} durable objects recovered, "
+                f"{self.store.replay_info['objects']} durable objects recovered "
+                f"({self._recovered_how()}), "
                 f"{self.store.replay_info['adopted']} host-resident objects adopted")
+
+    def _recovered_how(self) -> str:
+        info = self.store.replay_info
+        if info.get("checkpoint") == "used":
+            return f"from the index checkpoint and {info['records_replayed']} journal records"
+        return f"replaying {info.get('records_replayed', 0)} journal records"
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ import torch
 from tierstore import Config, PermissionDenied, Store
 from tierstore import checkpoint
 from tierstore.checkpoint import CHECKPOINT_FILE
+from tierstore.client.cli.statview import render
 from tierstore.journal import JOURNAL_FILE, pack, scan
 
 
@@ -332,8 +333,9 @@ def test_the_daemon_restarts_from_its_checkpoint_after_sigterm_and_after_sigkill
     dm.stop()  # SIGTERM: a clean close writes the checkpoint
     dm.start()
     with dm.client() as c:
-        j = c.stat()["journal"]
-        assert j["checkpoint"] == "used" and j["records_replayed"] == 0
+        st = c.stat()
+        assert st["journal"]["checkpoint"] == "used" and st["journal"]["records_replayed"] == 0
+        assert "started from the index checkpoint, then 0 records" in render(st)  # tierstore stat
         c.put(_val(100), key="after", durable=True)
         c.put(_val(101), key="o3", durable=True, replace=True)
         c.free(c.lookup("o4"))
@@ -348,7 +350,8 @@ def test_the_daemon_restarts_from_its_checkpoint_after_sigterm_and_after_sigkill
         for i in range(30):
             if i not in (3, 4):
                 assert torch.equal(c.get(c.lookup(f"o{i}")), _val(i)), i
-    assert "index checkpoint used" in dm.log.read_text()
+    log = dm.log.read_text()
+    assert "index checkpoint used" in log and "from the index checkpoint and" in log  # and the start line
 
 
 def test_tail_records_meet_checkpointed_objects_exactly_as_in_a_full_replay(tmp_path):

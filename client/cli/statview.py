@@ -77,6 +77,10 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     for name in sorted(ns):
         lines.append(f"    {name:30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
     j = st.get("journal", {})
+    if "checkpoint" in j:
+        how = ("from the index checkpoint, then" if j["checkpoint"] == "used" else
+               f"replaying the whole journal (index checkpoint {j['checkpoint']}):")
+        lines.append(f"  journal {format_size(j.get('bytes', 0))}; started {how} {j.get('records_replayed', 0)} records")
     if j.get("kept_aside"):
         lines.append(f"  journal recovery at start: {j.get('corrupt_records', 0)} damaged stretches, "
                      f"{j.get('malformed_records', 0)} malformed records, torn tail {j.get('torn_bytes', 0)} B skipped; "
