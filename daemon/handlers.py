@@ -9,11 +9,11 @@ reply instead: the group committer makes it durable and the server answers then.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
+from tierstore.groupcommit import Pending
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.batch import MAX_EACH
 from tierstore.leases import MAX_BATCH
@@ -83,13 +83,13 @@ class Deferred(NamedTuple):
     """A reply to come: a durable put's, once the group commit has made it durable. The
     server answers with ``reply(result of done)`` then."""
 
-    done: Future
+    done: Pending
     reply: Callable[[Any], Any]
 
 
-def _handle_reply(h: Handle | Future) -> dict[str, Any] | Deferred:
+def _handle_reply(h: Handle | Pending) -> dict[str, Any] | Deferred:
     """A put's reply; for a durable put committed from the event loop, a ``Deferred``."""
-    if isinstance(h, Future):
+    if isinstance(h, Pending):
         return Deferred(h, lambda h: {"handle": int(h)})
     return {"handle": int(h)}
 

@@ -767,8 +767,9 @@ class Server:
     # ------------------------------------------------------------------ misc
     def _wake(self) -> None:
         # (after the caller queued its work) one byte per wake-up, not per reply: a group
-        # commit answers hundreds at once. The loop clears the flag before it drains the
-        # pipe and then the queue, so work queued after a skipped write is still seen.
+        # commit answers hundreds at once. The loop empties the pipe, then clears the flag,
+        # then drains the queue: work queued by a caller that saw the flag set is drained
+        # then, and a caller that sees it clear writes a byte the loop has not yet read.
         if self._wake_pending:
             return
         self._wake_pending = True
@@ -778,12 +779,12 @@ class Server:
             pass  # the pipe is full, so the loop is already going to wake
 
     def _drain_wake(self) -> None:
-        self._wake_pending = False
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
+        self._wake_pending = False  # after the read: a byte written from here on stays for the next select
 
     def _count_error(self, code: str) -> None:
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1

@@ -13,7 +13,6 @@ that does it. ``nowait=True``: the call runs on the daemon's event loop and rais
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from typing import Any
 
 from .durability import Durability
@@ -24,6 +23,7 @@ from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
 from .objectindex import ObjectIndex
 from .placement import Placement
+from .groupcommit import Pending
 from .puts import Puts, Reservation
 from .tensors import TensorSpec
 
@@ -45,9 +45,9 @@ class DaemonSurface:
         """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
         return self.puts.reserve(spec, **kw)
 
-    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Future:
+    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Pending:
         """Second phase: the reserved object becomes visible (``Puts.commit``; ``nowait`` and
-        durable: a ``Future`` of the handle)."""
+        durable: a ``Pending`` handle)."""
         return self.puts.commit(rid, owner=owner, nowait=nowait)
 
     def finish_commits(self) -> None:
@@ -63,7 +63,7 @@ class DaemonSurface:
         through the daemon pass through it in one round trip."""
         return self.placement.staging_area(owner, nbytes)
 
-    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle | Future:
+    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle | Pending:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
         return self.puts.put_staged(owner, src, spec, **kw)
 

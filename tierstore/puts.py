@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,7 @@ from .placement import Landing, Placement
 from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
 from .durability import Durability
-from .groupcommit import GroupCommit
+from .groupcommit import GroupCommit, Pending
 from .tensors import TensorSpec, cuda_source, to_bytes
 from .units import PAGE, align_up
 from .waits import WouldBlock
@@ -174,10 +173,10 @@ class Puts:
             self.reservations[oid] = res
             return res
 
-    def commit(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Future:
+    def commit(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Pending:
         """Second phase: make the reserved object visible (and durable, if asked). A durable
         commit goes to the group committer; ``nowait`` (the daemon's event loop): it is not
-        waited for, and a ``Future`` of the handle is returned instead."""
+        waited for, and a ``Pending`` handle is returned instead."""
         with self.cv:
             res = self.reservations.get(rid)
             if res is None or res.owner != owner:
@@ -244,9 +243,9 @@ class Puts:
 
     def put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
                    durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
-                   nowait: bool = False, ephemeral: bool = False) -> Handle | Future:
+                   nowait: bool = False, ephemeral: bool = False) -> Handle | Pending:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area
-        (``nowait`` and durable: a ``Future`` of the handle, see ``commit``)."""
+        (``nowait`` and durable: a ``Pending`` handle, see ``commit``)."""
         with self.cv:
             area = self.placement.staging_of(owner)
         if area is None or src < 0 or src + spec.nbytes > area[1]:
@@ -259,7 +258,7 @@ class Puts:
         if spec.nbytes:
             view(res.host_off, spec.nbytes)[:] = view(area[0] + src, spec.nbytes)
         try:
-            return self.commit(res.rid, owner=owner, nowait=nowait)  # (nowait, durable: a Future)
+            return self.commit(res.rid, owner=owner, nowait=nowait)  # (nowait, durable: a Pending)
         except WouldBlock:
             self.abort(res.rid, owner=owner)
             raise
