@@ -346,7 +346,8 @@ def _build(b: dict, ndrives: int, drive_bytes: int) -> Checkpoint:
         if not (oof == before - np.repeat(before[first[nxt > 0]], nxt[nxt > 0])).all():
             raise Refused("an object's extents do not tile it")
         total = np.zeros(n, np.int64)
-        np.add.at(total, owner, en)
+        has = nxt > 0
+        total[has] = np.add.reduceat(en, first[has])  # (each object's extents are contiguous)
         if not (total == nbytes).all():
             raise Refused("an object's extents do not add up to its size")
         space = []
@@ -454,17 +455,18 @@ def _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, n
     crc_of = [[c] for c in crc_list] if (crcn == 1).all() else _split(crc_list, crcn)
     ri = np.cumsum(recn, dtype=np.int64).tolist()
     rec_of = [rec[a:b] for a, b in zip([0, *ri], ri)]
-    ns_of = [names[i] for i in nsi.tolist()]
-    spec_of = [specs[i] for i in spi.tolist()]
-    home_of = [None, "nvme"]
-    live: dict[int, ObjectMeta] = {}
-    for oid, gen, ns, key, spec, h, ex, cr, rc in zip(ids.tolist(), gens.tolist(), ns_of, keys, spec_of,
-                                                      home.tolist(), exts, crc_of, rec_of):
-        m = ObjectMeta(id=oid, gen=gen, namespace=ns, key=key, spec=spec, durable=True, nvme=ex, crcs=cr,
-                       nvme_valid=True, home=home_of[h])
+    n = len(ids)
+    ns_of = [names[0]] * n if len(names) == 1 else [names[i] for i in nsi.tolist()]
+    spec_of = [specs[0]] * n if len(specs) == 1 else [specs[i] for i in spi.tolist()]
+    home_of = [None] * n if not home.any() else [(None, "nvme")[h] for h in home.tolist()]
+    id_list = ids.tolist()
+    metas = [ObjectMeta(id=oid, gen=gen, namespace=ns, key=key, spec=spec, durable=True, nvme=ex, crcs=cr,
+                        nvme_valid=True, home=h)
+             for oid, gen, ns, key, spec, h, ex, cr in zip(id_list, gens.tolist(), ns_of, keys, spec_of, home_of,
+                                                           exts, crc_of)]
+    for m, rc in zip(metas, rec_of):
         m.record = rc
-        live[oid] = m
-    return live
+    return dict(zip(id_list, metas))
 
 
 def _split(items: list, counts: np.ndarray) -> list[list]:
