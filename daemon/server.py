@@ -165,12 +165,12 @@ class Server:
         1. Checks that can refuse the start, in milliseconds: a live daemon on the
            socket, the socket's directory, then (in ``Store``) the NVMe directories, their
            locks, free disk and memory.
-        2. The store: the host arena is created and mapped but not yet populated, the
-           journal replayed.
+        2. The store: the host arena is created and mapped, its pages populated by a
+           background thread from here on, while the journal is replayed.
         3. The socket is bound: clients are served from here on.
-        4. The arena's pages are populated by a background thread; ``READY=1`` (and the
-           start line in the log) follows when that is done, so systemd's ready means
-           the promise holds: every page of the host tier is there.
+        4. A thread waits for the populating to end; ``READY=1`` (and the start line in
+           the log) follows, so systemd's ready means the promise holds: every page of
+           the host tier is there.
         """
         path = self.config.daemon.socket
         self.notifier.status("checking the configuration")
@@ -186,7 +186,7 @@ class Server:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            self.store = Store(self.config, inherited_fds=inherited, populate_host=False)
+            self.store = Store(self.config, inherited_fds=inherited, populate_host="background")
         finally:
             gc.collect(0)  # the opening's own short-lived cycles, not frozen with the rest
             gc.freeze()

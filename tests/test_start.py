@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -111,3 +112,29 @@ def test_arena_populates_later_when_asked(tmp_path):
         assert a.populated and a.array[0] == 7 and "MADV_POPULATE_WRITE" in a.populate_how
     finally:
         a.close()
+
+
+def test_arena_populates_in_the_background_and_populate_waits_for_it():
+    """``populate="background"``: pages are populated on a thread from the start (the
+    daemon replays its journal meanwhile); ``populate()`` waits for it and reports its
+    time from its start; bytes written meanwhile are kept (it populates without writing)."""
+    from tierstore.arena import Arena
+
+    a = Arena(64 << 20, populate="background")
+    try:
+        a.array[:4096] = 7
+        a.array[-1] = 9
+        seconds = a.populate()
+        assert a.populated and seconds >= 0 and "MADV_POPULATE_WRITE" in a.populate_how
+        assert a.array[0] == 7 and a.array[-1] == 9
+        assert not [t for t in threading.enumerate() if t.name == "tierstore-populate"]
+    finally:
+        a.close()
+
+
+def test_an_arena_closed_while_populating_in_the_background_stops_it():
+    from tierstore.arena import Arena
+
+    a = Arena(256 << 20, populate="background")
+    a.close()  # (joins the populating thread; nothing is unmapped under it)
+    assert not [t for t in threading.enumerate() if t.name == "tierstore-populate"]

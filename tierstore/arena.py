@@ -32,12 +32,13 @@ class Arena:
     Populating matters: a first-touch page fault costs far more than the copy into
     the page (measured 20x on a 2-core VM), so every page is allocated and mapped in
     here, once, instead of on the first put. ``populate=False`` leaves that to a later
-    ``populate()`` call (the daemon runs it after it starts accepting connections):
-    touching a page before then is correct, only slower.
+    ``populate()`` call; ``populate="background"`` starts it on a thread at once, and
+    ``populate()`` waits for it (the daemon replays its journal meanwhile, and waits only
+    once it is already serving): touching a page before then is correct, only slower.
     """
 
     def __init__(self, size: int, *, name: str = "tierstore-host", fd: int | None = None,
-                 populate: bool = True) -> None:
+                 populate: bool | str = True) -> None:
         self.adopted = fd is not None
         if fd is not None:  # an arena handed back (systemd's fd store): its pages and bytes are kept
             self.fd = fd
@@ -60,8 +61,28 @@ class Arena:
         self.array = np.frombuffer(self.mm, dtype=np.uint8) if self.size else np.empty(0, np.uint8)
         self.populated = False
         self.populate_how = "not yet"
-        if populate:
+        self._populating: threading.Thread | None = None
+        self._populate_stop = threading.Event()
+        self._populated_in: tuple[float, str] | BaseException | None = None
+        if populate == "background":
+            self._populate_in_background()
+        elif populate:
             self.populate()
+
+    def _populate_in_background(self, threads: int | None = None) -> None:
+        t0 = time.perf_counter()
+
+        def run() -> None:
+            try:
+                how = _populate(self.fd, self.mm, self.size, threads or min(8, os.cpu_count() or 1),
+                                self._populate_stop)
+                self._populated_in = (time.perf_counter() - t0, how)
+            except BaseException as e:  # (raised by the populate() that waits for it)
+                self._populated_in = e
+
+        if self.size:
+            self._populating = threading.Thread(target=run, name="tierstore-populate", daemon=True)
+            self._populating.start()
 
     def populate(self, threads: int | None = None) -> float:
         """Allocate and map every page now; returns the seconds it took.
@@ -74,10 +95,17 @@ class Arena:
         memory is not there.
         """
         t0 = time.perf_counter()
-        if self.size and not self.populated:
-            self.populate_how = _populate(self.fd, self.mm, self.size, threads or min(8, os.cpu_count() or 1))
+        if self._populating is not None:  # started in the background: its time counts from its start
+            self._populating.join()
+            self._populating, out = None, self._populated_in
+            if isinstance(out, BaseException):
+                raise out
+            seconds, self.populate_how = out
+        else:
+            if self.size and not self.populated:
+                self.populate_how = _populate(self.fd, self.mm, self.size, threads or min(8, os.cpu_count() or 1))
+            seconds = time.perf_counter() - t0
         self.populated = True
-        seconds = time.perf_counter() - t0
         log.info("host arena: %s in memfd %d, %s in %.1f s (%s), %s", format_size(self.size), self.fd,
                  "adopted with its contents" if self.adopted else "populated", seconds, self.populate_how,
                  "sealed against shrinking and growing" if self.sealed else "NOT sealed (a client could truncate it)")
@@ -88,6 +116,10 @@ class Arena:
         return self.array[offset:offset + nbytes]
 
     def close(self) -> None:
+        if self._populating is not None:  # stopped within a chunk: not unmapped under it
+            self._populate_stop.set()
+            self._populating.join()
+            self._populating = None
         self.array = np.empty(0, np.uint8)
         try:
             self.mm.close()
@@ -142,7 +174,7 @@ _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; not in the mmap module before Pytho
 _POPULATE_CHUNK = 256 << 20
 
 
-def _populate(fd: int, mm: mmap.mmap, size: int, threads: int) -> str:
+def _populate(fd: int, mm: mmap.mmap, size: int, threads: int, stop: threading.Event | None = None) -> str:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # the temporary export ends at once; the address stays
@@ -150,6 +182,8 @@ def _populate(fd: int, mm: mmap.mmap, size: int, threads: int) -> str:
 
     def one(chunk: tuple[int, int]) -> int:
         # ctypes drops the GIL for the call, so the threads fault pages in in parallel
+        if stop is not None and stop.is_set():
+            return 0  # the arena is closing
         return 0 if libc.madvise(base + chunk[0], chunk[1], _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-populate") as pool:

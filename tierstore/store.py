@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -131,11 +131,13 @@ class Store:
 
     def __init__(self, config: Config | StoreConfig | None = None, *, namespace: str = "default",
                  inherited_fds: dict[str, int] | None = None, gpu_backend: Any = None,
-                 populate_host: bool = True, **overrides: Any) -> None:
+                 populate_host: bool | Literal["background"] = True, **overrides: Any) -> None:
         """Start-up checks (``tierstore.preflight``: directories, their locks, free disk,
         memory) come first, so a start that cannot work fails in milliseconds, before the
         host arena is mapped. ``populate_host=False`` leaves populating the arena's pages
-        to ``self.arena.populate()`` (the daemon does it while already serving).
+        to ``self.arena.populate()``; ``"background"`` starts it on a thread before the
+        journal is replayed, and ``self.arena.populate()`` waits for it (the daemon: it
+        replays meanwhile, and waits while already serving).
         ``inherited_fds`` (``{"arena": fd, "index": fd}``, from systemd's fd store) hands
         back the host arena and its index of a previous daemon: its host-resident objects,
         volatile ones included, are adopted instead of lost. ``gpu_backend``: the CUDA
