@@ -4,6 +4,7 @@ before an fdatasync that covers its record (and its data) has completed."""
 import errno
 import itertools
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -340,3 +341,37 @@ def test_sigkill_inside_a_group_commit_loses_nothing_acknowledged_and_leaves_no_
     for key in s.keys(prefix="w"):
         k, i = map(int, key[1:].split("/"))
         assert torch.equal(s.get(s.lookup(key)), expected(k, i))
+
+
+def test_a_wake_up_written_while_the_loop_empties_the_pipe_is_not_lost(tmp_path, monkeypatch):
+    """Replies finished off the event loop wake it with one byte per wake-up, not one per
+    reply (a group commit finishes hundreds at once). A wake-up that arrives while the loop
+    is emptying the pipe must leave the loop able to be woken again: either a byte in the
+    pipe or the flag clear, never the flag set over an empty pipe (replies then waited
+    for the next half-second select)."""
+    from tierstore.config import Config
+    from tierstore.daemon.server import Server
+
+    srv = Server(Config())
+    try:
+        srv._wake()  # a reply finished: flag set, one byte
+        real_read, raced = os.read, []
+
+        def read(fd, n):
+            if fd == srv._wake_r and not raced:
+                raced.append(1)
+                srv._wake()  # another reply finishes while the loop reads the pipe
+            return real_read(fd, n)
+
+        monkeypatch.setattr(os, "read", read)
+        srv._drain_wake()
+        monkeypatch.setattr(os, "read", real_read)
+        assert raced
+        srv._wake()  # the next reply
+        r, _, _ = select.select([srv._wake_r], [], [], 0)
+        assert r, "a reply finished after the race does not wake the loop"
+    finally:
+        os.close(srv._wake_r)
+        os.close(srv._wake_w)
+        for pool in (srv._pool, srv._waits, srv._control):
+            pool.shutdown(wait=False)
