@@ -375,3 +375,44 @@ def test_a_wake_up_written_while_the_loop_empties_the_pipe_is_not_lost(tmp_path,
         os.close(srv._wake_w)
         for pool in (srv._pool, srv._waits, srv._control):
             pool.shutdown(wait=False)
+
+
+def test_sigterm_under_pipelined_durable_puts_answers_or_fails_each_and_keeps_every_acknowledged(daemon):
+    """A daemon stopped (SIGTERM) while pipelined durable puts are in its group committer
+    exits cleanly; each put in flight is answered or fails with a typed error, and every
+    one answered is there after the restart."""
+    from tierstore.errors import TierstoreError
+
+    acked, failed = [], []
+    enough = threading.Event()
+
+    def client():
+        with daemon.client("job") as c:
+            inflight = []
+            for i in itertools.count():
+                try:
+                    if len(inflight) >= 32:
+                        k, f = inflight.pop(0)
+                        f.result()
+                        acked.append(k)
+                        if len(acked) >= 300:
+                            enough.set()
+                    inflight.append((i, c.put_async(_expected(i, 1)[:200], key=f"s/{i}", durable=True)))
+                except TierstoreError as e:
+                    failed.append(e)
+                    return
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        assert enough.wait(120), "the client did not make progress"
+        assert daemon.stop() == 0
+    finally:
+        t.join(60)
+    assert not t.is_alive() and failed, "the client was not told the daemon went away"
+    daemon.start()
+    with daemon.client("job") as c:
+        for i in acked:
+            h = c.lookup(f"s/{i}")
+            assert h is not None, f"s/{i} was acknowledged as durable but is missing after SIGTERM"
+            assert torch.equal(c.get(h), _expected(i, 1)[:200])
