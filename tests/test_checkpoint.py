@@ -406,3 +406,33 @@ def test_tail_records_meet_checkpointed_objects_exactly_as_in_a_full_replay(tmp_
     assert 1 not in live and 2 not in live and 4 not in live and 20 in live and 22 in live
     assert live[3][0] == 2 and live[9][0] == 2
     assert full[1] == {"job": 10} and full[4] == 1 and full[5] >= 1  # (the claim's echoes count too)
+
+
+def test_every_flipped_byte_of_a_checkpoint_is_refused(tmp_path):
+    d, _ = _filled(tmp_path)
+    p, jpath = d / CHECKPOINT_FILE, str(d / JOURNAL_FILE)
+    good = p.read_bytes()
+    assert checkpoint.load(str(d), jpath, ndrives=1, drive_bytes=64 << 20) is not None
+    for at in sorted({*range(0, 32), *range(0, len(good), max(1, len(good) // 300)), len(good) - 1}):
+        bad = bytearray(good)
+        bad[at] ^= 0x01
+        p.write_bytes(bytes(bad))
+        with pytest.raises(checkpoint.Refused):
+            checkpoint.load(str(d), jpath, ndrives=1, drive_bytes=64 << 20)
+
+
+def test_a_compaction_writes_the_checkpoint_of_the_journal_it_wrote(tmp_path):
+    d, hs = _filled(tmp_path)
+    with Store(_cfg(d)) as s:
+        s.free(hs["k5"])
+        s.durability.maybe_compact(force=True)
+        ck = checkpoint.load(str(d), str(d / JOURNAL_FILE), ndrives=1, drive_bytes=64 << 20)
+        assert ck is not None and ck.offset == (d / JOURNAL_FILE).stat().st_size
+        assert hs["k5"].id not in ck.live and set(ck.live) == {oid for oid, m in s.index.objects.items()}
+        s.put(_val(90), key="after-compaction", durable=True)
+        s.journal.close()  # flushed, but no clean close: the compaction's checkpoint and a tail
+        s.durability.close = lambda: None
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["records_replayed"] == 1
+        _check_contents(s, hs, [("after-compaction", _val(90))], gone=["k5"])
