@@ -72,9 +72,9 @@ class Durability:
             if owner is not None:
                 rec["nsuid"] = owner  # ownership in every record: it survives the loss of the claim's
             recs.append(rec)
-        self.journal.append_many(recs, sync=sync)
-        for meta, rec in zip(metas, recs):
-            meta.record = pack_record(rec)
+        payloads = self.journal.append_many(recs, sync=sync)
+        for meta, rec, payload in zip(metas, recs, payloads):
+            meta.record = pack_record(rec) if payload is None else payload
 
     def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], ObjectMeta | None],
                    nowait: bool = False) -> ObjectMeta | None:

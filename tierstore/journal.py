@@ -172,15 +172,16 @@ class Journal:
         of the next ``ECHO_BYTES``."""
         self.append_many([record], sync=sync)
 
-    def append_many(self, records: list[dict[str, Any]], *, sync: bool = False) -> None:
+    def append_many(self, records: list[dict[str, Any]], *, sync: bool = False) -> list[bytes | None]:
         """Append ``records`` in order with one write (``append``'s rules for each): all of
-        them, or, if the write fails, none."""
+        them, or, if the write fails, none. Per record its payload as written (``pack`` of
+        it), or None where it carries repeats of earlier frees or claims."""
         with self.lock:
             if self._fd < 0:
                 raise StorageError("journal is closed")
             if self._sync_failed is not None:
                 raise StorageError(self._sync_failed)
-            pos, blobs, echoes = self._pos, [], []
+            pos, blobs, echoes, payloads = self._pos, [], [], []
             for record in records:
                 # what this record repeats: the frees and claims of the last ECHO_BYTES before it
                 repeat = [(name, value) for end, name, value in (*self._echo, *echoes) if end + ECHO_BYTES > pos]
@@ -188,7 +189,9 @@ class Journal:
                     record = dict(record)
                     for name, value in repeat:
                         record.setdefault(name, []).append(value)
-                blob = _encode(record)
+                payload = pack(record)
+                payloads.append(None if repeat else payload)
+                blob = _frame(payload)
                 blobs.append(blob)
                 pos += len(blob)
                 op = record.get("op")
@@ -218,6 +221,7 @@ class Journal:
             self._echo.extend(echoes)
             while self._echo and self._echo[0][0] + ECHO_BYTES <= self._pos:
                 self._echo.popleft()
+            return payloads
 
     def commit(self) -> None:
         """Group commit: return once every record appended before this call is on stable
