@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+import numpy as np
+
 from .units import PAGE, align_up
 
 __all__ = ["ExtentAllocator"]
@@ -161,37 +163,43 @@ class ExtentAllocator:
         self.used_bytes += size
 
     def reserve_sorted(self, extents: list[tuple[int, int]]) -> None:
-        """``reserve`` of many extents at once (journal replay: a million objects): the
-        free lists are rebuilt in one pass instead of being edited extent by extent.
-        ``extents``: ``(offset, nbytes)`` sorted by offset. All or nothing: raises
-        ValueError, changing nothing, if one is not free or two overlap."""
-        free = [(s, s + self._size_at[s]) for s in self._starts]
-        gaps: list[tuple[int, int]] = []
-        used, i, n = 0, 0, len(free)
-        fs, fe = free[0] if free else (0, 0)
-        for offset, nbytes in extents:
-            size = self.rounded(nbytes)
-            end = offset + size
-            while i < n and fe <= offset:  # free extents wholly before this one stay free
-                if fe > fs:
-                    gaps.append((fs, fe))
-                i += 1
-                if i < n:
-                    fs, fe = free[i]
-            if i == n or offset < fs or end > fe:
-                raise ValueError(f"extent ({offset}, {size}) is not free")
-            if offset > fs:
-                gaps.append((fs, offset))
-            fs = end  # (what follows it in this free extent stays free)
-            used += size
-        if i < n:
-            if fe > fs:
-                gaps.append((fs, fe))
-            gaps.extend(free[i + 1:])
-        self._starts = [s for s, _ in gaps]
-        self._size_at = {s: e - s for s, e in gaps}
-        self._by_size = sorted((e - s, s) for s, e in gaps)
-        self.used_bytes += used
+        """``reserve`` of many extents at once: ``(offset, nbytes)`` sorted by offset (see
+        ``reserve_arrays``)."""
+        self.reserve_arrays(np.fromiter((o for o, _ in extents), np.int64, len(extents)),
+                            np.fromiter((n for _, n in extents), np.int64, len(extents)))
+
+    def reserve_arrays(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
+        """``reserve`` of many extents at once (journal replay: a million objects), as
+        arrays sorted by offset: the free lists are rebuilt in one vectorised pass instead
+        of being edited extent by extent. All or nothing: raises ValueError, changing
+        nothing, if one is not aligned or not free, or two overlap."""
+        if not len(offsets):
+            return
+        a = self.align
+        offsets = np.asarray(offsets, np.int64)
+        size = (np.maximum(np.asarray(nbytes, np.int64), 1) + a - 1) // a * a
+        end = offsets + size
+        if (offsets % a).any() or (end[:-1] > offsets[1:]).any():
+            raise ValueError("extents to reserve are unaligned or overlap")
+        fs = np.array(self._starts, np.int64)
+        fe = fs + np.array([self._size_at[x] for x in self._starts], np.int64)
+        where = np.searchsorted(fs, offsets, side="right") - 1  # the free extent each lies in
+        if (where < 0).any() or (end > fe[np.maximum(where, 0)]).any():
+            bad = int(np.argmax((where < 0) | (end > fe[np.maximum(where, 0)])))
+            raise ValueError(f"extent ({int(offsets[bad])}, {int(size[bad])}) is not free")
+        same = where[:-1] == where[1:]  # neighbours in one free extent: the gap between stays free
+        first, last = np.r_[True, ~same], np.r_[~same, True]
+        touched = np.zeros(len(fs), bool)
+        touched[where] = True
+        gs = np.concatenate([end[:-1][same], fs[where[first]], end[last], fs[~touched]])
+        ge = np.concatenate([offsets[1:][same], offsets[first], fe[where[last]], fe[~touched]])
+        keep = gs < ge
+        order = np.argsort(gs[keep], kind="stable")
+        starts, sizes = gs[keep][order].tolist(), (ge[keep] - gs[keep])[order].tolist()
+        self._starts = starts
+        self._size_at = dict(zip(starts, sizes))
+        self._by_size = sorted(zip(sizes, starts))
+        self.used_bytes += int(size.sum())
 
     # -- internals -----------------------------------------------------------------------
     def _add_free(self, start: int, size: int) -> None:

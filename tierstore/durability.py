@@ -359,8 +359,8 @@ class Durability:
                               oid, e)
                     del live[oid]
                     dropped += 1
-        for oid in sorted(live):
-            ix.objects[oid] = live.pop(oid)
+        ix.objects.load(live)
+        rp.live = live = {}
         ix.keys = KeyIndex({(m.namespace, m.key): m.id for m in ix.objects.values() if m.key is not None})
         self.owners.update(rp.owners)
         ix.epoch = (rp.epoch % 0xFFFF) + 1

@@ -348,6 +348,32 @@ class ObjectTable(dict):
     def __delitem__(self, oid: int) -> None:
         self.pop(oid)
 
+    def load(self, objects: dict[int, ObjectMeta]) -> None:
+        """Fill an empty table with replayed objects, in id order (a restart: a million of
+        them), counting them per namespace in one pass instead of object by object."""
+        if self:
+            raise ValueError("load fills an empty table")
+        metas = sorted(objects.values(), key=attrgetter("id"))
+        dict.update(self, zip(map(attrgetter("id"), metas), metas))
+        per_ns: dict[str, list[int]] = {}
+        host = nvme = 0
+        for m in metas:
+            m._table = self
+            c = per_ns.get(m.namespace)
+            if c is None:
+                c = per_ns[m.namespace] = [0, 0]
+            c[0] += 1
+            c[1] += m.spec.nbytes
+            host += m._hv
+            nvme += m._nv
+            if m.ephemeral is not None:
+                self._ephemeral.setdefault(m.ephemeral, {})[m.id] = m
+        self.host_objects += host
+        self.nvme_objects += nvme
+        for ns, c in per_ns.items():
+            have = self.namespaces.get(ns)
+            self.namespaces[ns] = c if have is None else [have[0] + c[0], have[1] + c[1]]
+
     def ephemeral_of(self, owner: Any) -> list[ObjectMeta]:
         """The objects ``owner`` put with ``ephemeral=True``: O(its own), not O(every object)."""
         return list(self._ephemeral.get(owner, {}).values())

@@ -239,25 +239,27 @@ class NvmeTier:
     def reserve_all(self, extents: list[Extent]) -> None:
         """``reserve`` of every extent of every replayed object at once: all or nothing
         (ValueError or InvalidArgument, nothing reserved, when one is not free or two overlap)."""
-        by_dev: list[list[tuple[int, int]]] = [[] for _ in self.drives]
-        for e in extents:
-            if e.dev >= len(self.drives):
-                raise InvalidArgument(f"extent on drive {e.dev}, but only {len(self.drives)} configured")
-            by_dev[e.dev].append((e.file_offset, e.nbytes))
+        n = len(extents)
+        dev = np.fromiter((e.dev for e in extents), np.int64, n)
+        off = np.fromiter((e.file_offset for e in extents), np.int64, n)
+        size = np.fromiter((e.nbytes for e in extents), np.int64, n)
+        if n and (dev.min() < 0 or dev.max() >= len(self.drives)):
+            raise InvalidArgument(f"an extent names a drive beyond the {len(self.drives)} configured")
         with self._lock:
-            # each drive's list is checked whole before it is applied; a later drive that
-            # fails gives the earlier ones back
+            # each drive's extents are checked whole before they are applied; a later drive
+            # that fails gives the earlier ones back
             done = []
             try:
-                for drv, mine in zip(self.drives, by_dev):
-                    if mine:
-                        mine.sort()
-                        drv.alloc.reserve_sorted(mine)
+                for i, drv in enumerate(self.drives):
+                    mine = np.flatnonzero(dev == i)
+                    if len(mine):
+                        mine = mine[np.argsort(off[mine], kind="stable")]
+                        drv.alloc.reserve_arrays(off[mine], size[mine])
                         done.append((drv, mine))
             except ValueError:
                 for drv, mine in done:
-                    for off, n in mine:
-                        drv.alloc.free(off, n)
+                    for j in mine.tolist():
+                        drv.alloc.free(int(off[j]), int(size[j]))
                 raise
 
     def _ensure_file_size(self, drv: _Drive, end: int) -> None:
