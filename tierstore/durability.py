@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -226,7 +227,10 @@ class Durability:
         with ix.cv:
             owners = [{"op": "ns", "name": n, "uid": u} for n, u in self.owners.items()]
             records = [{"op": "open", "epoch": ix.epoch, "next_id": ix.next_id}, *owners]
-            records += [m.record for m in ix.objects.values() if m.durable and m.record is not None]
+            # in id order (the index checkpoint's columns are): objects are published in
+            # the order their puts commit, not the order their ids were given
+            records += [m.record for m in sorted(ix.objects.values(), key=_by_id)
+                        if m.durable and m.record is not None]
         return records + owners
 
     # ------------------------------------------------------------------ namespaces
@@ -437,6 +441,7 @@ class Durability:
 
 _ID_LIMIT = 1 << 48
 _MAX_DIMS = 64
+_by_id = attrgetter("id")
 
 
 class Replay:
