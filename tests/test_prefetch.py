@@ -334,9 +334,11 @@ def test_client_killed_mid_prefetch_leaves_nothing_pinned(daemon_factory):
         pf = st["prefetch"]
         assert pf["queued"] == 0 and pf["protected_bytes"] == 0 and st["leases"] == 0
         assert all(t["client"] != "?" for t in pf["traces"]) and len(pf["traces"]) == 0
-        # nothing is held: one object the size of the whole usable tier fits
+        # nothing is held: one object the size of the whole usable tier fits (a put with
+        # tier="host" finding no room is CapacityExceeded; once in, the demoter may move it
+        # down at once, the tier being past its high watermark)
         big = c.put(torch.empty(7 << 20, dtype=torch.uint8), tier="host")
-        assert "host" in c.info(big)["residency"]
+        assert c.info(big)["nbytes"] == 7 << 20
 
 
 def test_two_step_cycles_are_learned(make_store):
