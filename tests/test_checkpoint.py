@@ -359,7 +359,7 @@ def test_tail_records_meet_checkpointed_objects_exactly_as_in_a_full_replay(tmp_
     object's space supersedes it (its free lost), a higher id takes its key, a late record
     of a replaced object is ignored, a write-back moves it, frees and echoed frees remove,
     and a disagreeing namespace claim is ignored."""
-    from tierstore.durability import Replay
+    from tierstore.replay import Replay
     from tierstore.journal import Journal, ReplayResult
 
     def put(oid, key, off, n=16, ns="job", gen=1, **kw):

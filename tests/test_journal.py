@@ -10,7 +10,7 @@ import torch
 
 from tierstore import CapacityExceeded, Config, PermissionDenied, StorageError, Store
 from tierstore.journal import JOURNAL_FILE, _encode, scan
-from tierstore.durability import Replay
+from tierstore.replay import Replay
 
 
 def _cfg(d, **kw):

@@ -32,7 +32,10 @@ body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arr
   (the objects' put records as the journal holds them, one after another)
 
 The module knows nothing of the store: ``write`` takes the live records, ``load``
-returns the objects and the replay structures that seed ``durability.Replay``.
+returns the objects and the replay structures that seed ``replay.Replay``.
+
+Length: one concept, the checkpoint format, written, loaded and validated (every check
+a replay makes of a record, vectorised) in one place.
 """
 
 from __future__ import annotations
