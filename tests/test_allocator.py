@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 
 from tierstore.allocator import ExtentAllocator
@@ -128,9 +129,13 @@ def test_a_fenced_extent_is_not_handed_out_again_until_its_owner_goes():
     assert a.held_bytes == 0 and a.used_bytes == 0 and a.free_extents() == [(0, 16 * page)]
 
 
+def _columns(extents):
+    return np.array([o for o, _ in extents], np.int64), np.array([n for _, n in extents], np.int64)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_reserving_many_at_once_equals_reserving_one_by_one(seed):
-    """Replay reserves every live object's extents in one pass (``reserve_sorted``): the
+    """Replay reserves every live object's extents in one pass (``reserve_arrays``): the
     free lists and counts it leaves are those of ``reserve`` called extent by extent, and an
     extent that is not free, or two that overlap, refuse the whole list and change nothing."""
     rng = random.Random(seed)
@@ -152,11 +157,11 @@ def test_reserving_many_at_once_equals_reserving_one_by_one(seed):
     if extents and rng.random() < 0.3:
         bad = rng.choice([extents[0], (extents[0][0] + 4096 * cap, 1), (cap, 1)])
         with pytest.raises(ValueError):
-            many.reserve_sorted(sorted(extents + [bad]))
+            many.reserve_arrays(*_columns(sorted(extents + [bad])))
         assert (many.free_extents(), many.used_bytes, many.largest_free) == before
     for off, n in extents:
         one.reserve(off, n)
-    many.reserve_sorted(sorted(extents))
+    many.reserve_arrays(*_columns(sorted(extents)))
     assert many.free_extents() == one.free_extents() and many.used_bytes == one.used_bytes
     assert many.largest_free == one.largest_free
     assert [many.alloc(4096) for _ in range(3)] == [one.alloc(4096) for _ in range(3)]

@@ -162,12 +162,6 @@ class ExtentAllocator:
             self._add_free(offset + size, start + fsize - offset - size)
         self.used_bytes += size
 
-    def reserve_sorted(self, extents: list[tuple[int, int]]) -> None:
-        """``reserve`` of many extents at once: ``(offset, nbytes)`` sorted by offset (see
-        ``reserve_arrays``)."""
-        self.reserve_arrays(np.fromiter((o for o, _ in extents), np.int64, len(extents)),
-                            np.fromiter((n for _, n in extents), np.int64, len(extents)))
-
     def reserve_arrays(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
         """``reserve`` of many extents at once (journal replay: a million objects), as
         arrays sorted by offset: the free lists are rebuilt in one vectorised pass instead
