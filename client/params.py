@@ -315,15 +315,25 @@ def offload_parameters(model: torch.nn.Module, client: Pool, *, tier: str | None
 
     Between steps, call ``undo.materialize()`` before an optimizer step that needs
     the values and ``undo.writeback()`` after it.
+
+    A model sharded by FSDP2 (``fully_shard``, also over a tensor-parallel mesh
+    dimension) keeps each rank's local shards in the pool instead, brought in for
+    FSDP2's all-gathers, an optimizer step over them, ``state_dict`` and
+    ``load_state_dict`` (``params_fsdp.ShardOffload``); every parameter must then be
+    managed by ``fully_shard``. ``materialize`` / ``writeback`` work the same there.
     """
-    sharded = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"), None)
-    if sharded is not None:
-        # FSDP2 and tensor parallelism own their parameters' storage (each rank keeps its shard
-        # and gathers the rest per module); swapping a DTensor's bytes in and out under them breaks it
-        raise ValueError(f"offload_parameters does not work on sharded (FSDP2 / tensor-parallel DTensor) "
-                         f"parameters such as {sharded!r}: FSDP2 already frees the gathered parameters "
-                         "after each module; offload the optimizer state with offload_optimizer instead")
-    po = _ParamOffload(model, client, tier, prefix)
+    from .params_fsdp import ShardOffload, fsdp_param_groups
+
+    managed = {id(fp.sharded_param) for g in fsdp_param_groups(model) for fp in g.fsdp_params}
+    po: _ParamOffload | ShardOffload
+    if managed or any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        loose = next((n for n, p in model.named_parameters() if id(p) not in managed), None)
+        if loose is not None:
+            raise ValueError(f"offload_parameters of an FSDP2 / tensor-parallel model needs every parameter "
+                             f"managed by fully_shard; {loose!r} is not (fully_shard the root module too)")
+        po = ShardOffload(model, client, tier, prefix)
+    else:
+        po = _ParamOffload(model, client, tier, prefix)
     ref = weakref.ref(po)
 
     def undo() -> None:

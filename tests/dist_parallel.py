@@ -1,9 +1,11 @@
-"""Run under torchrun (gloo, CPU): a small GPT-style model trained with tensor parallel x
-FSDP2 on a 2-D mesh, or as a 2-stage pipeline, with every rank's optimizer state (and,
-where asked, parameters) offloaded to its node's daemon, compared step by step with the
-same run without tierstore (bit for bit: the plain loop is deterministic on CPU).
+"""Run under torchrun (gloo, CPU): a small GPT-style model trained with FSDP2, tensor
+parallel x FSDP2 on a 2-D mesh, or as a 2-stage pipeline, with every rank's optimizer
+state (and, where asked, parameters: under FSDP2 the rank's local shards) offloaded to its
+node's daemon, compared step by step with the same run without tierstore (bit for bit:
+the plain loop is deterministic on CPU).
 
-    torchrun --nproc_per_node=4 tests/dist_parallel.py tp SOCKET JOB [params]   # params: refused
+    torchrun --nproc_per_node=2 tests/dist_parallel.py fsdp2 SOCKET JOB [params [STEPS]]
+    torchrun --nproc_per_node=4 tests/dist_parallel.py tp SOCKET JOB [params [STEPS]]
     torchrun --nproc_per_node=2 tests/dist_parallel.py gpipe|1f1b SOCKET JOB [params]
 
 Each rank prints ``rank R <layout> ok`` when its checks pass.
@@ -58,38 +60,65 @@ def opt_step(opt, undo):
     opt.zero_grad(set_to_none=True)
 
 
-def tp_fsdp2(client, params):
-    """TP over the attention and MLP on the mesh's "tp" dimension, FSDP2 over "dp"."""
+def sharded(client, params, tp):
+    """FSDP2 over every rank, or (``tp``) TP over the attention and MLP on the mesh's "tp"
+    dimension and FSDP2 over "dp". With offloaded parameters, odd steps call
+    ``materialize`` / ``writeback`` around the optimizer step and check that no shard is
+    resident after it (the last step is one: the pool then holds the final shards); even
+    steps leave it to the offload (the step brings the shards in,
+    the next all-gathers put them back); every forward checks that no shard is resident
+    inside it once its all-gather is done."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2) if tp else (world,), mesh_dim_names=("dp", "tp") if tp else ("dp",))
+    if tp and client is not None and params:  # tensor-parallel DTensors that FSDP2 does not manage: refused
+        loose = gpt()
+        parallelize_module(loose[1], mesh["tp"], gpt_blocks.tp_plan())
+        try:
+            offload_parameters(loose, client)
+        except ValueError as e:
+            assert "managed by fully_shard" in str(e), e
+        else:
+            raise AssertionError("offload_parameters accepted DTensors outside FSDP2")
     model = gpt()
     for block in (model[1], model[2]):
-        parallelize_module(block, mesh["tp"], gpt_blocks.tp_plan())
+        if tp:
+            parallelize_module(block, mesh["tp"], gpt_blocks.tp_plan())
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    if client is not None and params:  # sharded parameters are FSDP2's to manage: refused clearly
-        try:
-            offload_parameters(model, client)
-        except ValueError as e:
-            assert "sharded (FSDP2 / tensor-parallel DTensor)" in str(e), e
-        else:
-            raise AssertionError("offload_parameters accepted DTensor parameters")
-        params = False
-    opt, undo = wrap(model, client, "tp", params)
-    replica = mesh["dp"].get_local_rank()  # the two ranks of a TP group see the same batch
+    opt, undo = wrap(model, client, "tp" if tp else "fsdp2", params)
+    checked = []
+    if undo is not None:  # inside the forward of block 2, after its all-gather: no shard is resident
+        shards = dict(model.named_parameters())  # the sharded parameters (forward swaps in unsharded ones)
+
+        def no_shard_resident(module, args):
+            held = [n for n, p in shards.items() if p._local_tensor.untyped_storage().nbytes()]
+            assert not held, f"shards resident during the forward: {held[:3]}"
+            checked.append(1)
+        model[2].register_forward_pre_hook(no_shard_resident)
+    replica = mesh["dp"].get_local_rank()  # the ranks of a TP group see the same batch
     losses = []
     for i in range(STEPS):
         x, y = tokens(i, replica)
         loss = loss_fn(model(x), y)
         loss.backward()
+        if undo is not None and i % 2 == 0:  # the step brings its shards in; the next forward puts them back
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            continue
         opt_step(opt, undo)
         losses.append(loss.detach())
+        if undo is not None:
+            held = [n for n, p in model.named_parameters() if p._local_tensor.untyped_storage().nbytes()]
+            assert not held, f"step {i}: shards still resident between steps: {held[:3]}"
     if undo is not None:
+        assert len(checked) == STEPS
         undo()
-    return losses, [p.full_tensor().detach().clone() for p in model.parameters()]
+    return losses, [p.full_tensor().detach().clone() for p in model.parameters()], model
 
 
 def pipeline(client, params, schedule):
@@ -115,25 +144,36 @@ def pipeline(client, params, schedule):
         opt_step(opt, undo)
     if undo is not None:
         undo()
-    return losses, [p.detach().clone() for p in stage_mod.parameters()]
+    return losses, [p.detach().clone() for p in stage_mod.parameters()], stage_mod
 
 
 def main():
     layout, sock, job = sys.argv[1:4]
-    params = sys.argv[4:] == ["params"]
+    params = sys.argv[4:5] == ["params"]
+    if sys.argv[5:]:
+        global STEPS
+        STEPS = int(sys.argv[5])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     client = Client.connect(socket=sock, namespace=f"{job}/rank{rank}")
-    run = tp_fsdp2 if layout == "tp" else (lambda c, p: pipeline(c, p, layout))
-    plain_losses, plain = run(None, False)
-    off_losses, off = run(client, params)
+    if layout in ("tp", "fsdp2"):
+        run = lambda c, p: sharded(c, p, layout == "tp")  # noqa: E731
+    else:
+        run = lambda c, p: pipeline(c, p, layout)  # noqa: E731
+    plain_losses, plain, _ = run(None, False)
+    off_losses, off, off_model = run(client, params)
     for step, (a, b) in enumerate(zip(plain_losses, off_losses)):
         assert torch.equal(a, b), f"{layout}: step {step} loss {b.tolist()} differs from plain {a.tolist()}"
     assert all(torch.equal(a, b) for a, b in zip(plain, off)), f"{layout}: parameters differ from plain"
     keys = client.keys(prefix="")
     assert any("-opt/" in k for k in keys), f"no optimizer state in this rank's namespace: {keys[:4]}"
-    if layout == "tp":
-        assert any("#dtensor" in k for k in keys), f"2-D state was not stored as local shards: {keys[:4]}"
+    if layout in ("tp", "fsdp2"):
+        assert any("#dtensor" in k for k in keys), f"sharded state was not stored as local shards: {keys[:4]}"
+    if params and layout in ("tp", "fsdp2"):  # each local shard, as the rank holds it, is in the pool
+        local = {f"{layout}-params/{n}": p._local_tensor for n, p in off_model.named_parameters()}
+        for k, t in local.items():
+            if t.numel():
+                assert torch.equal(client.get(client.lookup(k)), t), f"{k}: pool copy differs from the shard"
     print(f"rank {rank} {layout} ok", flush=True)
     client.close()
     dist.destroy_process_group()

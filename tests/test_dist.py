@@ -92,14 +92,27 @@ def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(ma
         assert torch.equal(a, b)
 
 
-def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon):
+@pytest.mark.parametrize("steps", [2, pytest.param(6, marks=pytest.mark.slow)])
+def test_fsdp2_with_offloaded_parameter_shards_and_optimizer_equals_plain(daemon, steps):
+    """FSDP2 over 2 ranks, a GPT-style model: each rank's local parameter shards and
+    optimizer state in its own namespace, brought in for FSDP2's all-gathers and the
+    optimizer step and released between; losses and parameters equal plain AdamW's bit for
+    bit every step, no shard is resident between steps, and the pool holds each shard."""
+    assert_ranks_ok(torchrun(2, "dist_parallel.py", "fsdp2", daemon.socket, "fsdp-job", "params", steps), 2, "fsdp2")
+    with daemon.client("fsdp-job/rank1") as c:
+        assert c.keys(prefix="fsdp2-params/")
+
+
+@pytest.mark.parametrize("steps", [2, pytest.param(6, marks=pytest.mark.slow)])
+def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon, steps):
     """GPT-style blocks with q/k/v/fc1 column- and o/fc2 row-parallel over "tp", FSDP2 over "dp":
-    the offloaded AdamW's losses and parameters equal plain AdamW's bit for bit every step,
-    each rank's state is its 2-D local shard in its own namespace, and parameter offload of
-    the sharded model is refused clearly."""
-    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params"), 4, "tp")
+    with the parameters' 2-D local shards and the optimizer state offloaded, losses and
+    parameters equal plain AdamW's bit for bit every step, each rank's shards and state
+    in its own namespace."""
+    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params", steps), 4, "tp")
     with daemon.client("tp-job/rank0") as c:
         assert {f"tp-job/rank{r}" for r in range(4)} <= set(c.stat()["namespaces"])
+        assert c.keys(prefix="tp-params/")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
