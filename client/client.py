@@ -16,7 +16,9 @@ copies are in ``gpu``, read-only views in ``readonly``, the connection in
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -26,7 +28,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,7 +51,7 @@ _SLOTS = 32
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
 
-_NEEDS = frozenset({"ephemeral", "batch", "source", "each", "activations", "pages", "rows"})
+_NEEDS = frozenset({"ephemeral", "batch", "source", "each", "activations", "pages", "columns"})
 """What this client asks of the daemon beyond the protocol version (``hello``'s
 ``features``): a daemon without one of them is refused at connect, so no call has to
 fall back for it."""
@@ -147,7 +149,8 @@ def _spec_of(r: dict[str, Any]) -> TensorSpec:
 class Client:
     """A connection to the node daemon, bound to one namespace."""
 
-    def __init__(self, conn: Connection, namespace: str, hello: dict[str, Any], arena_fd: int) -> None:
+    def __init__(self, conn: Connection, namespace: str, hello: dict[str, Any], arena_fd: int, *,
+                 prefault: bool = True) -> None:
         self._conn = conn
         self.namespace = namespace
         self.server = hello
@@ -159,7 +162,8 @@ class Client:
         self._closing = False
         self._prefault_stop = threading.Event()
         self._prefault = threading.Thread(target=self._prefault_mappings, name="tierstore-prefault", daemon=True)
-        self._prefault.start()
+        if prefault:
+            self._prefault.start()
         self._executor: ThreadPoolExecutor | None = None
         # both mappings are page-locked piece by piece on the first CUDA copy through them,
         # never here: connecting touches no CUDA (fork-safe, no context on GPU 0)
@@ -199,11 +203,14 @@ class Client:
     # ------------------------------------------------------------------ connecting
     @classmethod
     def connect(cls, socket: str | None = None, namespace: str = "default", autostart: bool = False,
-                timeout_s: float = 30.0) -> "Client":
+                timeout_s: float = 30.0, *, prefault: bool = True) -> "Client":
         """Connect to the daemon on ``socket`` (default: $TIERSTORE_SOCKET or the standard path).
 
         ``autostart=True`` starts a daemon with the defaults in the background when
         none is listening (its log goes to ``~/.cache/tierstore/daemon.log``).
+        ``prefault=False`` leaves the arena mapping's page tables to fill on first touch
+        instead of on a background thread (O(arena) of kernel work): for short-lived
+        processes that move little data, such as the CLI.
         """
         path = socket or os.environ.get("TIERSTORE_SOCKET")
         if not path:
@@ -229,7 +236,7 @@ class Client:
             raise ProtocolError(f"the daemon on {path} (tierstore {hello.get('server_version', '?')}) lacks "
                                 f"{', '.join(sorted(missing))}, which this client (tierstore {__version__}) uses; "
                                 "install matching tierstore versions and restart the daemon")
-        return cls(conn, ns, hello, fd)
+        return cls(conn, ns, hello, fd, prefault=prefault)
 
     # ------------------------------------------------------------------ data
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
@@ -464,15 +471,14 @@ class Client:
         if page is not None:
             fields["limit"] = page
         if op == "ls":
-            fields["rows"] = True  # rows of "fields", not maps: a third of the bytes and the work
+            fields["columns"] = True  # by column, not maps: a fraction of the bytes and the work
         pending = self._conn.submit(op, after=None, **fields)
         while pending is not None:
             r = self._conn.wait(pending)
             after = r["next"]
             pending = None if after is None else self._conn.submit(op, after=after, **fields)
             if op == "ls":
-                names = r["fields"]
-                yield from [dict(zip(names, row)) for row in r["rows"]]
+                yield from _entries(r)
             else:
                 yield from r[name]
 
@@ -552,7 +558,8 @@ class Client:
         self._pinning_ro.close()
         self._conn.drain()
         self._conn.close()
-        self._prefault.join()  # it stops within one chunk; the mappings must outlive it
+        if self._prefault.is_alive():
+            self._prefault.join()  # it stops within one chunk; the mappings must outlive it
         self._arena = self._arena_ro = np.empty(0, np.uint8)
         for mm in (self._mm, self._mm_ro):
             try:
@@ -715,6 +722,28 @@ class _ReadsReplies(Future):
             except BaseException:  # the failure is the future's own
                 pass
         return super().exception(timeout)
+
+
+def _entries(page: dict[str, Any]) -> list[dict[str, Any]]:
+    """An ``ls`` page's entries from its columns (a ``{"all": v}`` column holds one value
+    for every row)."""
+    try:
+        n, names = page["n"], tuple(page["fields"])
+        cols = [itertools.repeat(c["all"], n) if type(c) is dict else c for c in page["columns"]]
+        if len(cols) != len(names) or not all(type(f) is str for f in names):
+            raise ValueError
+        return _entry_maker(names)(zip(*cols))
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError("malformed ls page from the daemon") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _entry_maker(names: tuple[str, ...]) -> Callable[[Iterable[tuple]], list[dict[str, Any]]]:
+    """A function turning rows into maps with ``names`` as keys: a map display with
+    constant keys builds each entry in one step, about twice as fast as ``dict(zip(...))``.
+    The source holds only ``repr``s of the names and integer subscripts."""
+    items = ", ".join(f"{name!r}: r[{i}]" for i, name in enumerate(names))
+    return eval(f"lambda rows: [{{{items}}} for r in rows]", {})  # noqa: S307 (no caller input)
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ def test_a_daemon_without_a_feature_this_client_uses_is_refused_at_connect(tmp_p
             conn.recv(4096)  # hello
             hello = {"version": PROTOCOL_VERSION, "server_version": "0.0.1", "arena_bytes": 1 << 20, "session": 1,
                      "pid": os.getpid(), "gpu_tier": False, "gpu_reason": "none",
-                     "features": ["batch", "source", "each", "activations", "pages"]}  # no "ephemeral"
+                     "features": ["batch", "source", "each", "activations", "pages", "columns"]}  # no "ephemeral"
             socket.send_fds(conn, [reply_ok(0, hello)], [fd])
             if conn.recv(4096) == b"":  # the client hung up instead of mapping the arena
                 closed.set()

@@ -12,6 +12,7 @@ import sys
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -81,20 +82,33 @@ def test_a_reply_too_big_for_one_message_is_an_error_not_a_closed_connection(dae
     assert "does not fit one message" in daemon.log.read_text()
 
 
-def test_ls_pages_travel_as_rows_of_the_info_fields(daemon):
-    """A page of ``ls`` asked for as rows is the fields once and one list per object (a
-    third of the bytes of a map each); the client turns them back into ``info`` maps."""
-    with daemon.client("rows") as c:
+def test_ls_pages_travel_by_column_with_one_value_columns_sent_once(daemon):
+    """A page of ``ls`` asked for by column is the fields once, one list per column, and a
+    column whose every row holds the same scalar as ``{"all": value}``; the client turns
+    them back into ``info`` maps that equal ``info`` and share nothing mutable."""
+    with daemon.client("cols") as c:
         keys = _fill(c, 1500)
+        odd = c.put(np.zeros((2, 3), dtype=np.float64), key=keys[5] + "x", tier="nvme")  # other shape, size, tier
+        keys.insert(6, keys[5] + "x")
         rows = c.ls()
         assert [r["key"] for r in rows] == keys
-        assert rows[7] == c.info(c.lookup(keys[7]))
+        assert rows[7] == c.info(c.lookup(keys[7])) and rows[6] == c.info(odd)
+        assert rows[6]["shape"] == [2, 3] and rows[7]["shape"] != [2, 3]
+        for name in ("shape", "residency"):  # each entry's lists are its own
+            rows[8][name].append(99)
+            assert rows[9][name] == rows[7][name] and 99 not in rows[9][name]
+            del rows[8][name][-1]
         assert list(c.iter_ls(page=100)) == rows  # pages asked for ahead: none lost, none twice
-    s = _raw(daemon.socket, "rows", fragments=False)
-    s.send(msgpack.packb({"id": 1, "op": "ls", "page": True, "rows": True, "prefix": "", "limit": 10}))
+    s = _raw(daemon.socket, "cols", fragments=False)
+    s.send(msgpack.packb({"id": 1, "op": "ls", "page": True, "columns": True, "prefix": "", "limit": 10}))
     page = msgpack.unpackb(s.recv(1 << 20))["ok"]
-    assert len(page["rows"]) == 10 and page["next"] == keys[9]
-    assert [dict(zip(page["fields"], row)) for row in page["rows"]] == rows[:10]
+    assert page["n"] == 10 and page["next"] == keys[9]
+    by_name = dict(zip(page["fields"], page["columns"]))
+    assert by_name["namespace"] == {"all": "cols"} and by_name["key"] == keys[:10]
+    assert isinstance(by_name["shape"], list) and isinstance(by_name["nbytes"], list)  # 24 B once among 16s
+    rebuilt = [dict(zip(page["fields"], [col["all"] if isinstance(col, dict) else col[i] for col in page["columns"]]))
+               for i in range(10)]
+    assert rebuilt == rows[:10]
     s.close()
 
 

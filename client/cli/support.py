@@ -13,4 +13,4 @@ def connect(socket: str | None, namespace: str) -> Client:
     use its extras beyond ``tierstore.contract.Pool``."""
     from ..client import Client
 
-    return Client.connect(socket=socket, namespace=namespace)
+    return Client.connect(socket=socket, namespace=namespace, prefault=False)  # short-lived: touches little
