@@ -5,9 +5,11 @@ with the plain optimizer saved and resharded the same way.
     torchrun --nproc_per_node=2 tests/dist_checkpoint.py save CKPT_DIR SOCKET JOB
     torchrun --nproc_per_node=4 tests/dist_checkpoint.py load CKPT_DIR SOCKET JOB
 
-``save`` trains both variants ``STEPS`` steps and saves each with ``dcp.save`` of
-``get_state_dict(model, opt)``; ``load`` builds fresh ones on however many ranks it runs
-on, loads them with ``dcp.load`` + ``set_state_dict`` and trains ``MORE`` steps. The global
+``save`` trains three variants ``STEPS`` steps: plain AdamW and the offloaded one, each
+saved with ``dcp.save`` of ``get_state_dict(model, opt)``, and the offloaded one saved
+with ``dcp_save`` (streamed from the pool); ``load`` builds fresh ones on however many
+ranks it runs on, loads them (``dcp.load`` + ``set_state_dict``, or ``dcp_load``) and
+trains ``MORE`` steps. The global
 batch is the same at every world size (split over the ranks), so the resumed runs continue
 the same training. Each rank prints ``rank R <phase> ok`` when its checks pass.
 """
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from tierstore.client import Client
-from tierstore.client.torch import offload_optimizer
+from tierstore.client.torch import dcp_load, dcp_save, offload_optimizer
 
 STEPS, MORE, GLOBAL_BATCH = 3, 3, 8
 
@@ -56,8 +58,8 @@ def train(model, opt, start, end):
 def build(variant, client):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    if variant == "offloaded":
-        opt = offload_optimizer(opt, client, tier="nvme", prefix="dcp-opt")
+    if variant != "plain":
+        opt = offload_optimizer(opt, client, tier="nvme", prefix=f"dcp-{variant}")
     return model, opt
 
 
@@ -87,31 +89,39 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     client = Client.connect(socket=sock, namespace=f"{job}/rank{rank}")
     seen = {}
-    for variant in ("plain", "offloaded"):
+    for variant in ("plain", "offloaded", "streamed"):
         model, opt = build(variant, client)
         path = os.path.join(ckpt, variant)
         if phase == "save":
             train(model, opt, 0, STEPS)
             seen[variant] = snapshot(model, opt)
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+            if variant == "streamed":
+                stats = dcp_save(model, opt, path, file_bytes=1024)
+                assert stats.total_bytes and stats.live_bytes == 0, vars(stats)
+            else:
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         else:
-            msd, osd = get_state_dict(model, opt)
-            sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=path)
-            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            if variant == "streamed":
+                dcp_load(model, opt, path)
+            else:
+                msd, osd = get_state_dict(model, opt)
+                sd = {"model": msd, "optim": osd}
+                dcp.load(sd, checkpoint_id=path)
+                set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             loaded = snapshot(model, opt)
             steps = {float(v) for (_, k), v in loaded[1].items() if k == "step"}
             assert steps == {float(STEPS)}, f"{variant}: loaded state is at step {steps}, not {STEPS}"
             train(model, opt, STEPS, STEPS + MORE)
             seen[variant] = (loaded, snapshot(model, opt))
-        if variant == "offloaded":
-            assert client.keys(prefix="dcp-opt/"), "no optimizer state in this rank's namespace"
-    if phase == "save":
-        assert_same(seen["plain"], seen["offloaded"], "after training")
-    else:
-        assert_same(seen["plain"][0], seen["offloaded"][0], f"loaded on {world} ranks")
-        assert_same(seen["plain"][1], seen["offloaded"][1], f"trained on after loading on {world} ranks")
+        if variant != "plain":
+            assert client.keys(prefix=f"dcp-{variant}/"), "no optimizer state in this rank's namespace"
+    for variant in ("offloaded", "streamed"):
+        if phase == "save":
+            assert_same(seen["plain"], seen[variant], f"{variant}: after training")
+        else:
+            assert_same(seen["plain"][0], seen[variant][0], f"{variant}: loaded on {world} ranks")
+            assert_same(seen["plain"][1], seen[variant][1], f"{variant}: trained on after loading on {world} ranks")
     print(f"rank {rank} {phase} ok", flush=True)
     client.close()
     dist.destroy_process_group()

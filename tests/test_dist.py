@@ -39,6 +39,69 @@ def test_dcp_saved_on_two_ranks_loads_on_another_number_and_continues_as_plain(d
         assert set(c.stat()["namespaces"]) >= {f"dcp-load/rank{r}" for r in range(ranks)}
 
 
+def test_dcp_save_streams_offloaded_state_from_the_pool_and_dcp_load_puts_it_back(make_store, tmp_path):
+    """dcp_save fetches each state tensor from the pool when the writer writes it, and the
+    writer drops it when its file closes: with files of one tensor's size, at most two
+    tensors' worth of state is in memory at once (the counter inside the planner), where
+    one file per rank holds all of it. The checkpoint is DCP's format: plain AdamW loads it
+    with dcp.load + set_state_dict, dcp_load puts it back into a fresh offloaded optimizer
+    a shard at a time, and both continue equal to the original plain run."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tierstore.client.torch import dcp_load, dcp_save, offload_optimizer
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
+
+    def steps(model, opt, start, end):
+        for step in range(start, end):
+            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    init, off = copy.deepcopy(plain), copy.deepcopy(plain)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    store = make_store(host_bytes="64MiB")
+    opt_o = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-2), store, tier="host", prefix="a")
+    steps(plain, opt_p, 0, 2)
+    steps(off, opt_o, 0, 2)
+    one = 256 * 256 * 4  # a weight's exp_avg
+    streamed = dcp_save(off, opt_o, tmp_path / "streamed", file_bytes=one)
+    whole = dcp_save(off, opt_o, tmp_path / "whole", file_bytes=1 << 40)  # one file: the writer keeps it all
+    assert streamed.total_bytes == whole.total_bytes >= 16 * one and streamed.tensors == 48
+    assert whole.peak_bytes == whole.total_bytes
+    assert streamed.peak_bytes <= 2 * one, streamed.peak_bytes
+    assert streamed.live_bytes == 0 and len(list((tmp_path / "streamed").glob("*.distcp"))) > 16
+
+    plain2 = copy.deepcopy(init)
+    opt_p2 = torch.optim.AdamW(plain2.parameters(), lr=1e-3)
+    msd, osd = get_state_dict(plain2, opt_p2)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=tmp_path / "streamed")
+    set_state_dict(plain2, opt_p2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    off2 = copy.deepcopy(init)
+    opt_o2 = offload_optimizer(torch.optim.AdamW(off2.parameters(), lr=1e-3), store, tier="host", prefix="b")
+    loaded = dcp_load(off2, opt_o2, tmp_path / "streamed")
+    assert loaded.total_bytes == streamed.total_bytes and loaded.peak_bytes <= 2 * one and loaded.live_bytes == 0
+    assert opt_o2.param_groups[0]["lr"] == 1e-2
+    for p, q in zip(plain.parameters(), off2.parameters()):
+        assert torch.equal(opt_p.state[p]["exp_avg_sq"], opt_o2.state[q]["exp_avg_sq"])
+    for model, opt in ((plain, opt_p), (plain2, opt_p2), (off2, opt_o2)):
+        steps(model, opt, 2, 4)
+    for a, b, c in zip(plain.parameters(), plain2.parameters(), off2.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(TypeError, match="offloaded optimizer"):
+        dcp_save(plain, opt_p, tmp_path / "no")
+
+
 @pytest.mark.parametrize("options", ["default", "flatten", "full"])
 def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(make_store, options):
     """get_state_dict of a trained offloaded optimizer gives the plain optimizer's state under

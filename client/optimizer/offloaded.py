@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -26,7 +26,7 @@ from .backward import BackwardUpdates
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
 from .progress import Progress
 from .state import Item, Key, StateTensors, local
-from .state_dict import PoolState, pack, placed, set_param_state
+from .state_dict import Placeholders, PoolState, finish_lazy_load, pack, placed, set_param_state
 from .update import Updates
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded"]
@@ -127,6 +127,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state = PoolState(lambda: self.param_groups, self.state_tensors,  # type: ignore[assignment]
                                self._set_state)  # the pool's, not a dict
         self._in_step = _StepWork()
+        self._lazy: Placeholders | None = None  # set inside lazy_state_dict()
         if resume and self.progress.resume():
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
         else:
@@ -236,7 +237,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         order (``torch.distributed.checkpoint.state_dict.get_state_dict`` turns them into
         parameter names); FSDP2 / tensor-parallel state as DTensors sharded like their
         parameters. fp32 masters are not part of it (they are rebuilt from the parameters)."""
-        return pack(self.state_tensors, self.param_groups)
+        return pack(self.state_tensors, self.param_groups, self._lazy)
+
+    @contextlib.contextmanager
+    def lazy_state_dict(self) -> Iterator[Placeholders]:
+        """Inside: ``state_dict()`` (so ``get_state_dict``) gives cheap placeholders for the
+        state tensors, which the ``Placeholders`` it yields can fetch from the pool one at a
+        time (how ``tierstore.client.dcp`` streams a checkpoint). The placeholders have no
+        data: such a state dict goes to ``dcp_save`` / ``dcp_load`` only."""
+        self._lazy = Placeholders(self.state_tensors)
+        try:
+            yield self._lazy
+        finally:
+            self._lazy = None
+
+    def loaded_in_place(self, ph: Placeholders) -> None:
+        """A load put every placeholder's tensor into the pool itself (``dcp_load``): take
+        over what it filled in place (python scalars, the groups' settings), make fp32
+        masters again from the parameters, and start the step count there, as
+        ``load_state_dict`` does."""
+        finish_lazy_load(self.state_tensors, self.param_groups, ph, self._needs_master)
+        self.progress.completed = 0
+        self.progress.write()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped optimizer's format, as ``torch.optim.Optimizer.load_state_dict``

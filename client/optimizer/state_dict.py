@@ -15,7 +15,7 @@ import torch
 
 from .state import Key, StateTensors, local, pytag, untag, wrap_like
 
-__all__ = ["PoolState", "param_state", "set_param_state", "pack", "placed"]
+__all__ = ["PoolState", "Placeholders", "param_state", "set_param_state", "pack", "placed"]
 
 
 def param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor) -> dict[str, Any]:
@@ -55,8 +55,84 @@ def set_param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor, st:
     states.cur[(gi, pi)] = 0
 
 
-def pack(states: StateTensors, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """``state_dict()``: state keyed by integer ids in parameter-group order."""
+class Placeholder:
+    """Where a placeholder's bytes are: one state tensor's current version in the pool."""
+
+    __slots__ = ("obj", "gi", "pi", "name", "shape", "dtype")
+
+    def __init__(self, obj: torch.Tensor, gi: int, pi: int, name: str, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.obj = obj  # kept: the registry is by id
+        self.gi, self.pi, self.name, self.shape, self.dtype = gi, pi, name, shape, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+
+def _no_memory(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of this shape and dtype over a storage of 0 bytes: its metadata is right,
+    its data is nowhere (nothing may read it)."""
+    t = torch.empty(shape, dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+class Placeholders:
+    """Cheap stand-ins for state tensors: ``state_dict()`` inside
+    ``OffloadedOptimizer.lazy_state_dict()`` puts these in place of the tensors (each with
+    the shape and dtype of its object in the pool, over no memory; sharded state as a
+    DTensor over such a local tensor), so a checkpoint writer can fetch each from the
+    pool when it writes it (``tierstore.client.dcp``). Python scalars are read at once.
+    Also keeps each parameter's state dict and the groups as made, for a load that fills
+    them in place."""
+
+    def __init__(self, states: StateTensors) -> None:
+        self.states = states
+        self.by_id: dict[int, Placeholder] = {}
+        self.param_states: dict[tuple[int, int], dict[str, Any]] = {}
+        self.groups: list[dict[str, Any]] = []
+        self._meta: dict[str, tuple[str, list[int]]] | None = None  # key -> (dtype, shape): one listing
+
+
+    def find(self, obj: Any) -> Placeholder | None:
+        return self.by_id.get(id(obj))
+
+    def state(self, gi: int, pi: int, p: torch.Tensor) -> dict[str, Any]:
+        """Parameter ``p``'s state as ``param_state`` gives it, tensors as placeholders."""
+        from tierstore.tensors import torch_dtype
+
+        states = self.states
+        if self._meta is None:  # listed when the state dict is made (get_state_dict may make state first)
+            self._meta = {e["key"]: (e["dtype"], e["shape"]) for e in states.store.ls(states.prefix + "/")}
+        st: dict[str, Any] = {}
+        for name, tag in states.layout.get((gi, pi), {}).items():
+            if name == "master":
+                continue
+            if tag not in ("tensor", "dtensor"):
+                st[name] = untag(tag, states.get_current(gi, pi, name))
+                continue
+            key = states.key(gi, pi, name, states.cur[(gi, pi)])
+            if key not in self._meta:
+                raise RuntimeError(f"optimizer state {key} is missing from the pool; was it freed?")
+            dtype, shape = torch_dtype(self._meta[key][0]), tuple(self._meta[key][1])
+            local_t = _no_memory(list(shape), dtype)
+            obj = wrap_like(local_t, p) if tag == "dtensor" else local_t
+            self.by_id[id(obj)] = Placeholder(obj, gi, pi, name, shape, dtype)
+            st[name] = obj
+        self.param_states[(gi, pi)] = st
+        return st
+
+    def fetch(self, ph: Placeholder) -> torch.Tensor:
+        """The placeholder's bytes from the pool, in a new CPU tensor of exactly its size."""
+        states = self.states
+        out = torch.empty(ph.shape, dtype=ph.dtype)
+        return states.store.get(states.lookup(ph.gi, ph.pi, ph.name, states.cur[(ph.gi, ph.pi)]), out=out)
+
+
+def pack(states: StateTensors, param_groups: list[dict[str, Any]], lazy: Placeholders | None = None) -> dict[str, Any]:
+    """``state_dict()``: state keyed by integer ids in parameter-group order (with ``lazy``,
+    tensors as its placeholders)."""
     packed: dict[int, dict[str, Any]] = {}
     groups = []
     idx = 0
@@ -64,11 +140,35 @@ def pack(states: StateTensors, param_groups: list[dict[str, Any]]) -> dict[str, 
         ids = []
         for pi, p in enumerate(group["params"]):
             if states.layout.get((gi, pi)):
-                packed[idx] = param_state(states, gi, pi, p)
+                packed[idx] = param_state(states, gi, pi, p) if lazy is None else lazy.state(gi, pi, p)
             ids.append(idx)
             idx += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    if lazy is not None:
+        lazy.groups = groups
     return {"state": packed, "param_groups": groups}
+
+
+def finish_lazy_load(states: StateTensors, param_groups: list[dict[str, Any]], ph: Placeholders,
+                     needs_master: Callable[[torch.Tensor], bool]) -> None:
+    """After a load that put each placeholder's tensor into the pool as every version kept
+    (``tierstore.client.dcp``): the python scalars and the groups' settings it filled in
+    place go in too, fp32 masters are made again from the (loaded) parameters, and every
+    parameter's current version is 0."""
+    for gi, (group, saved) in enumerate(zip(param_groups, ph.groups)):
+        for k, v in saved.items():
+            if k != "params":
+                group[k] = v
+    for (gi, pi), st in ph.param_states.items():
+        layout = states.layout[(gi, pi)]
+        for name, v in st.items():
+            if not isinstance(v, torch.Tensor):
+                layout[name], t = pytag(v)
+                states.put_both(gi, pi, name, t)
+        p = param_groups[gi]["params"][pi]
+        if "master" in layout and needs_master(p):
+            states.put_both(gi, pi, "master", local(p.detach())[1].float())
+        states.cur[(gi, pi)] = 0
 
 
 def placed(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> list[tuple[Key, dict[str, Any]]]:
