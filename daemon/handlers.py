@@ -1,9 +1,10 @@
 """Request handlers: validate each request's fields and call the store.
 
-One function per op. A handler called with ``nowait=True`` (on the event loop)
-raises ``WouldBlock`` rather than wait or touch the disk; the server then runs it
-again on a worker thread with ``nowait=False``. A durable put returns a ``Deferred``
-reply instead: the group committer makes it durable and the server answers then.
+One function per op, run on the event loop, which never waits and never touches the
+disk. Each returns its reply; or ``Later`` (``tierstore.waits``): the rest of the
+request, which the server runs on an op worker (decided up front for an op that always
+needs one, or what a store ``try_*`` call answered); or, for a durable put, a
+``Deferred`` reply: the group committer makes it durable and the server answers then.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from tierstore.batch import MAX_EACH
 from tierstore.leases import MAX_BATCH
 from tierstore.objectindex import INFO_FIELDS
 from tierstore.protocol import PAGE_BYTES, PROTOCOL_VERSION, field
-from tierstore.store import Store, WouldBlock
+from tierstore.store import Store
 from tierstore.tensors import TensorSpec
 from tierstore.trace import MAX_STREAM_CHARS
+from tierstore.waits import Later
 
 if TYPE_CHECKING:
     from .server import Session
@@ -71,11 +73,6 @@ def _columns(rows: list[list[Any]]) -> list[Any]:
     return cols
 
 
-_PROGRESS = object()
-"""Key, in a request dict, of a batch check-out's leases taken so far: kept from the event
-loop's attempt to the thread pool's (a client's msgpack map cannot hold this key)."""
-
-
 def _handle(msg: dict[str, Any], name: str = "handle") -> Handle:
     return Handle.parse(field(msg, name, (int, str)))
 
@@ -105,11 +102,27 @@ class Deferred(NamedTuple):
     reply: Callable[[Any], Any]
 
 
-def _handle_reply(h: Handle | Pending) -> dict[str, Any] | Deferred:
-    """A put's reply; for a durable put committed from the event loop, a ``Deferred``."""
-    if isinstance(h, Pending):
-        return Deferred(h, lambda h: {"handle": int(h)})
+def _answer(result: Any, reply: Callable[[Any], Any]) -> Any:
+    """The answer to a request whose store call returned ``result``: ``reply(result)``
+    now; a ``Deferred`` of it for a durable commit's ``Pending``; for ``Later``, the rest,
+    replying with ``reply`` of what it returns."""
+    if isinstance(result, Later):
+        return Later(lambda: reply(result.run()))
+    if isinstance(result, Pending):
+        return Deferred(result, reply)
+    return reply(result)
+
+
+def _handle_reply(h: Handle) -> dict[str, Any]:
     return {"handle": int(h)}
+
+
+def _empty_reply(_: Any) -> dict[str, Any]:
+    return {}
+
+
+def _leases_reply(infos: list[Any]) -> dict[str, Any]:
+    return {"leases": [_lease_reply(i) for i in infos]}
 
 
 def _lease_reply(info) -> dict[str, Any]:
@@ -131,7 +144,7 @@ class Handlers:
     def __init__(self, store: Store, stats: Callable[[], dict[str, Any]]) -> None:
         self.store = store
         self._server_stats = stats
-        self.table: dict[str, Callable[["Session", dict[str, Any], bool], Any]] = {
+        self.table: dict[str, Callable[["Session", dict[str, Any]], Any]] = {
             "hello": self.hello, "put_reserve": self.put_reserve, "put_commit": self.put_commit,
             "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
             "checkout_many": self.checkout_many, "checkout_each": self.checkout_each,
@@ -144,7 +157,7 @@ class Handlers:
         }
 
     # -- session ---------------------------------------------------------------------------
-    def hello(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def hello(self, sess: "Session", msg: dict[str, Any]) -> Any:
         version = field(msg, "version", int)
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}; "
@@ -160,7 +173,7 @@ class Handlers:
                 "gpu_reason": self.store.gpu_reason,
                 "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"]}
 
-    def client_info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def client_info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
         arena is page-locked, and why not; its activation-offload counters."""
         if "pinned" in msg:
@@ -172,77 +185,92 @@ class Handlers:
                                 if k in ACTIVATION_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
         return {}
 
-    def gpu_attach(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def gpu_attach(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """The client opens the GPU tier's slabs (CUDA IPC); they stay allocated until it disconnects."""
         return {"slabs": self.store.daemon.gpu_attach(sess)}
 
     # -- puts ------------------------------------------------------------------------------
-    def _put_args(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> dict[str, Any]:
-        args = {"key": validate_key(field(msg, "key", str, None)), "tier": field(msg, "tier", str, None),
+    def _put_args(self, sess: "Session", msg: dict[str, Any]) -> dict[str, Any]:
+        return {"key": validate_key(field(msg, "key", str, None)), "tier": field(msg, "tier", str, None),
                 "durable": field(msg, "durable", bool, False), "replace": field(msg, "replace", bool, False),
                 "ephemeral": field(msg, "ephemeral", bool, False),
                 "wait_s": float(field(msg, "wait_s", (int, float), 0.0, min_value=0, max_value=3600)),
-                "namespace": sess.namespace, "owner": sess, "nowait": nowait}
+                "namespace": sess.namespace}
+
+    def _put(self, sess: "Session", now: Callable[[], Any], later: Callable[[], Any],
+             reply: Callable[[Any], Any]) -> Any:
+        """A put: ``now()`` (a store ``try_*`` call); but the namespace's first put claims it,
+        which appends to the journal: that one is ``later()`` on an op worker, after the claim."""
         if self.store.daemon.namespace_owner(sess.namespace) is None:
-            if nowait:
-                raise WouldBlock()  # the first put claims the namespace: a journal append
-            self.store.daemon.claim_namespace(sess.namespace, sess.cred.uid)
-        return args
+            def first() -> Any:
+                self.store.daemon.claim_namespace(sess.namespace, sess.cred.uid)
+                return reply(later())
+            return Later(first)
+        return _answer(now(), reply)
 
-    def put_reserve(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def put_reserve(self, sess: "Session", msg: dict[str, Any]) -> Any:
         spec = _spec(msg)
-        res = self.store.daemon.reserve_put(spec, **self._put_args(sess, msg, nowait),
-                                            device=field(msg, "device", int, 0, min_value=0, max_value=255))
-        return {"rid": res.rid, "offset": res.host_off, "gpu_loc": res.gpu_loc}
+        args = {**self._put_args(sess, msg), "owner": sess,
+                "device": field(msg, "device", int, 0, min_value=0, max_value=255)}
+        d = self.store.daemon
+        return self._put(sess, lambda: d.try_reserve_put(spec, **args), lambda: d.reserve_put(spec, **args),
+                         lambda res: {"rid": res.rid, "offset": res.host_off, "gpu_loc": res.gpu_loc})
 
-    def staging(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def staging(self, sess: "Session", msg: dict[str, Any]) -> Any:
         nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
         off, n = self.store.daemon.staging_area(sess, nbytes)
         return {"offset": off, "nbytes": n}
 
-    def put_staged(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def put_staged(self, sess: "Session", msg: dict[str, Any]) -> Any:
         spec = _spec(msg)
         src = field(msg, "src", int, min_value=0)
-        args = self._put_args(sess, msg, nowait)
-        return _handle_reply(self.store.daemon.put_staged(args.pop("owner"), src, spec, **args))
+        args = self._put_args(sess, msg)
+        d = self.store.daemon
+        return self._put(sess, lambda: d.try_put_staged(sess, src, spec, **args),
+                         lambda: d.put_staged(sess, src, spec, **args), _handle_reply)
 
-    def put_commit(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def put_commit(self, sess: "Session", msg: dict[str, Any]) -> Any:
         rid = field(msg, "rid", int, min_value=0)
-        return _handle_reply(self.store.daemon.commit_put(rid, owner=sess, nowait=nowait))
+        return _answer(self.store.daemon.try_commit_put(rid, owner=sess), _handle_reply)
 
-    def put_abort(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def put_abort(self, sess: "Session", msg: dict[str, Any]) -> Any:
         self.store.daemon.abort_put(field(msg, "rid", int, min_value=0), owner=sess)
         return {}
 
     # -- leases ----------------------------------------------------------------------------
-    def get(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def get(self, sess: "Session", msg: dict[str, Any]) -> Any:
         h = _handle(msg)
         stream = _stream(msg)
-        if field(msg, "staged", bool, False):
-            spec = self.store.daemon.get_staged(sess, h, namespace=sess.namespace, nowait=nowait, stream=stream)
-            if spec is not None:  # the bytes wait in the staging area; no lease to release
-                return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
-                        "nbytes": spec.nbytes}
-        info = self.store.daemon.acquire(h, "r", owner=sess, namespace=sess.namespace, nowait=nowait, stream=stream,
-                                         device=field(msg, "device", bool, False))
-        return _lease_reply(info)
+        device = field(msg, "device", bool, False)
+        d = self.store.daemon
 
-    def checkout(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+        def lease() -> Any:
+            return _answer(d.try_acquire(h, "r", owner=sess, namespace=sess.namespace, stream=stream, device=device),
+                           _lease_reply)
+
+        if not field(msg, "staged", bool, False):
+            return lease()
+        staged = d.try_get_staged(sess, h, namespace=sess.namespace, stream=stream)
+        if staged is None:  # too big for the staging area: a lease
+            return lease()
+        # the bytes wait in the staging area; no lease to release
+        return _answer(staged, lambda spec: {"staged": True, "kind": spec.kind, "dtype": spec.dtype,
+                                             "shape": list(spec.shape), "nbytes": spec.nbytes})
+
+    def checkout(self, sess: "Session", msg: dict[str, Any]) -> Any:
         mode = field(msg, "mode", str, "r")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
+        d = self.store.daemon
         if msg.get("source") is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
-            info = self.store.daemon.acquire_from(_handle(msg), _handle(msg, "source"), owner=sess,
-                                                  namespace=sess.namespace, timeout_s=timeout_s, nowait=nowait,
-                                                  stream=_stream(msg))
-            return _lease_reply(info)
-        info = self.store.daemon.acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                         nowait=nowait, stream=_stream(msg),
-                                         device=field(msg, "device", bool, False))
-        return _lease_reply(info)
+            return _answer(d.try_acquire_from(_handle(msg), _handle(msg, "source"), owner=sess,
+                                              namespace=sess.namespace, timeout_s=timeout_s, stream=_stream(msg)),
+                           _lease_reply)
+        return _answer(d.try_acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
+                                     stream=_stream(msg), device=field(msg, "device", bool, False)), _lease_reply)
 
-    def checkout_many(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def checkout_many(self, sess: "Session", msg: dict[str, Any]) -> Any:
         hs = field(msg, "handles", list)
         if not 1 <= len(hs) <= MAX_BATCH:
             raise InvalidArgument(f"a batch check-out takes 1 to {MAX_BATCH} objects, got {len(hs)}")
@@ -252,13 +280,11 @@ class Handlers:
         if not all(isinstance(m, str) for m in modes):
             raise InvalidArgument("field 'modes' must be a str or a list of str")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        infos = self.store.daemon.acquire_many([Handle.parse(h) for h in hs], modes, owner=sess,
-                                               namespace=sess.namespace, timeout_s=timeout_s, nowait=nowait,
-                                               stream=_stream(msg),
-                                               progress=msg.setdefault(_PROGRESS, []))
-        return {"leases": [_lease_reply(i) for i in infos]}
+        return _answer(self.store.daemon.try_acquire_many([Handle.parse(h) for h in hs], modes, owner=sess,
+                                                          namespace=sess.namespace, timeout_s=timeout_s,
+                                                          stream=_stream(msg)), _leases_reply)
 
-    def checkout_each(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def checkout_each(self, sess: "Session", msg: dict[str, Any]) -> Any:
         reqs = field(msg, "requests", list)
         if not 1 <= len(reqs) <= MAX_EACH:
             raise InvalidArgument(f"checkout_each takes 1 to {MAX_EACH} check-outs, got {len(reqs)}")
@@ -270,34 +296,29 @@ class Handlers:
                 raise InvalidArgument(f"check-out #{i}: expected [handle, mode, source or nil]")
             parsed.append((Handle.parse(r[0]), r[1], None if r[2] is None else Handle.parse(r[2])))
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        infos = self.store.daemon.acquire_each(parsed, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                               nowait=nowait, stream=_stream(msg),
-                                               progress=msg.setdefault(_PROGRESS, []))
-        return {"leases": [_lease_reply(i) for i in infos]}
+        return _answer(self.store.daemon.try_acquire_each(parsed, owner=sess, namespace=sess.namespace,
+                                                          timeout_s=timeout_s, stream=_stream(msg)), _leases_reply)
 
-    def release(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def release(self, sess: "Session", msg: dict[str, Any]) -> Any:
         lid = field(msg, "lid", int, min_value=0)
         if field(msg, "unused", bool, False):  # never written: as if not taken
             self.store.give_back(lid, owner=sess)
-        else:
-            self.store.release(lid, owner=sess, nowait=nowait)
-        return {}
+            return {}
+        return _answer(self.store.daemon.try_release(lid, owner=sess), _empty_reply)
 
-    def release_many(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def release_many(self, sess: "Session", msg: dict[str, Any]) -> Any:
         lids = field(msg, "lids", list)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lids):
             raise InvalidArgument("field 'lids' must be a list of lease ids (non-negative ints)")
-        self.store.release_many(lids, owner=sess, nowait=nowait)
-        return {}
+        return _answer(self.store.daemon.try_release_many(lids, owner=sess), _empty_reply)
 
     # -- index -----------------------------------------------------------------------------
-    def free(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
-        if nowait:
-            raise WouldBlock()  # may append to the journal or wait for a copy in flight
-        self.store.free(_handle(msg), namespace=sess.namespace, owner=sess)
-        return {}
+    def free(self, sess: "Session", msg: dict[str, Any]) -> Any:
+        h = _handle(msg)
+        # always on an op worker: it may append to the journal or wait for a copy in flight
+        return Later(lambda: _empty_reply(self.store.free(h, namespace=sess.namespace, owner=sess)))
 
-    def lookup(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def lookup(self, sess: "Session", msg: dict[str, Any]) -> Any:
         h = self.store.lookup(field(msg, "key", str), namespace=sess.namespace)
         return None if h is None else int(h)
 
@@ -309,14 +330,16 @@ class Handlers:
         return (field(msg, "prefix", str, ""), field(msg, "after", str, None),
                 field(msg, "limit", int, most, min_value=1, max_value=most))
 
-    def _whole_list(self, sess: "Session", nowait: bool) -> None:
-        if nowait and self.store.daemon.key_count(sess.namespace) > _INLINE_LIST:
-            raise WouldBlock()  # an unpaged listing of a big namespace would hold up the event loop
+    def _whole_list(self, sess: "Session", listing: Callable[[], Any]) -> Any:
+        """An unpaged listing: on an op worker when the namespace is big enough to hold up the event loop."""
+        if self.store.daemon.key_count(sess.namespace) > _INLINE_LIST:
+            return Later(listing)
+        return listing()
 
-    def keys(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def keys(self, sess: "Session", msg: dict[str, Any]) -> Any:
         if not field(msg, "page", bool, False):
-            self._whole_list(sess, nowait)
-            return self.store.keys(field(msg, "prefix", str, ""), namespace=sess.namespace)
+            prefix = field(msg, "prefix", str, "")
+            return self._whole_list(sess, lambda: self.store.keys(prefix, namespace=sess.namespace))
         prefix, after, limit = self._page_args(msg, PAGE_KEYS)
         keys = self.store.key_names(prefix, after, limit, namespace=sess.namespace)
         size = 0
@@ -327,10 +350,10 @@ class Handlers:
                 break
         return {"keys": keys, "next": keys[-1] if keys and (len(keys) == limit or size >= PAGE_BYTES) else None}
 
-    def ls(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def ls(self, sess: "Session", msg: dict[str, Any]) -> Any:
         if not field(msg, "page", bool, False):
-            self._whole_list(sess, nowait)
-            return self.store.ls(field(msg, "prefix", str, ""), namespace=sess.namespace)
+            prefix = field(msg, "prefix", str, "")
+            return self._whole_list(sess, lambda: self.store.ls(prefix, namespace=sess.namespace))
         if field(msg, "columns", bool, False):
             prefix, after, limit = self._page_args(msg, PAGE_ROWS)
             rows = self.store.ls_rows(prefix, after, limit, namespace=sess.namespace)
@@ -340,26 +363,26 @@ class Handlers:
         rows = self.store.ls_page(prefix, after, limit, namespace=sess.namespace)
         return {"objects": rows, "next": rows[-1]["key"] if len(rows) == limit else None}
 
-    def namespaces(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def namespaces(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """One page of the per-namespace table of ``stat``, in name order after ``after``."""
         page = self.store.stat_namespaces(field(msg, "after", str, None), PAGE_NAMESPACES + 1)
         return _namespace_page(page)
 
-    def info(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return self.store.info(_handle(msg), namespace=sess.namespace)
 
-    def prefetch(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def prefetch(self, sess: "Session", msg: dict[str, Any]) -> Any:
         hs = field(msg, "handles", list)
         if len(hs) > 65536:
             raise InvalidArgument("at most 65536 handles per prefetch")
         self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess, wait=False)
         return {}
 
-    def step(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def step(self, sess: "Session", msg: dict[str, Any]) -> Any:
         self.store.step(owner=sess)
         return {}
 
-    def stat(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
         st = self.store.stat(namespace_limit=PAGE_NAMESPACES + 1)
         st.update(self._server_stats())
         # the table of namespaces is one page: the rest through ``namespaces`` from "namespaces_next"
@@ -369,7 +392,7 @@ class Handlers:
             st.pop("ops", None)
         return st
 
-    def ping(self, sess: "Session", msg: dict[str, Any], nowait: bool) -> Any:
+    def ping(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return {}
 
 

@@ -2,8 +2,9 @@
 
 One event-loop thread owns every socket. A request that can finish without waiting
 (a lookup, a get of a host-resident object, a volatile put) runs right there;
-anything that may wait or touch the disk goes to a worker pool, and its reply comes
-back through a queue plus a wake-up pipe. A durable put is handed to the store's group
+for anything that may wait or touch the disk the handler returns the rest of the
+request (``Later``), which goes to a worker pool, and its reply comes back through a
+queue plus a wake-up pipe. A durable put is handed to the store's group
 committer instead (its handler returns a future), and its reply comes back the same
 way once the batch it joined is durable. So the loop never blocks on disk I/O, a
 lock held across an fsync, or a slow client (replies that do not fit in the socket
@@ -50,10 +51,10 @@ from typing import Any
 
 from tierstore.config import Config
 from tierstore.errors import Busy, Closed, PermissionDenied, ProtocolError, TierstoreError
-from tierstore.leases import WouldWait, wait_context
+from tierstore.waits import Later, WouldWait, wait_context
 from tierstore.preflight import check_dir
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
-from tierstore.store import Store, WouldBlock
+from tierstore.store import Store
 from tierstore.units import format_size
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
@@ -510,11 +511,7 @@ class Server:
         fn = self.handlers.table[op]
         t0 = time.perf_counter()
         try:
-            result = fn(sess, msg, True)
-        except WouldBlock:
-            sess.inflight += 1
-            self._pool.submit(self._run_blocking, sess, fn, msg, rid, op, t0)
-            return
+            result = fn(sess, msg)
         except TierstoreError as e:
             if op == "hello":
                 sess.hello_pending = False
@@ -524,6 +521,10 @@ class Server:
             log.exception("op %s failed", op)
             sess.hello_pending = False
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
+            return
+        if isinstance(result, Later):  # the rest may wait or touch the disk: on an op worker
+            sess.inflight += 1
+            self._pool.submit(self._run_blocking, sess, result.run, rid, op, t0)
             return
         if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
             sess.inflight += 1
@@ -536,15 +537,14 @@ class Server:
             return
         self._send(sess, reply_ok(rid, result), rid=rid)
 
-    def _run_blocking(self, sess: Session, fn, msg: dict[str, Any], rid: int, op: str, t0: float,
-                      park: bool = True) -> None:
-        """Run a request off the loop: on an op worker (``park``: a wait for another holder
-        moves it to a wait thread) or on a wait thread."""
+    def _run_blocking(self, sess: Session, rest, rid: int, op: str, t0: float, park: bool = True) -> None:
+        """Run the rest of a request (``rest()``, its reply) off the loop: on an op worker
+        (``park``: a wait for another holder moves it to a wait thread) or on a wait thread."""
         try:
             with wait_context(park=park, abandoned=lambda: sess.closed):
-                out = _outcome(lambda: fn(sess, msg, False), rid, op)
+                out = _outcome(rest, rid, op)
         except WouldWait:
-            self._to_wait(sess, (fn, msg, rid, op, t0))
+            self._to_wait(sess, (rest, rid, op, t0))
             return
         self._finish(sess, rid, *out, time.perf_counter() - t0)
 
@@ -582,7 +582,7 @@ class Server:
                 refusal = Busy(f"this connection already has {_WAITS_PER_SESSION + _WAIT_BACKLOG} requests "
                                "waiting for other holders; wait for some of them to finish")
         # answered now rather than waiting
-        _fn, _msg, rid, op, t0 = job
+        _rest, rid, op, t0 = job
         self._finish(sess, rid, reply_err(rid, refusal), op, refusal.code, time.perf_counter() - t0)
 
     def _wait(self, sess: Session, job: tuple) -> None:
@@ -810,10 +810,10 @@ class Server:
 
 def _outcome(get, rid: int, op: str) -> tuple[bytes, str, str | None]:
     """The reply to request ``rid`` from ``get()`` (its result, or the error it raises),
-    with its op and error code; ``WouldBlock`` passes on."""
+    with its op and error code; ``WouldWait`` passes on."""
     try:
         return reply_ok(rid, get()), op, None
-    except WouldBlock:
+    except WouldWait:
         raise
     except TierstoreError as e:
         return reply_err(rid, e), op, e.code

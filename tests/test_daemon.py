@@ -796,14 +796,14 @@ def test_stat_lists_sessions_and_whether_each_pinned_its_arena(daemon):
 
 def test_stat_is_answered_on_the_event_loop_whatever_the_number_of_objects(make_store):
     """stat's counts are counters kept as objects change, O(1) in objects, so the event
-    loop answers it inline (no WouldBlock) and the counts match the objects."""
+    loop answers it inline (not ``Later``) and the counts match the objects."""
     from tierstore.daemon import handlers as hmod
 
     s = make_store()
     for i in range(12):
         s.put(np.zeros(4, np.float32), key=f"k{i}", namespace=f"ns{i % 3}")
     hs = hmod.Handlers(s, lambda: {"clients": 0})
-    st = hs.stat(None, {}, True)
+    st = hs.stat(None, {})
     assert st["namespaces"] == {f"ns{j}": {"objects": 4, "bytes": 64} for j in range(3)}
     assert st["tiers"]["host"]["objects"] == 12 and st["namespaces_total"] == 3 and st["namespaces_next"] is None
 

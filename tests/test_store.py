@@ -9,7 +9,7 @@ import torch
 from conftest import poll_until
 from tierstore.tensors import TensorSpec
 
-from tierstore.leases import WouldBlock
+from tierstore.waits import Later
 from tierstore import (Busy, CapacityExceeded, ChecksumMismatch, Handle, InvalidArgument, KeyExists, NotFound,
                        StaleHandle)
 
@@ -257,18 +257,19 @@ def test_a_durable_object_replaced_under_a_writer_is_not_resurrected(make_store)
 
 def test_unanswered_check_ins_never_leave_the_event_loop(make_store):
     """The client sends these check-ins without waiting: the daemon must handle them on
-    arrival (nowait), or a later request of the same connection could overtake them."""
+    arrival (on its event loop), or a later request of the same connection could overtake them."""
     s = make_store()
     for tier, durable, mode in [(None, False, "r"), (None, False, "rw"), ("nvme", False, "w"), (None, True, "r")]:
         h = s.put(torch.ones(1 << 16), tier=tier, durable=durable)
         info = s.daemon.acquire(h, mode, owner="conn")
-        s.release(info.lid, owner="conn", nowait=True)  # WouldBlock would fail here
+        assert s.daemon.try_release(info.lid, owner="conn") is None  # done now, not Later
         assert s.stat()["leases"] == 0
     h = s.put(torch.ones(10), durable=True)
     info = s.daemon.acquire(h, "w", owner="conn")
-    with pytest.raises(WouldBlock):  # a durable write-back syncs: the client waits for it
-        s.release(info.lid, owner="conn", nowait=True)
-    s.release(info.lid, owner="conn")
+    rest = s.daemon.try_release(info.lid, owner="conn")  # a durable write-back syncs: the client waits for it
+    assert isinstance(rest, Later) and s.stat()["leases"] == 1
+    rest.run()
+    assert s.stat()["leases"] == 0
 
 
 def test_second_store_on_same_dir_is_refused(make_store):
@@ -596,13 +597,12 @@ def test_checkout_from_a_source_hands_its_block_over_or_copies(make_store):
 
 
 def test_a_put_waits_for_the_space_a_replace_gave_up_instead_of_failing(make_store):
-    """A replace committed for the daemon (``nowait``: its event loop never waits on a
-    discard) discards the replaced object off the caller's path. A put that finds the host
-    tier full meanwhile (the rest checked out) waits for that discard instead of failing
-    with CapacityExceeded, however late it runs."""
+    """A replaced durable object is discarded off the put's path (its free is journaled,
+    which syncs). A put that finds the host tier full meanwhile (the rest checked out)
+    waits for that discard instead of failing with CapacityExceeded, however late it runs."""
     s = make_store(host_bytes="1MiB", high_watermark=1.0, low_watermark=1.0)
     blk = 448 << 10  # two fit, with the tier's read reserve
-    s.put(torch.zeros(blk, dtype=torch.uint8), key="a", tier="host")
+    s.put(torch.zeros(blk, dtype=torch.uint8), key="a", tier="host", durable=True)
     gate, started = threading.Event(), threading.Event()
     discard = s.placement.discard
 
@@ -617,7 +617,7 @@ def test_a_put_waits_for_the_space_a_replace_gave_up_instead_of_failing(make_sto
     res = s.daemon.reserve_put(spec, key="a", tier="host", durable=False, replace=True, namespace="default",
                                owner=owner)
     s.arena.view(res.host_off, blk)[:] = 1
-    a2 = s.daemon.commit_put(res.rid, owner=owner, nowait=True)
+    a2 = s.daemon.commit_put(res.rid, owner=owner)
     held = s.checkout(a2, "r")  # nothing in the tier can be demoted now
     assert started.wait(10)
     result = []

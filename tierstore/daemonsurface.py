@@ -6,8 +6,8 @@ claims, GPU-tier attachment.
 ``Store`` makes one (``Store.daemon``), given the components it reaches; the store's own
 methods are the user-facing contract (``tierstore.contract.Pool``), the same as
 ``tierstore.client.Client``'s. Each method here hands the call to the one component
-that does it. ``nowait=True``: the call runs on the daemon's event loop and raises
-``WouldBlock`` rather than wait or touch the disk (``waits.py``).
+that does it. The ``try_*`` calls are the daemon's event loop's: each does its work
+now or returns ``Later``, the rest of the call for an op worker (``waits.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .placement import Placement
 from .groupcommit import Pending
 from .puts import Puts, Reservation
 from .tensors import TensorSpec
+from .waits import Later
 
 __all__ = ["DaemonSurface"]
 
@@ -45,10 +46,16 @@ class DaemonSurface:
         """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
         return self.puts.reserve(spec, **kw)
 
-    def commit_put(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Pending:
-        """Second phase: the reserved object becomes visible (``Puts.commit``; ``nowait`` and
-        durable: a ``Pending`` handle)."""
-        return self.puts.commit(rid, owner=owner, nowait=nowait)
+    def try_reserve_put(self, spec: TensorSpec, **kw: Any) -> Reservation | Later:
+        return self.puts.try_reserve(spec, **kw)
+
+    def commit_put(self, rid: int, *, owner: Any = LOCAL) -> Handle:
+        """Second phase: the reserved object becomes visible (``Puts.commit``)."""
+        return self.puts.commit(rid, owner=owner)
+
+    def try_commit_put(self, rid: int, *, owner: Any) -> Handle | Pending | Later:
+        """``Puts.try_commit``: durable, a ``Pending`` handle."""
+        return self.puts.try_commit(rid, owner=owner)
 
     def finish_commits(self) -> None:
         """Commit the durable puts already handed to the group committer, and take no more
@@ -63,26 +70,49 @@ class DaemonSurface:
         through the daemon pass through it in one round trip."""
         return self.placement.staging_area(owner, nbytes)
 
-    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle | Pending:
+    def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
         return self.puts.put_staged(owner, src, spec, **kw)
 
-    def get_staged(self, owner: Any, handle: Handle | int | str, **kw: Any) -> TensorSpec | None:
-        """A small object copied into ``owner``'s staging area (``Puts.get_staged``)."""
-        return self.puts.get_staged(owner, handle, **kw)
+    def try_put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle | Pending | Later:
+        return self.puts.try_put_staged(owner, src, spec, **kw)
+
+    def try_get_staged(self, owner: Any, handle: Handle | int | str, **kw: Any) -> TensorSpec | None | Later:
+        """A small object copied into ``owner``'s staging area (``Puts.try_get_staged``)."""
+        return self.puts.try_get_staged(owner, handle, **kw)
 
     def acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
         """A check-out for ``owner`` (``LeaseTable.acquire``)."""
         return self.leases.acquire(handle, mode, **kw)
 
+    def try_acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo | Later:
+        return self.leases.try_acquire(handle, mode, **kw)
+
     def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
         return self.leases.acquire_from(handle, source, **kw)
+
+    def try_acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo | Later:
+        return self.leases.try_acquire_from(handle, source, **kw)
 
     def acquire_many(self, handles: list[Handle | int | str], modes: list[str], **kw: Any) -> list[LeaseInfo]:
         return self.batches.acquire_many(handles, modes, **kw)
 
+    def try_acquire_many(self, handles: list[Handle | int | str], modes: list[str],
+                         **kw: Any) -> list[LeaseInfo] | Later:
+        return self.batches.try_acquire_many(handles, modes, **kw)
+
     def acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo]:
         return self.batches.acquire_each(requests, **kw)
+
+    def try_acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo] | Later:
+        return self.batches.try_acquire_each(requests, **kw)
+
+    def try_release(self, lid: int, *, owner: Any) -> Later | None:
+        """A check-in for ``owner`` (``LeaseTable.try_release``)."""
+        return self.leases.try_release(lid, owner=owner)
+
+    def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:
+        return self.batches.try_release_many(lids, owner=owner)
 
     def revoke(self, lid: int, *, owner: Any) -> bool:
         return self.leases.revoke(lid, owner=owner)

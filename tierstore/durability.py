@@ -30,7 +30,6 @@ from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .replay import Replay
 from .tensors import TensorSpec
-from .waits import WouldBlock
 
 __all__ = ["Durability"]
 
@@ -73,46 +72,50 @@ class Durability:
         for meta, rec, payload in zip(metas, recs, payloads):
             meta.record = pack_record(rec) if payload is None else payload
 
-    def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], ObjectMeta | None],
-                   nowait: bool = False) -> ObjectMeta | None:
+    def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], None]) -> None:
         """A put's one pass through durability: under the journal lock, the key is checked
         again, a durable object's record appended and ``publish`` run (under the index's
-        ``cv``; it makes the object visible and returns what it replaced, which this
-        returns); then, the lock let go, a durable put waits for the group commit. The record
-        is visible from the publish, but a durable put returns only once an fdatasync that
-        covers it is done: a crash in between may lose an object someone saw, never one
-        whose put returned. ``nowait``: ``WouldBlock`` (nothing done) while a durable op holds
-        the journal lock, so the daemon's event loop never waits on a sync."""
-        if nowait:
-            if not self.lock.acquire(blocking=False):
-                raise WouldBlock()
-        else:
-            self.lock.acquire()
-        cv = self.index.cv
-        try:
-            # journal lock held across check, append and publish: no other put can bind
-            # the same key in between, and compaction sees either both or neither
-            with cv:
-                self.index.check_key(meta.namespace, meta.key, replace)
-            if meta.durable:
-                self.journal_put(meta, sync=False)  # made durable by the group commit below
-            with cv:
-                old = publish()
-        finally:
-            self.lock.release()
+        ``cv``; it makes the object visible); then, the lock let go, a durable put waits for
+        the group commit. The record is visible from the publish, but a durable put returns
+        only once an fdatasync that covers it is done: a crash in between may lose an object
+        someone saw, never one whose put returned."""
+        with self.lock:
+            self._check_and_publish(meta, replace, publish)
         if meta.durable:
             self.commit()
-        return old
 
-    def record_puts(self, puts: list[tuple[ObjectMeta, bool, Callable[[], ObjectMeta | None]]]
-                    ) -> list[ObjectMeta | None | Exception]:
+    def try_record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], None]) -> bool:
+        """``record_put`` of a volatile object, for a caller that must not wait (the daemon's
+        event loop): False, with nothing done, while another holds the journal lock (a
+        durable op may be syncing under it)."""
+        assert not meta.durable, "a durable put waits for the journal sync"
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._check_and_publish(meta, replace, publish)
+        finally:
+            self.lock.release()
+        return True
+
+    def _check_and_publish(self, meta: ObjectMeta, replace: bool, publish: Callable[[], None]) -> None:
+        # (under the journal lock) held across check, append and publish: no other put can
+        # bind the same key in between, and compaction sees either both or neither
+        cv = self.index.cv
+        with cv:
+            self.index.check_key(meta.namespace, meta.key, replace)
+        if meta.durable:
+            self.journal_put(meta, sync=False)  # made durable by the group commit that follows
+        with cv:
+            publish()
+
+    def record_puts(self, puts: list[tuple[ObjectMeta, bool, Callable[[], None]]]) -> list[None | Exception]:
         """``record_put`` for a batch of durable puts (``meta, replace, publish`` each), in
         one hold of the journal lock: the keys checked, the records appended with one
-        write, the objects published; then one group commit for all of them. Per put what
-        it replaced, or the error that failed it (a put that fails its key check is not
+        write, the objects published; then one group commit for all of them. Per put None,
+        or the error that failed it (a put that fails its key check is not
         appended; a failed append fails the puts it carried, unpublished; a failed commit
         fails every put appended, as it fails ``record_put``)."""
-        out: list[ObjectMeta | None | Exception] = [None] * len(puts)
+        out: list[None | Exception] = [None] * len(puts)
         cv, ix = self.index.cv, self.index
         appended = []
         with self.lock:

@@ -99,18 +99,18 @@ class _Commit:
     tier: str | None
     gpu_loc: int | None
     replace: bool
-    publish: Callable[[Landing], ObjectMeta | None]
-    """(under the index's cv) Make the object visible; what it replaced."""
-    finish: Callable[[Landing, ObjectMeta | None], Any]
-    """(once durable) The put's last steps; what it returns is the future's result."""
+    publish: Callable[[Landing], None]
+    """(under the index's cv) Make the object visible (and hand what it replaced to its discard)."""
+    finish: Callable[[], Any]
+    """(once durable) The put's last step; what it returns is the future's result."""
     failed: Callable[[], None]
     """(once failed) Give up the put, before the future gets the error."""
     future: "Pending" = field(default_factory=lambda: Pending())
     landing: Landing | None = None
 
-    def succeed(self, old: ObjectMeta | None) -> None:
+    def succeed(self) -> None:
         try:
-            result = self.finish(self.landing, old)
+            result = self.finish()
         except Exception as e:
             self.fail(e)
             return
@@ -146,10 +146,10 @@ class GroupCommit:
         self._journaler.start()
 
     def submit(self, meta: ObjectMeta, *, tier: str | None, gpu_loc: int | None, replace: bool,
-               publish: Callable[[Landing], ObjectMeta | None], finish: Callable[[Landing, ObjectMeta | None], Any],
+               publish: Callable[[Landing], None], finish: Callable[[], Any],
                failed: Callable[[], None]) -> "Pending":
         """Queue the durable commit of ``meta`` (reserved, filled, flagged ``moving``). Once
-        it is durable, ``finish(landing, replaced object or None)`` runs on the committer
+        it is durable, ``finish()`` runs on the committer
         and the future's result is what it returns; if it fails, ``failed()`` runs and the
         future gets the error (nothing was published then, unless the journal sync failed
         after the publish, as with ``Durability.record_put``)."""
@@ -212,14 +212,14 @@ class GroupCommit:
 
     def _record(self, batch: list[_Commit]) -> None:
         """Stage 2: every record appended and object published, one journal sync, answers."""
-        olds = self.durability.record_puts([(c.meta, c.replace, (lambda c=c: c.publish(c.landing))) for c in batch])
+        outs = self.durability.record_puts([(c.meta, c.replace, (lambda c=c: c.publish(c.landing))) for c in batch])
         self.batches += 1
         self.commits += len(batch)
-        for c, old in zip(batch, olds):
-            if isinstance(old, Exception):
-                c.fail(old)
+        for c, out in zip(batch, outs):
+            if isinstance(out, Exception):
+                c.fail(out)
             else:
-                c.succeed(old)
+                c.succeed()
 
     @staticmethod
     def _fail(batch: list[_Commit], e: Exception) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .batch import check_each
 from .errors import CapacityExceeded, InvalidArgument, NotFound, TierstoreError
@@ -20,7 +20,7 @@ from .leases import LOCAL, MAX_BATCH, LeaseInfo, LeaseTable
 from .placement import Placement
 from .objectindex import ObjectIndex
 from .units import PAGE, align_up
-from .waits import WouldBlock
+from .waits import Later, WouldWait
 
 __all__ = ["LeaseBatches"]
 
@@ -35,17 +35,24 @@ class LeaseBatches:
         self.cv = index.cv
 
     def acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
-                     namespace: str | None = None, timeout_s: float | None = None, nowait: bool = False,
-                     stream: str = "default", progress: list[LeaseInfo] | None = None) -> list[LeaseInfo]:
+                     namespace: str | None = None, timeout_s: float | None = None,
+                     stream: str = "default") -> list[LeaseInfo]:
         """Lease several objects at once, in order (accesses recorded in that order): all of
         them, or, on any error, none (those already leased are given back unchanged and the
-        error names the object that failed). ``timeout_s`` bounds the whole batch.
+        error names the object that failed). ``timeout_s`` bounds the whole batch."""
+        hs = self._check_many(handles, modes, namespace)
+        return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.acquire)
 
-        ``progress`` (a list the caller keeps): the leases taken so far. With ``nowait``, a
-        ``WouldBlock`` leaves them there and a second call with the same list, without
-        ``nowait``, goes on from where the first stopped (the daemon's event loop takes
-        what is resident, its thread pool the rest).
-        """
+    def try_acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
+                         namespace: str | None = None, timeout_s: float | None = None,
+                         stream: str = "default") -> list[LeaseInfo] | Later:
+        """``acquire_many`` for a caller that must not wait: the leases that need no wait are
+        taken now, in order, up to the first that does; the rest of the batch, from there,
+        is ``Later`` (the daemon's event loop takes what is resident, an op worker the rest)."""
+        hs = self._check_many(handles, modes, namespace)
+        return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.try_acquire)
+
+    def _check_many(self, handles: list[Handle | int | str], modes: list[str], namespace: str | None) -> list[Handle]:
         if not 1 <= len(handles) <= MAX_BATCH:
             raise InvalidArgument(f"a batch check-out takes 1 to {MAX_BATCH} objects, got {len(handles)}")
         if len(modes) != len(handles):
@@ -54,19 +61,28 @@ class LeaseBatches:
             if m not in ("r", "rw", "w"):
                 raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {m!r}")
         hs = [Handle.parse(h) for h in handles]
-        done = progress if progress is not None else []
-        if not done:
-            self._check_batch(hs, modes, self.index.ns(namespace))
+        self._check_batch(hs, modes, self.index.ns(namespace))
+        return hs
+
+    def _take_many(self, hs: list[Handle], modes: list[str], done: list[LeaseInfo], owner: Any,
+                   namespace: str | None, timeout_s: float | None, stream: str,
+                   acquire: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
+        """The batch from lease ``len(done)`` on, each taken by ``acquire`` (``done``: those
+        taken so far). When ``acquire`` answers ``Later``, so does this: the rest, from that
+        lease, by ``LeaseTable.acquire``."""
         deadline = time.monotonic() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
             while i < len(hs):
-                done.append(self.leases.acquire(hs[i], modes[i], owner=owner, namespace=namespace, nowait=nowait,
-                                         timeout_s=max(0.0, deadline - time.monotonic()), stream=stream,
-                                         undoable=True))
+                info = acquire(hs[i], modes[i], owner=owner, namespace=namespace,
+                               timeout_s=max(0.0, deadline - time.monotonic()), stream=stream, undoable=True)
+                if isinstance(info, Later):
+                    return Later(lambda: self._take_many(hs, modes, done, owner, namespace, timeout_s, stream,
+                                                         self.leases.acquire))
+                done.append(info)
                 i += 1
-        except WouldBlock:
-            raise
+        except WouldWait:
+            raise  # (the rest goes on, from ``done``, on a thread that may wait)
         except BaseException as e:
             for info in reversed(done):
                 self.leases.undo(info)
@@ -78,27 +94,40 @@ class LeaseBatches:
         return list(done)
 
     def acquire_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
-                     timeout_s: float | None = None, nowait: bool = False, stream: str = "default",
-                     progress: list[LeaseInfo] | None = None) -> list[LeaseInfo]:
+                     timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo]:
         """Several independent check-outs, ``(handle, mode, source)`` each (``source`` None
         for none; with one, an ``acquire_from``), taken in order (accesses recorded in that
         order). Unlike ``acquire_many`` each stands alone: a check-out from a source may
         hand a block over, which cannot be undone. If one fails, those taken are given back
-        unused (``give_back``) and its error is raised. ``timeout_s`` bounds the whole list.
+        unused (``give_back``) and its error is raised. ``timeout_s`` bounds the whole list."""
+        ns = self._check_each(requests, namespace)
+        return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.acquire,
+                               self.leases.acquire_from)
 
-        ``progress``: as for ``acquire_many`` (the event loop takes what needs no wait, a
-        worker the rest, from where the first call stopped)."""
-        done = progress if progress is not None else []
+    def try_acquire_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
+                         timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo] | Later:
+        """``acquire_each`` for a caller that must not wait: as ``try_acquire_many`` (what
+        needs no wait now, the rest ``Later``, from where this stopped)."""
+        ns = self._check_each(requests, namespace)
+        return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.try_acquire,
+                               self.leases.try_acquire_from)
+
+    def _check_each(self, requests: list[tuple[Any, str, Any]], namespace: str | None) -> str:
         ns = self.index.ns(namespace)
-        if not done:
-            check_each(requests)
-            with self.cv:
-                total = sum(align_up(max(self.index.get_meta(h, ns).nbytes, 1), PAGE)
-                            for h in {Handle.parse(r[0]) for r in requests})
-            usable = self.placement.host_usable()
-            if total > usable:  # they could never all be checked out at once: the caller would wait on itself
-                raise CapacityExceeded(f"the {len(requests)} check-outs need {total} bytes at once: the host tier "
-                                       f"holds {usable} usable bytes; check out fewer objects at a time")
+        check_each(requests)
+        with self.cv:
+            total = sum(align_up(max(self.index.get_meta(h, ns).nbytes, 1), PAGE)
+                        for h in {Handle.parse(r[0]) for r in requests})
+        usable = self.placement.host_usable()
+        if total > usable:  # they could never all be checked out at once: the caller would wait on itself
+            raise CapacityExceeded(f"the {len(requests)} check-outs need {total} bytes at once: the host tier "
+                                   f"holds {usable} usable bytes; check out fewer objects at a time")
+        return ns
+
+    def _take_each(self, requests: list[tuple[Any, str, Any]], done: list[LeaseInfo], owner: Any, ns: str,
+                   timeout_s: float | None, stream: str, acquire: Callable[..., LeaseInfo | Later],
+                   acquire_from: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
+        """The list from check-out ``len(done)`` on (see ``_take_many``)."""
         deadline = time.monotonic() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
@@ -106,15 +135,16 @@ class LeaseBatches:
                 h, mode, source = requests[i]
                 left = max(0.0, deadline - time.monotonic())
                 if source is None:
-                    info = self.leases.acquire(h, mode, owner=owner, namespace=ns, nowait=nowait, timeout_s=left,
-                                        stream=stream, undoable=True)
+                    info = acquire(h, mode, owner=owner, namespace=ns, timeout_s=left, stream=stream, undoable=True)
                 else:
-                    info = self.leases.acquire_from(h, source, owner=owner, namespace=ns, nowait=nowait, timeout_s=left,
-                                             stream=stream)
+                    info = acquire_from(h, source, owner=owner, namespace=ns, timeout_s=left, stream=stream)
+                if isinstance(info, Later):
+                    return Later(lambda: self._take_each(requests, done, owner, ns, timeout_s, stream,
+                                                         self.leases.acquire, self.leases.acquire_from))
                 done.append(info)
                 i += 1
-        except WouldBlock:
-            raise
+        except WouldWait:
+            raise  # (the rest goes on, from ``done``, on a thread that may wait)
         except BaseException as e:
             for info in reversed(done):  # never used: as if not taken (a sourced one keeps the source's bytes)
                 try:
@@ -147,24 +177,34 @@ class LeaseBatches:
             raise CapacityExceeded(f"the batch's {total} bytes cannot all be checked out at once: the host tier "
                                    f"holds {usable} usable bytes; check out fewer objects at a time")
 
-    def release_many(self, lids: list[int], *, owner: Any = LOCAL, nowait: bool = False) -> None:
+    def release_many(self, lids: list[int], *, owner: Any = LOCAL) -> None:
         """End several leases (``release`` each). Every lease named is ended even if some
         are unknown or one's check-in fails; the first failure, or else the unknown ones
         (``NotFound``), is raised after the others are in."""
+        self._check_count(lids)
+        self._release_each(lids, owner, self.leases.release)
+
+    def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:
+        """``release_many`` for a caller that must not wait: a batch with a durable object's
+        write lease in it (a write-back syncs) is ``Later``, whole; any other is checked in
+        now (``LeaseTable.try_release``)."""
+        self._check_count(lids)
+        if any(self.leases.writes_back(lid, owner) for lid in lids):
+            return Later(lambda: self.release_many(lids, owner=owner))
+        self._release_each(lids, owner, self.leases.check_in_now)
+        return None
+
+    @staticmethod
+    def _check_count(lids: list[int]) -> None:
         if not 1 <= len(lids) <= MAX_BATCH:
             raise InvalidArgument(f"a batch check-in takes 1 to {MAX_BATCH} leases, got {len(lids)}")
-        if nowait:
-            with self.cv:
-                for lid in lids:
-                    info = self.leases.leases.get(lid)
-                    meta = self.index.objects.get(info.oid) if info is not None else None
-                    if info is not None and info.owner == owner and info.mode != "r" and meta is not None \
-                            and meta.durable:
-                        raise WouldBlock()  # a durable write-back syncs: the whole batch off the event loop
+
+    @staticmethod
+    def _release_each(lids: list[int], owner: Any, release: Callable[..., None]) -> None:
         unknown, failed = [], None
         for lid in lids:
             try:
-                self.leases.release(lid, owner=owner, nowait=nowait)
+                release(lid, owner=owner)
             except NotFound:
                 unknown.append(lid)
             except TierstoreError as e:  # e.g. a durable write-back that failed: the others still go in

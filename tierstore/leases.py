@@ -25,9 +25,9 @@ from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
 from .durability import Durability
 from .tensors import TensorSpec
-from .waits import WouldBlock, WouldWait, wait_context
+from .waits import Later, WouldWait, wait_context
 
-__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH", "WouldBlock", "WouldWait", "wait_context"]
+__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH", "WouldWait", "wait_context"]
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class LeaseTable:
                 raise StaleHandle(f"handle {meta.handle} names a freed object")
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                timeout_s: float | None = None, nowait: bool = False, stream: str = "default",
-                device: bool = False, undoable: bool = False) -> LeaseInfo:
+                timeout_s: float | None = None, stream: str = "default", device: bool = False,
+                undoable: bool = False) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed).
 
         ``device=True`` (a CUDA caller): an object in the GPU tier is leased where it is
@@ -120,34 +120,17 @@ class LeaseTable:
         ``undoable``: the lease may be taken back by ``undo`` (a failed batch), so a
         ``w`` lease never discards the only other copy: a GPU-tier object is read up.
         """
-        if mode not in ("r", "rw", "w"):
-            raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
-        h = Handle.parse(handle)
-        ns = self.index.ns(namespace)
+        h, ns = Handle.parse(handle), self.index.ns(namespace)
+        _check_mode(mode)
         t0 = time.monotonic()
         deadline = t0 + (self.lease_wait_s if timeout_s is None else timeout_s)
         late = promoted = blank = False
         while True:
             with self.cv:
                 meta = self.index.get_meta(h, ns)
-                on_gpu = device and meta.gpu_loc is not None
-                if (meta.host_valid or on_gpu) and not meta.moving and _lease_ok(meta, mode):
-                    if mode != "w":  # a blind overwrite is no read: nothing to learn or count
-                        self.prefetcher.access(owner, stream, meta, not promoted, late, t0)
-                    if mode == "r":
-                        meta.readers += 1
-                    else:
-                        meta.writer = True
-                        if meta.durable:  # its block stops being its durable bytes until the check-in
-                            self.durability.log_drop(meta)
-                    self.counters["checkouts"] += 1
-                    self.counters["gpu_hits" if on_gpu else "host_hits"] += 1
-                    self.placement.touch(meta)
-                    return self._add(LeaseInfo(0, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
-                                               time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable,
-                                               blank))
-                if nowait:
-                    raise WouldBlock()
+                info = self._take(meta, mode, owner, stream, device, t0, hit=not promoted, late=late, blank=blank)
+                if info is not None:
+                    return info
                 late = late or meta.prefetching
                 if not meta.host_valid and not meta.moving:
                     meta.moving = True
@@ -166,8 +149,45 @@ class LeaseTable:
                 self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
                 self.placement.to_host(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
 
+    def try_acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
+                    timeout_s: float | None = None, stream: str = "default", device: bool = False,
+                    undoable: bool = False) -> LeaseInfo | Later:
+        """``acquire`` for a caller that must not wait (the daemon's event loop): the lease
+        when the object is where it is wanted and no holder is in the way; otherwise
+        ``Later`` of ``acquire`` (nothing taken or recorded)."""
+        h, ns = Handle.parse(handle), self.index.ns(namespace)
+        _check_mode(mode)
+        with self.cv:
+            info = self._take(self.index.get_meta(h, ns), mode, owner, stream, device, time.monotonic(),
+                              hit=True, late=False, blank=False)
+        if info is not None:
+            return info
+        return Later(lambda: self.acquire(h, mode, owner=owner, namespace=ns, timeout_s=timeout_s, stream=stream,
+                                          device=device, undoable=undoable))
+
+    def _take(self, meta: ObjectMeta, mode: str, owner: Any, stream: str, device: bool, t0: float, *,
+              hit: bool, late: bool, blank: bool) -> LeaseInfo | None:
+        """(under cv) The lease, if ``meta`` is in the tier it is wanted in, not moving, and
+        no other lease is in the way; else None."""
+        on_gpu = device and meta.gpu_loc is not None
+        if not ((meta.host_valid or on_gpu) and not meta.moving and _lease_ok(meta, mode)):
+            return None
+        if mode != "w":  # a blind overwrite is no read: nothing to learn or count
+            self.prefetcher.access(owner, stream, meta, hit, late, t0)
+        if mode == "r":
+            meta.readers += 1
+        else:
+            meta.writer = True
+            if meta.durable:  # its block stops being its durable bytes until the check-in
+                self.durability.log_drop(meta)
+        self.counters["checkouts"] += 1
+        self.counters["gpu_hits" if on_gpu else "host_hits"] += 1
+        self.placement.touch(meta)
+        return self._add(LeaseInfo(0, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
+                                   time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable, blank))
+
     def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
-                     namespace: str | None = None, timeout_s: float | None = None, nowait: bool = False,
+                     namespace: str | None = None, timeout_s: float | None = None,
                      stream: str = "default") -> LeaseInfo:
         """A ``w`` lease on ``handle`` whose host bytes start as ``source``'s (same size, same
         namespace): a read-modify-write into another object, as a double-buffered update
@@ -175,13 +195,25 @@ class LeaseTable:
         access recorded for the prefetcher) and stays unchanged. When its host block holds
         the only host copy, nobody else uses it and its NVMe copy is current, the block is
         handed over to ``handle`` (no copy; ``source`` is left on NVMe); otherwise the
-        bytes are copied into ``handle``'s own block.
+        bytes are copied into ``handle``'s own block."""
+        dst_h, src_h, ns = Handle.parse(handle), Handle.parse(source), self.index.ns(namespace)
+        info = self._hand_over_now(dst_h, src_h, ns, owner, stream)
+        return info if info is not None else self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream)
 
-        ``nowait``: only a hand-over of a resident ``source`` is done; anything else is
-        ``WouldBlock`` with nothing taken or recorded (the daemon's worker does it).
-        """
-        dst_h, src_h = Handle.parse(handle), Handle.parse(source)
-        ns = self.index.ns(namespace)
+    def try_acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
+                         namespace: str | None = None, timeout_s: float | None = None,
+                         stream: str = "default") -> LeaseInfo | Later:
+        """``acquire_from`` for a caller that must not wait: only a hand-over of a resident
+        ``source`` is done now; anything else (a read, a wait, a copy of the bytes) is
+        ``Later``, with nothing taken or recorded."""
+        dst_h, src_h, ns = Handle.parse(handle), Handle.parse(source), self.index.ns(namespace)
+        info = self._hand_over_now(dst_h, src_h, ns, owner, stream)
+        if info is not None:
+            return info
+        return Later(lambda: self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream))
+
+    def _hand_over_now(self, dst_h: Handle, src_h: Handle, ns: str, owner: Any, stream: str) -> LeaseInfo | None:
+        """The check-out from a source when ``source``'s block can be handed over at once; else None."""
         t0 = time.monotonic()
         with self.cv:
             dst, src = self.index.get_meta(dst_h, ns), self.index.get_meta(src_h, ns)
@@ -195,9 +227,13 @@ class LeaseTable:
                 self.prefetcher.access(owner, stream, src, True, False, t0)  # resident: a hit
                 self.counters["host_hits"] += 1
                 return self._hand_over(None, src, dst, owner)
-        if nowait:
-            raise WouldBlock()  # a read, a wait or a copy of the bytes: not on the event loop
-        deadline = t0 + (self.lease_wait_s if timeout_s is None else timeout_s)
+        return None
+
+    def _copy_from(self, dst_h: Handle, src_h: Handle, ns: str, owner: Any, timeout_s: float | None,
+                   stream: str) -> LeaseInfo:
+        """``acquire_from`` once no hand-over could be done at once: ``source`` read-leased
+        (brought up if needed), then handed over after all, or copied."""
+        deadline = time.monotonic() + (self.lease_wait_s if timeout_s is None else timeout_s)
         rd: LeaseInfo | None = self.acquire(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
                                             stream=stream)
         try:
@@ -300,18 +336,48 @@ class LeaseTable:
         else:
             self.undo(info)
 
-    def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
+    def release(self, lid: int, *, owner: Any = LOCAL) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
+        drop = self._check_in(lid, owner)
+        if drop is not None:
+            self.placement.discard(drop)  # a replaced object's last check-out ended: it goes now
+
+    def try_release(self, lid: int, *, owner: Any) -> Later | None:
+        """``release`` for a caller that must not wait: the check-in of a durable object's
+        write lease (its write-back syncs) is ``Later``; any other is done now, and a durable
+        object it lets go (its free journals and syncs) is discarded on the discard thread."""
+        if self.writes_back(lid, owner):
+            return Later(lambda: self.release(lid, owner=owner))
+        self.check_in_now(lid, owner)
+        return None
+
+    def writes_back(self, lid: int, owner: Any) -> bool:
+        """Whether checking in ``owner``'s lease ``lid`` writes a durable object back (syncs)."""
+        with self.cv:
+            info = self.leases.get(lid)
+            return info is not None and info.owner == owner and info.mode != "r" and info.durable
+
+    def check_in_now(self, lid: int, owner: Any) -> None:
+        """(the caller knows it ``writes_back`` nothing) ``try_release``'s check-in."""
+        drop = self._check_in(lid, owner)
+        if drop is not None:
+            if drop.durable:
+                self.placement.discard_later(drop)
+            else:
+                self.placement.discard(drop)
+
+    def _check_in(self, lid: int, owner: Any) -> ObjectMeta | None:
+        """End lease ``lid`` (a durable object written through it is written back and
+        journaled first); the object to discard now, if this was a replaced object's last
+        check-out."""
         with self.cv:
             info = self.leases.get(lid)
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
             meta = self.index.objects.get(info.oid)
-            if nowait and info.mode != "r" and meta is not None and meta.durable:
-                raise WouldBlock()  # the write-back below syncs: not on the event loop
             del self.leases[lid]
             if meta is None:
-                return
+                return None
             written = False  # a check-in of new bytes: they become the object's (below)
             if info.mode == "r":
                 meta.readers -= 1
@@ -359,13 +425,7 @@ class LeaseTable:
                 if meta.durable:
                     self.durability.log_host(meta)  # the block is its bytes again: a restart may adopt it
                 self.placement.spill_if_home_nvme(meta)
-        if drop:
-            # a replaced object's last check-out ended: it goes now (a durable one journals
-            # its free, which syncs: off the event loop)
-            if nowait and meta.durable:
-                self.placement.discard_later(meta)
-            else:
-                self.placement.discard(meta)
+        return meta if drop else None
 
     def revoke(self, lid: int, *, owner: Any) -> bool:
         """End a lease whose holder stopped answering (``lease_timeout_s``). It ends as a
@@ -423,6 +483,11 @@ class LeaseTable:
             except TierstoreError as e:
                 log.error("revoking lease %d failed: %s", lid, e)
         return len(old)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("r", "rw", "w"):
+        raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
 
 
 def _lease_ok(meta: ObjectMeta, mode: str) -> bool:

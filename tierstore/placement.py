@@ -101,23 +101,31 @@ class Placement:
         """Run ``fn(*args)`` on the background pool (off the caller's path)."""
         return self._pool.submit(fn, *args)
 
-    def discard_later(self, meta: ObjectMeta, *, replaced: bool = False) -> None:
-        """(no lock held) ``discard`` (``replaced``: ``discard_replaced``) on the background
-        pool. Until it has run, a host allocation that finds no room waits for it instead of
-        failing: the space is already given up, only not yet back."""
+    def discard_later(self, meta: ObjectMeta) -> None:
+        """(no lock held) ``discard`` on the discard thread; see ``_queue_discard``."""
+        with self.index.cv:
+            self._queue_discard(meta, self.discard)
+
+    def _queue_discard(self, meta: ObjectMeta, discard: Callable[[ObjectMeta], None]) -> None:
+        """(under cv) ``discard(meta)`` on the discard thread, off the caller's path. Until it
+        has run, a host allocation that finds no room waits for it instead of failing: the
+        space is already given up, only not yet back."""
         ix = self.index
-        with ix.cv:
-            self.discards_queued += 1
 
         def run() -> None:
             try:
-                (self.discard_replaced if replaced else self.discard)(meta)
+                discard(meta)
             finally:
                 with ix.cv:
                     self.discards_queued -= 1
                     ix.cv.notify_all()
 
-        self._discards.submit(run)
+        try:
+            self._discards.submit(run)
+        except RuntimeError:  # (the store is closing: a durable object's record is superseded at the next start)
+            log.warning("discard of %s not run: the store is closing", meta.handle)
+            return
+        self.discards_queued += 1
 
     # ------------------------------------------------------------------ checks
     def check_tier(self, tier: str | None) -> str | None:
@@ -671,17 +679,39 @@ class Placement:
                     meta.dropped = False  # not freed: the caller puts it back as it was
                 raise
         with ix.cv:
-            ix.remove(meta)
-            self.prefetcher.forget(meta.id)
-            self.policy.remove(meta.id)
-            if meta.host_off is not None:
-                self.durability.log_drop(meta)
-            extents = self.free_space(meta)
-            ix.cv.notify_all()
+            extents = self._forget(meta)
         if extents:
             self.nvme.free(extents)
         if meta.durable:
             self.durability.maybe_compact()
+
+    def _forget(self, meta: ObjectMeta) -> list:
+        """(under cv) ``meta`` leaves the index, the prefetcher, the eviction order and every
+        memory tier; returns its NVMe extents (``free_space``)."""
+        self.index.remove(meta)
+        self.prefetcher.forget(meta.id)
+        self.policy.remove(meta.id)
+        if meta.host_off is not None:
+            self.durability.log_drop(meta)
+        extents = self.free_space(meta)
+        self.index.cv.notify_all()
+        return extents
+
+    def drop_replaced(self, old: ObjectMeta) -> None:
+        """(under cv, in the publish that replaced ``old``) The replaced object goes: a
+        volatile one nobody holds at once (bookkeeping only: no journal record, no I/O); a
+        durable one (its free is journaled and synced) or one with a copy or move in flight
+        on the discard thread (``discard_replaced``); a checked-out one at its last check-in
+        (``ObjectIndex.droppable``)."""
+        if old.readers or old.writer:
+            return
+        if old.durable or old.pins or old.moving:
+            self._queue_discard(old, self.discard_replaced)
+            return
+        old.dropped = True
+        extents = self._forget(old)
+        if extents:
+            self.nvme.free(extents)  # (the NVMe allocator's own lock; no I/O)
 
     def discard_replaced(self, old: ObjectMeta) -> None:
         """Discard an object a put replaced (or a closed connection's ephemeral one) once
@@ -753,20 +783,20 @@ class Placement:
 
 
 class Landing:
-    """What placement does for a committed put after the index publishes it: ``placed``
-    (under cv, in the same hold as the publish) puts the object in its tier's eviction
-    order; ``settle`` (once the put is durable) discards the object it replaced and
-    wakes the demoter. Made by ``Placement.land``."""
+    """What placement does for a committed put in the step that publishes it (``placed``,
+    under cv, in the same hold as ``ObjectIndex.publish``). Made by ``Placement.land``."""
 
     __slots__ = ("placement", "meta", "tier", "gpu_loc")
 
     def __init__(self, placement: Placement, meta: ObjectMeta, tier: str | None, gpu_loc: int | None) -> None:
         self.placement, self.meta, self.tier, self.gpu_loc = placement, meta, tier, gpu_loc
 
-    def placed(self) -> None:
+    def placed(self, old: ObjectMeta | None) -> None:
         """(under cv, right after ``ObjectIndex.publish``) The object's bytes are where it
         says; a host block of a ``tier="nvme"`` put goes back; the object joins its tier's
-        eviction order and may move from here."""
+        eviction order and may move from here. ``old``, the object the put replaced, is
+        handed to its discard (``Placement.drop_replaced``), and the demoter is woken past
+        the high watermark: placement has nothing left to do for the put after this."""
         p, meta = self.placement, self.meta
         meta.host_valid = self.gpu_loc is None and (meta.host_off is not None or meta.nbytes == 0)
         meta.gpu_loc = self.gpu_loc
@@ -778,16 +808,7 @@ class Landing:
         if meta.gpu_loc is not None or (meta.host_valid and meta.host_off is not None):
             p.admit(meta)
         meta.moving = False
-        p.index.cv.notify_all()
-
-    def settle(self, old: ObjectMeta | None, *, later: bool = False) -> None:
-        """(no lock held; the put is durable) Discard the object the put replaced, if any
-        (``later``: on the background pool, so the daemon's event loop never waits on a
-        leased or durable one), and wake the demoter past the high watermark."""
-        p = self.placement
         if old is not None:
-            if later:
-                p.discard_later(old, replaced=True)
-            else:
-                p.discard_replaced(old)
+            p.drop_replaced(old)
         p.maybe_demote()
+        p.index.cv.notify_all()

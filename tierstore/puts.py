@@ -4,15 +4,18 @@ puts and gets.
 
 ``Puts`` owns the open reservations. It is given the object index (checks a key,
 publishes the object), placement (the block to fill, the write-down to NVMe, the
-replaced object's discard), durability (the put record, group commit) and the
+object's place once published), durability (the put record, group commit) and the
 prefetcher (a staged get is an access it learns from). A commit passes through them
-once, in order: placement (``land``: the write-down; it hands back a ``Landing``, what
-it does after the publish), durability (``record_put``: the record, the publish it is
-given, the group commit), the index (``publish``, run inside that call), and last the
-landing's own steps (admit the new object, discard the one it replaced). A durable
-commit takes the first three steps a batch at a time on the group committer
-(``groupcommit.py``); ``commit`` waits for it, or, from the daemon's event loop, hands
-back a future.
+once, in order, and never comes back: placement (``land``: the write-down; it hands
+back a ``Landing``, its part of the publish), durability (``record_put``: the record,
+then the publish it is given), and, inside that, under the index's lock, the index
+(``publish``) and the landing (``placed``: the object joins its tier's eviction order,
+the object it replaced goes to its discard). A durable commit takes these steps a batch
+at a time on the group committer (``groupcommit.py``); ``commit`` waits for it.
+
+The ``try_*`` methods are for the daemon's event loop, which never waits: each does its
+work now when it can, else returns ``Later`` (``tierstore.waits``), the rest of the
+call, for a thread that may wait.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .durability import Durability
 from .groupcommit import GroupCommit, Pending
 from .tensors import TensorSpec, cuda_source, to_bytes
 from .units import PAGE, align_up
-from .waits import WouldBlock
+from .waits import Later
 
 __all__ = ["Puts", "Reservation"]
 
@@ -112,14 +115,46 @@ class Puts:
         return self.commit(res.rid)
 
     def reserve(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
-                    namespace: str, owner: Any, wait_s: float = 0.0,
-                    nowait: bool = False, device: int = 0, ephemeral: bool = False) -> Reservation:
+                namespace: str, owner: Any, wait_s: float = 0.0, device: int = 0,
+                ephemeral: bool = False) -> Reservation:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
-        object; the caller fills it, then ``commit``. ``ephemeral``: the object is
-        freed when ``owner`` goes (``DaemonSurface.release_owner``)."""
+        object, demoting others to make room (waiting up to ``wait_s``); the caller fills
+        it, then ``commit``. ``ephemeral``: the object is freed when ``owner`` goes
+        (``DaemonSurface.release_owner``)."""
+        tier = self._check_reserve(spec, key, tier, durable, replace, namespace, ephemeral)
+        return self._open(spec, self._alloc(spec, tier, device, wait_s), key, tier, durable, replace, namespace,
+                          owner, ephemeral)
+
+    def try_reserve(self, spec: TensorSpec, *, key: str | None, tier: str | None, durable: bool, replace: bool,
+                    namespace: str, owner: Any, wait_s: float = 0.0, device: int = 0,
+                    ephemeral: bool = False) -> Reservation | Later:
+        """``reserve`` for a caller that must not wait: the block when the tier has room now;
+        otherwise ``Later`` (nothing taken) of the allocation that makes room."""
+        tier = self._check_reserve(spec, key, tier, durable, replace, namespace, ephemeral)
+        with self.cv:
+            if tier == "gpu":
+                loc = self.placement.gpu.alloc(spec.nbytes, device)
+            else:
+                loc = self.placement.host_take(spec.nbytes) if spec.nbytes else -1
+        if loc is None:
+            return Later(lambda: self._open(spec, self._alloc(spec, tier, device, wait_s), key, tier, durable, replace,
+                                            namespace, owner, ephemeral))
+        return self._open(spec, loc, key, tier, durable, replace, namespace, owner, ephemeral)
+
+    def _alloc(self, spec: TensorSpec, tier: str | None, device: int, wait_s: float) -> int:
+        """The block of a reservation, making room (up to ``wait_s``); -1 for no bytes."""
+        if tier == "gpu":
+            return self.placement.alloc_gpu(spec.nbytes, device, wait_s=wait_s)
+        return self.placement.alloc_host(spec.nbytes, wait_s=wait_s) if spec.nbytes else -1
+
+    def _check_reserve(self, spec: TensorSpec, key: str | None, tier: str | None, durable: bool, replace: bool,
+                       namespace: str, ephemeral: bool) -> str | None:
+        """The checks of a reservation, before anything is taken; its tier."""
         tier = self.placement.check_tier(tier)
         self._check_ephemeral(ephemeral, durable)
         self.placement.check_fits(spec.nbytes, tier)
+        if tier == "gpu" and durable:
+            raise InvalidArgument("the gpu tier is volatile: put durable objects to 'host' or 'nvme'")
         if tier != "gpu":
             usable = self.placement.host_usable()
             if align_up(max(spec.nbytes, 1), PAGE) > usable:
@@ -130,111 +165,107 @@ class Puts:
         if key is not None:
             with self.cv:
                 self.index.check_key(namespace, key, replace)
-        if tier == "gpu":
-            res = self._reserve_gpu(spec, key=key, durable=durable, replace=replace, namespace=namespace,
-                                    owner=owner, wait_s=wait_s, nowait=nowait, device=device)
-            res.meta.ephemeral = owner if ephemeral else None
-            return res
-        if nowait and spec.nbytes:
-            with self.cv:
-                off = self.placement.host_take(spec.nbytes)
-            if off is None:
-                raise WouldBlock()
-        else:
-            off = self.placement.alloc_host(spec.nbytes, wait_s=wait_s) if spec.nbytes else -1
+        return tier
+
+    def _open(self, spec: TensorSpec, loc: int, key: str | None, tier: str | None, durable: bool, replace: bool,
+              namespace: str, owner: Any, ephemeral: bool) -> Reservation:
+        """Record the reservation of block ``loc`` (a GPU-tier location for ``tier="gpu"``; -1: none)."""
         with self.cv:
             oid = self.index.new_id()
-            meta = ObjectMeta(id=oid, gen=self.index.epoch, namespace=namespace, key=key, spec=spec,
-                              durable=durable, home="nvme" if tier == "nvme" else None,
-                              ephemeral=owner if ephemeral else None)
-            meta.host_off = None if off < 0 else off
-            res = Reservation(rid=oid, owner=owner, host_off=max(off, 0), meta=meta, tier=tier, replace=replace,
-                              since=time.monotonic())
+            if tier == "gpu":
+                meta = ObjectMeta(id=oid, gen=self.index.epoch, namespace=namespace, key=key, spec=spec,
+                                  durable=False, ephemeral=owner if ephemeral else None)
+                res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace,
+                                  gpu_loc=loc, since=time.monotonic())
+            else:
+                meta = ObjectMeta(id=oid, gen=self.index.epoch, namespace=namespace, key=key, spec=spec,
+                                  durable=durable, home="nvme" if tier == "nvme" else None,
+                                  ephemeral=owner if ephemeral else None)
+                meta.host_off = None if loc < 0 else loc
+                res = Reservation(rid=oid, owner=owner, host_off=max(loc, 0), meta=meta, tier=tier,
+                                  replace=replace, since=time.monotonic())
             self.reservations[oid] = res
             return res
 
-    def _reserve_gpu(self, spec: TensorSpec, *, key: str | None, durable: bool, replace: bool, namespace: str,
-                     owner: Any, wait_s: float, nowait: bool, device: int) -> Reservation:
-        if durable:
-            raise InvalidArgument("the gpu tier is volatile: put durable objects to 'host' or 'nvme'")
-        if nowait:
-            with self.cv:
-                loc = self.placement.gpu.alloc(spec.nbytes, device)
-            if loc is None:
-                raise WouldBlock()
-        else:
-            loc = self.placement.alloc_gpu(spec.nbytes, device, wait_s=wait_s)
-        with self.cv:
-            oid = self.index.new_id()
-            meta = ObjectMeta(id=oid, gen=self.index.epoch, namespace=namespace, key=key, spec=spec,
-                              durable=False)
-            res = Reservation(rid=oid, owner=owner, host_off=0, meta=meta, tier="gpu", replace=replace, gpu_loc=loc,
-                              since=time.monotonic())
-            self.reservations[oid] = res
-            return res
+    def commit(self, rid: int, *, owner: Any = LOCAL) -> Handle:
+        """Second phase: make the reserved object visible (and durable, if asked: through
+        the group committer, waited for)."""
+        res = self._take_up(rid, owner)
+        if res.meta.durable:
+            return self._submit(res).result()
+        return self._record(res, self._land(res))
 
-    def commit(self, rid: int, *, owner: Any = LOCAL, nowait: bool = False) -> Handle | Pending:
-        """Second phase: make the reserved object visible (and durable, if asked). A durable
-        commit goes to the group committer; ``nowait`` (the daemon's event loop): it is not
-        waited for, and a ``Pending`` handle is returned instead."""
+    def try_commit(self, rid: int, *, owner: Any) -> Handle | Pending | Later:
+        """``commit`` for a caller that must not wait (the daemon's event loop): a durable
+        commit is handed to the group committer and its ``Pending`` returned; a volatile
+        one is published now, but ``Later`` (the commit is taken up, the rest done there)
+        when it writes to NVMe (``tier="nvme"``) or a durable op holds the journal lock."""
+        res = self._take_up(rid, owner)
+        if res.meta.durable:
+            return self._submit(res)
+        if res.tier == "nvme":
+            return Later(lambda: self._record(res, self._land(res)))
+        landing = self._land(res)  # (nothing to write for a host or GPU-tier object)
+        try:
+            done = self.durability.try_record_put(res.meta, replace=res.replace,
+                                                  publish=lambda: self._publish(res, landing))
+        except BaseException:
+            self._give_up(res.rid, res.owner)
+            raise
+        return self._count(res.meta) if done else Later(lambda: self._record(res, landing))
+
+    def _take_up(self, rid: int, owner: Any) -> Reservation:
+        """The commit of reservation ``rid`` owns it from here: only it may still abort it."""
         with self.cv:
             res = self.reservations.get(rid)
             if res is None or res.owner != owner:
                 raise NotFound(f"no open reservation {rid} for this connection (one left uncommitted for "
                                "reservation_timeout_s is dropped); put the object again")
-            meta = res.meta
             if res.committing:
                 raise InvalidArgument(f"reservation {rid} is already being committed")
-            if nowait and res.tier == "nvme" and not meta.durable:
-                raise WouldBlock()
-            meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
-            # from here the commit owns the reservation: a client that dies now (its
-            # connection's cleanup aborts what it left open) cannot pull the block and the
-            # extents from under the write-down and publish an object without its bytes
+            res.meta.moving = True  # nobody sees it yet; blocks a concurrent demotion once visible
+            # a client that dies now (its connection's cleanup aborts what it left open) cannot
+            # pull the block and the extents from under the write-down and publish an object
+            # without its bytes
             res.committing = True
+            return res
 
-        def publish(landing: Landing) -> ObjectMeta | None:  # (under cv, run by durability)
-            self.reservations.pop(rid, None)
-            old = self.index.publish(meta)  # (the replaced one is ``freeing`` from here)
-            landing.placed()
-            return old
+    def _publish(self, res: Reservation, landing: Landing) -> None:
+        """(under cv, run by durability) The object becomes visible; placement places it and
+        takes what it replaced (``Landing.placed``)."""
+        self.reservations.pop(res.rid, None)
+        landing.placed(self.index.publish(res.meta))
 
-        if meta.durable:
-            # from the event loop the put finishes on the committer (the replaced object is
-            # discarded in the background); a caller that waits finishes it itself
-            try:
-                done = self.committer.submit(
-                    meta, tier=res.tier, gpu_loc=res.gpu_loc, replace=res.replace, publish=publish,
-                    finish=(lambda landing, old: self._committed(meta, landing, old, later=True)) if nowait
-                    else (lambda landing, old: (landing, old)),
-                    failed=lambda: self._give_up(rid, owner))
-            except BaseException:
-                self._give_up(rid, owner)
-                raise
-            if nowait:
-                return done
-            landing, old = done.result()
-            return self._committed(meta, landing, old, later=False)
+    def _submit(self, res: Reservation) -> Pending:
+        """A durable commit, to the group committer; its outcome."""
         try:
-            landing = self.placement.land(meta, tier=res.tier, gpu_loc=res.gpu_loc)
-            old = self.durability.record_put(meta, replace=res.replace, publish=lambda: publish(landing),
-                                             nowait=nowait)
-        except WouldBlock:
-            # a durable op holds the journal lock: nothing was done; the commit runs again
-            # off the event loop
-            with self.cv:
-                meta.moving = res.committing = False
-            raise
+            return self.committer.submit(res.meta, tier=res.tier, gpu_loc=res.gpu_loc, replace=res.replace,
+                                         publish=lambda landing: self._publish(res, landing),
+                                         finish=lambda: self._count(res.meta),
+                                         failed=lambda: self._give_up(res.rid, res.owner))
         except BaseException:
-            self._give_up(rid, owner)
+            self._give_up(res.rid, res.owner)
             raise
-        return self._committed(meta, landing, old, later=nowait)
 
-    def _committed(self, meta: ObjectMeta, landing: Landing, old: ObjectMeta | None, *, later: bool) -> Handle:
-        """The commit is done (durable, if asked): count it, discard what it replaced."""
+    def _land(self, res: Reservation) -> Landing:
+        try:
+            return self.placement.land(res.meta, tier=res.tier, gpu_loc=res.gpu_loc)
+        except BaseException:
+            self._give_up(res.rid, res.owner)
+            raise
+
+    def _record(self, res: Reservation, landing: Landing) -> Handle:
+        try:
+            self.durability.record_put(res.meta, replace=res.replace, publish=lambda: self._publish(res, landing))
+        except BaseException:
+            self._give_up(res.rid, res.owner)
+            raise
+        return self._count(res.meta)
+
+    def _count(self, meta: ObjectMeta) -> Handle:
+        """The commit is done (durable, if asked): count it; the put's handle."""
         self.counters["puts"] += 1
         self.counters["put_bytes"] += meta.nbytes
-        landing.settle(old, later=later)
         return meta.handle
 
     def close(self) -> None:
@@ -243,35 +274,58 @@ class Puts:
 
     def put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
                    durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
-                   nowait: bool = False, ephemeral: bool = False) -> Handle | Pending:
-        """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area
-        (``nowait`` and durable: a ``Pending`` handle, see ``commit``)."""
+                   ephemeral: bool = False) -> Handle:
+        """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
+        area = self._staged_bytes(owner, src, spec)
+        res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
+                           owner=owner, wait_s=wait_s, ephemeral=ephemeral)
+        self._fill(res, area, src)
+        return self.commit(res.rid, owner=owner)
+
+    def try_put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
+                       durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
+                       ephemeral: bool = False) -> Handle | Pending | Later:
+        """``put_staged`` for a caller that must not wait: ``try_reserve``, the copy, then
+        ``try_commit``; where one of them answers ``Later``, so does this (the rest from there)."""
+        area = self._staged_bytes(owner, src, spec)
+        res = self.try_reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
+                               owner=owner, wait_s=wait_s, ephemeral=ephemeral)
+        if isinstance(res, Later):
+            return Later(lambda: self._fill_commit(res.run(), area, src))
+        self._fill(res, area, src)
+        return self.try_commit(res.rid, owner=owner)
+
+    def _staged_bytes(self, owner: Any, src: int, spec: TensorSpec) -> tuple[int, int]:
         with self.cv:
             area = self.placement.staging_of(owner)
         if area is None or src < 0 or src + spec.nbytes > area[1]:
             raise InvalidArgument("staged bytes lie outside this connection's staging area")
-        if nowait and tier == "nvme" and not durable:
-            raise WouldBlock()
-        res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
-                           owner=owner, wait_s=wait_s, nowait=nowait, ephemeral=ephemeral)
-        view = self.placement.arena.view
-        if spec.nbytes:
-            view(res.host_off, spec.nbytes)[:] = view(area[0] + src, spec.nbytes)
-        try:
-            return self.commit(res.rid, owner=owner, nowait=nowait)  # (nowait, durable: a Pending)
-        except WouldBlock:
-            self.abort(res.rid, owner=owner)
-            raise
+        return area
 
-    def get_staged(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
-                   nowait: bool = False, stream: str = "default") -> TensorSpec | None:
+    def _fill(self, res: Reservation, area: tuple[int, int], src: int) -> None:
+        """Copy the staged bytes into the reserved block (the reservation keeps it ours)."""
+        n = res.meta.nbytes
+        if n:
+            view = self.placement.arena.view
+            view(res.host_off, n)[:] = view(area[0] + src, n)
+
+    def _fill_commit(self, res: Reservation, area: tuple[int, int], src: int) -> Handle:
+        self._fill(res, area, src)
+        return self.commit(res.rid, owner=res.owner)
+
+    def try_get_staged(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
+                       stream: str = "default") -> TensorSpec | None | Later:
         """Copy a small object into ``owner``'s staging area (one round trip, no lease).
 
-        Returns its spec, or None when it does not fit there (use a lease instead).
+        Returns its spec, or None when it does not fit there (use a lease instead). The
+        copy is made now when the object is in the host tier and nobody writes or moves it;
+        otherwise it is ``Later`` (a copy from wherever it is, through a pin; it returns the
+        spec), with nothing done.
         """
+        h = Handle.parse(handle)
         with self.cv:
             area = self.placement.staging_of(owner)
-            meta = self.index.get_meta(Handle.parse(handle), self.index.ns(namespace))
+            meta = self.index.get_meta(h, self.index.ns(namespace))
             if area is None or meta.nbytes > area[1]:
                 return None
             if meta.nbytes == 0:
@@ -286,10 +340,12 @@ class Puts:
                 self.counters["host_hits"] += 1
                 self.counters["get_bytes"] += meta.nbytes
                 return meta.spec
-            if nowait:
-                raise WouldBlock()
+        return Later(lambda: self._get_pinned(owner, h, namespace, area, stream))
+
+    def _get_pinned(self, owner: Any, h: Handle, namespace: str | None, area: tuple[int, int],
+                    stream: str) -> TensorSpec:
         t0 = time.monotonic()
-        meta, late = self.index.pin(Handle.parse(handle), self.index.ns(namespace))
+        meta, late = self.index.pin(h, self.index.ns(namespace))
         try:
             hit = self.placement.read(meta, self.placement.arena.view(area[0], meta.nbytes))
             with self.cv:
@@ -363,21 +419,19 @@ class Puts:
                 meta = ObjectMeta(id=ix.new_id(), gen=ix.epoch, namespace=ns, key=key, spec=spec,
                                   durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home=home,
                                   ephemeral=LOCAL if ephemeral else None)
-            def publish() -> ObjectMeta | None:  # (under cv, run by durability)
+            def publish() -> None:  # (under cv, run by durability)
                 nonlocal published
                 published = True
-                return ix.publish(meta)
+                old = ix.publish(meta)
+                if old is not None:
+                    placement.drop_replaced(old)
 
-            old = self.durability.record_put(meta, replace=replace, publish=publish)
+            self.durability.record_put(meta, replace=replace, publish=publish)
         except BaseException:
             if not published:
                 placement.nvme.free(extents)
             raise
-        self.counters["puts"] += 1
-        self.counters["put_bytes"] += spec.nbytes
-        if old is not None:
-            placement.discard_replaced(old)
-        return meta.handle
+        return self._count(meta)
 
     @staticmethod
     def _check_ephemeral(ephemeral: bool, durable: bool) -> None:

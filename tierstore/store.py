@@ -55,9 +55,8 @@ from .daemonsurface import DaemonSurface
 from .durability import Durability
 from .tensors import aligned_empty, cuda_out, from_bytes, out_bytes
 from .units import format_size
-from .waits import WouldBlock
 
-__all__ = ["Store", "Lease", "Reservation", "LeaseInfo", "WouldBlock"]
+__all__ = ["Store", "Lease", "Reservation", "LeaseInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -331,13 +330,13 @@ class Store:
                                          stream=stream)
         return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
-    def release(self, lid: int, *, owner: Any = LOCAL, nowait: bool = False) -> None:
+    def release(self, lid: int, *, owner: Any = LOCAL) -> None:
         """Check a lease in. After ``rw`` the object is dirty; a durable one is written back first."""
-        self.leases.release(lid, owner=owner, nowait=nowait)
+        self.leases.release(lid, owner=owner)
 
-    def release_many(self, lids: list[int], *, owner: Any = LOCAL, nowait: bool = False) -> None:
+    def release_many(self, lids: list[int], *, owner: Any = LOCAL) -> None:
         """Check several leases in (``release`` each); see ``LeaseBatches.release_many``."""
-        self.batches.release_many(lids, owner=owner, nowait=nowait)
+        self.batches.release_many(lids, owner=owner)
 
     def give_back(self, lid: int, *, owner: Any = LOCAL) -> None:
         """End a lease its holder never wrote through, as if it had never been taken."""

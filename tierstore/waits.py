@@ -2,10 +2,14 @@
 
 A call that must wait for another holder to let go (a lease, host room, an object in
 flight) waits on the object index's condition variable through ``wait_for_others``.
-The daemon sets how the calls of one request wait (``wait_context``): on its event loop
-a call that would wait or touch the disk raises ``WouldBlock`` (``nowait=True``
-calls), on an op worker one that would wait for another holder raises ``WouldWait``.
-Both are internal: they never reach a client.
+
+The daemon's event loop never waits and never touches the disk. It calls the store's
+``try_*`` methods: each does its work at once when it can (an object already resident,
+room already free, the journal lock free), and otherwise, with nothing taken or changed
+(but what a batch has taken so far, which the rest goes on from), returns ``Later``:
+the rest of the call, for a thread that may wait (an op worker) to run. On an op worker,
+``wait_context(park=True)`` makes a wait for another holder raise ``WouldWait``, and
+the daemon moves the rest to a wait thread. Both are internal: they never reach a client.
 """
 
 from __future__ import annotations
@@ -13,26 +17,27 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import Closed
 
-__all__ = ["WouldBlock", "WouldWait", "wait_context", "wait_for_others"]
+__all__ = ["Later", "WouldWait", "wait_context", "wait_for_others"]
 
 
-class WouldBlock(Exception):
-    """Internal: a ``nowait=True`` call would have to wait or touch the disk.
+@dataclass(frozen=True, slots=True)
+class Later:
+    """What a ``try_*`` call returns when it cannot finish without waiting or touching
+    the disk: ``run()`` is the rest of the call (it returns what the call returns), for
+    a thread that may wait. Nothing the rest needs is lost: what was done is done once."""
 
-    The daemon's event loop calls the store with ``nowait=True`` and, on this,
-    hands the request to a worker thread instead; it never reaches a client.
-    """
+    run: Callable[[], Any]
 
 
-class WouldWait(WouldBlock):
+class WouldWait(Exception):
     """Internal: a call made under ``wait_context(park=True)`` would wait for another
     holder to let go (a lease, host room, an object in flight). Nothing was taken or
-    changed (but what a batch had taken: its ``progress``); the daemon's op worker hands
-    the request to a wait thread and goes on with the next."""
+    changed (but what a batch had taken, which the rest goes on from); the daemon's op
+    worker hands the rest of the request to a wait thread and goes on with the next."""
 
 
 @dataclass(slots=True)
