@@ -9,11 +9,17 @@ the way (O_DIRECT, or fsync + POSIX_FADV_DONTNEED before each read):
   tierstore put(tier="nvme") / get() through the posix (or kvikio) engine, checksums on
   torch     torch.save (+fsync) / torch.load
   numpy     ndarray.tofile (+fsync) / numpy.fromfile
-  deepspeed AsyncIOBuilder aio handle with page-locked buffers, when importable
+  deepspeed AsyncIOBuilder aio handle with page-locked buffers, when it imports under
+            --deepspeed-python (bench/aio_peer.py runs it in a process of its own)
   host      tierstore host tier put/get vs a NumPy memcpy of the same size
 
+Then (``--path-sizes``, 64 MiB - 1 GiB by default) every NVMe path a user takes -
+volatile and durable puts, get(out=) and check-outs, in-process and through a daemon -
+beside DeepSpeed's aio, interleaved (bench/nvme_paths.py).
+
 Usage: python bench/io_throughput.py [--dir DIR] [--sizes 1MiB,8MiB,...] [--runs N] [--quick]
-Prints a table, then one JSON line.
+       [--path-sizes 64MiB,256MiB,1GiB] [--path-rounds N] [--deepspeed-python PY] [--ds-aio B:QD:T,...]
+Prints tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from aio_peer import AioPeer  # noqa: E402
 from common import (drop_cache, emit_json, gbps, machine, print_table, random_bytes, repeat,  # noqa: E402
                     pyplot, size_label, time_torch_save_load, timed)
+
+from nvme_paths import print_paths, run_paths  # noqa: E402
 
 from tierstore import Config, Store  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
@@ -152,23 +161,13 @@ def numpy_file(path: str, data: np.ndarray, runs: int) -> tuple[dict, dict]:
         os.unlink(path)
 
 
-def deepspeed_aio(path: str, data: np.ndarray, runs: int) -> tuple[dict, dict] | str:
+def deepspeed_aio(peer, path: str, data: np.ndarray, runs: int) -> tuple[dict, dict]:
+    """The DeepSpeed aio peer (``aio_peer.py``, its own page-locked buffer) on the same size."""
+    n = data.nbytes
     try:
-        import torch
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        aio = AsyncIOBuilder().load(verbose=False)
-    except Exception as e:  # not installed, or its extension cannot build here
-        return f"skipped: {type(e).__name__}: {str(e)[:80]}"
-    h = aio.aio_handle(8 << 20, 32, False, True, 8)
-    buf = h.new_cpu_locked_tensor(data.nbytes, torch.empty(0, dtype=torch.uint8))
-    buf.copy_(torch.from_numpy(data))
-    try:
-        w = repeat(lambda: timed(lambda: h.sync_pwrite(buf, path)), runs)
-        r = repeat(lambda: timed(lambda: h.sync_pread(buf, path)), runs)
+        return repeat(lambda: peer.write(n, path), runs), repeat(lambda: peer.read(n, path), runs)
     finally:
-        h.free_cpu_locked_tensor(buf)
         os.unlink(path)
-    return w, r
 
 
 def host_tier(data: np.ndarray, runs: int) -> tuple[dict, dict, dict]:
@@ -266,10 +265,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--snapshot-bytes", default="1GiB", help="namespace size for snapshot/restore (0: skip)")
     p.add_argument("--snapshot-objects", type=int, default=500)
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
+    p.add_argument("--path-sizes", default="64MiB,256MiB,1GiB",
+                   help="sizes of the per-path comparison with DeepSpeed's aio ('': skip it)")
+    p.add_argument("--path-rounds", type=int, default=5, help="interleaved rounds of the per-path comparison")
+    p.add_argument("--deepspeed-python", default=sys.executable,
+                   help="an interpreter where deepspeed imports (default: this one; docs/benchmarks.md#deepspeed)")
+    p.add_argument("--ds-aio", default="1MiB:8:1,8MiB:32:8",
+                   help="DeepSpeed aio configurations, BLOCK:QUEUE_DEPTH:THREADS each (the first: ZeRO-Infinity's "
+                        "default aio block and depth, as bench/train_offload.py runs it)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.runs, args.snapshot_bytes, args.snapshot_objects = "1MiB,3MiB", 2, "8MiB", 20
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+        args.path_sizes, args.path_rounds = "4MiB", 1
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    path_sizes = [parse_size(s) for s in args.path_sizes.split(",") if s]
+    ds_cfg = [tuple(parse_size(x) if i == 0 else int(x) for i, x in enumerate(c.split(":")))
+              for c in args.ds_aio.split(",") if c]
+    load = [os.getloadavg()]
     chunk = parse_size(args.chunk)
     base = args.dir or os.path.abspath("bench-io-tmp")
     os.makedirs(base, exist_ok=True)
@@ -277,6 +289,10 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     rows = []
     notes: list[str] = []
+    peer = AioPeer.start(args.deepspeed_python, *ds_cfg[0], max(sizes)) if sizes and ds_cfg else ""
+    if peer and isinstance(peer, str):
+        notes.append(f"deepspeed aio skipped: {peer}")
+    paths = None
     try:
         for n in sizes:
             data = random_bytes(n, seed=n)
@@ -293,12 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
             r["tierstore"] = (w, rd)
             r["torch"] = torch_save_load(os.path.join(work, "t.pt"), data, args.runs)
             r["numpy"] = numpy_file(os.path.join(work, "n.bin"), data, args.runs)
-            ds = deepspeed_aio(os.path.join(work, "ds.bin"), data, args.runs)
-            if isinstance(ds, str):
-                if not notes:
-                    notes.append(f"deepspeed aio {ds}")
-            else:
-                r["deepspeed_aio"] = ds
+            if not isinstance(peer, str):
+                r["deepspeed_aio"] = deepspeed_aio(peer, os.path.join(work, "ds.bin"), data, args.runs)
             hw, hr, mc = host_tier(data, args.runs)
             res = {"size": n, "engine": engine, "write_gbps": {}, "read_gbps": {}}
             for name in ("raw_1", "raw_qd4", "raw_qd", "dd", "tierstore", "torch", "numpy", "deepspeed_aio"):
@@ -327,12 +339,21 @@ def main(argv: list[str] | None = None) -> dict:
         if parse_size(args.snapshot_bytes):
             snap = snapshot_vs_torch(work, parse_size(args.snapshot_bytes), args.snapshot_objects,
                                      min(args.runs, 3))
+        if path_sizes:
+            load.append(os.getloadavg())
+            paths = run_paths(work, path_sizes, args.path_rounds, ds_cfg, args.deepspeed_python,
+                              chunk, args.threads)
     finally:
+        if not isinstance(peer, str):
+            peer.close()
         shutil.rmtree(work, ignore_errors=True)
+    load.append(os.getloadavg())
     print(f"# io_throughput on {machine()}, dir {base}, runs {args.runs} (median), chunk {size_label(chunk)}, "
-          f"threads {args.threads}; engine: {results[0]['engine'] if results else '?'}")
-    print_table(["size", "ceil W", "ts W", "W/ceil", "torch W", "np W", "ceil R", "ts R", "R/ceil", "torch R",
-                 "np R", "memcpy", "host put/mc", "host get/mc"], rows)
+          f"threads {args.threads}; engine: {results[0]['engine'] if results else '?'}; load average "
+          + " / ".join(f"{x[0]:.2f}" for x in load))
+    if rows:
+        print_table(["size", "ceil W", "ts W", "W/ceil", "torch W", "np W", "ceil R", "ts R", "R/ceil", "torch R",
+                     "np R", "memcpy", "host put/mc", "host get/mc"], rows)
     if snap:
         print(f"# snapshot of a namespace of {snap['objects']} tensors, {size_label(snap['bytes'])}: "
               f"snapshot {snap['snapshot_gbps']:.2f} GB/s vs torch.save {snap['torch_save_gbps']:.2f} GB/s "
@@ -341,12 +362,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.png:
         plot(results, args.png)
         print(f"# plot: {args.png}")
+    if paths:
+        print_paths(paths)
     for nt in notes:
         print(f"# {nt}")
     print("# GB/s = 1e9 B/s; ceiling = best non-tierstore variant of the run: raw O_DIRECT (1 stream x 64MiB,"
           " 4 x 1MiB, N x chunk), dd direct, torch, numpy, deepspeed aio; page cache dropped before reads")
     out = {"bench": "io_throughput", "machine": machine(), "runs": args.runs, "results": results, "notes": notes,
-           "snapshot": snap}
+           "snapshot": snap, "paths": paths, "load_average": load}
     emit_json(out)
     return out
 

@@ -27,6 +27,11 @@ def test_io_throughput_smoke(tmp_path):
     for r in out["results"]:
         assert r["write_gbps"]["tierstore"] > 0 and r["read_gbps"]["tierstore"] > 0
         assert r["ceiling_read_gbps"] > 0 and r["memcpy_gbps"] > 0
+    # every NVMe path a user takes, in-process and through a daemon (DeepSpeed beside them where it imports)
+    (paths,) = out["paths"]["sizes"]
+    assert set(paths["gbps"]["write"]) >= {"put volatile", "put durable", "daemon put volatile", "daemon put durable"}
+    assert set(paths["gbps"]["read"]) >= {"get(out=)", "checkout r", "daemon get(out=)", "daemon checkout r"}
+    assert all(v > 0 for kind in paths["gbps"].values() for v in kind.values())
 
 
 def test_latency_smoke(tmp_path):
