@@ -8,6 +8,11 @@ durability (a durable check-in is journaled) and the prefetcher (each check-out 
 access it learns from).
 
 Batches of check-outs and check-ins are built on this table in ``leasebatches``.
+
+Length: each check-out and check-in path is here twice over one set of steps (``_take``,
+``_hand_over_now``, ``_check_in``): the form that may wait and the daemon event loop's
+``try_*`` form, which does the same now or returns the rest as ``Later``; split, the
+two forms of one path would sit in two files.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
 from .durability import Durability
 from .tensors import TensorSpec
-from .waits import Later, WouldWait, wait_context
+from .waits import Later
 
-__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH", "WouldWait", "wait_context"]
+__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH"]
 
 log = logging.getLogger(__name__)
 

@@ -55,8 +55,8 @@ _waiting = threading.local()
 def wait_context(*, park: bool, abandoned: Callable[[], bool] | None = None) -> Iterator[WaitContext]:
     """(the daemon) The store calls this thread makes inside wait this way: ``park``: a
     wait for another holder raises ``WouldWait`` instead (the thread is one other
-    requests need; the request runs again on a thread that may wait, its timeouts
-    counted from then); ``abandoned``: polled while waiting — once true (the requester
+    requests need; the rest of the request runs again on a thread that may wait, its
+    timeouts counted from then); ``abandoned``: polled while waiting — once true (the requester
     went away) the wait ends in ``Closed``."""
     prev = getattr(_waiting, "ctx", None)
     ctx = _waiting.ctx = WaitContext(park, abandoned)
