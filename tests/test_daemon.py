@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import poll_until
 from tierstore import Busy, CapacityExceeded, DaemonUnavailable, InvalidArgument, KeyExists, NotFound, StaleHandle
 from tierstore.client import Client
 
@@ -140,19 +141,12 @@ def test_a_client_killed_while_its_checkout_each_waits_leaves_no_lease(daemon):
         p = subprocess.Popen([sys.executable, "-c", EACH_WAITER, daemon.socket], stdout=subprocess.PIPE,
                              stdin=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "asking"
-        for _ in range(200):  # a and b taken (the event loop), x waited for (a worker)
-            if c.stat()["leases"] == 3:
-                break
-            time.sleep(0.05)
-        assert c.stat()["leases"] == 3
+        # a and b taken (the event loop), x waited for (a worker)
+        poll_until(lambda: c.stat()["leases"] == 3, "three leases, the third waited for")
         p.send_signal(signal.SIGKILL)
         p.wait()
         hold.release()  # the worker takes x for a connection that is gone
-        for _ in range(200):
-            if c.stat()["leases"] == 0:
-                break
-            time.sleep(0.05)
-        assert c.stat()["leases"] == 0
+        poll_until(lambda: c.stat()["leases"] == 0, "the dead connection's leases given back")
         with c.checkout(a, "rw", timeout_s=5) as v:  # free again, and unchanged
             assert torch.equal(v, torch.full((1000,), 1.0))
         assert torch.equal(c.get(x), torch.full((1000,), 3.0))
@@ -175,11 +169,7 @@ sys.stdin.read()
 
 
 def _wait_gone(c, key: str) -> None:
-    for _ in range(300):
-        if c.lookup(key) is None:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{key} still there")
+    poll_until(lambda: c.lookup(key) is None, f"{key} gone")
 
 
 def test_ephemeral_objects_go_with_their_connection_and_nothing_else_does(daemon):
@@ -209,12 +199,8 @@ def test_ephemeral_objects_go_with_their_connection_and_nothing_else_does(daemon
         st = c.stat()
         assert st["leases"] == 0 and st["namespaces"]["eph"]["objects"] == 2
         # the ephemeral bytes are back in the pool: what is left is "kept" and "replaced"
-        for _ in range(100):
-            used = c.stat()["tiers"]["host"]["used_bytes"]
-            if used <= base + (1 << 20) + 2 * 4096:
-                break
-            time.sleep(0.05)
-        assert used <= base + (1 << 20) + 2 * 4096, (used, base)
+        poll_until(lambda: c.stat()["tiers"]["host"]["used_bytes"] <= base + (1 << 20) + 2 * 4096,
+                   "the ephemeral objects' host bytes back")
 
 
 def test_ephemeral_goes_at_a_clean_close_and_cannot_be_durable(daemon):
@@ -952,14 +938,10 @@ def test_a_durable_object_under_a_write_lease_is_not_adopted_half_written(daemon
 
 
 def _wait_stat(c, ok, what: str, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def check():
         st = c.stat()
-        if ok(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: never happened; last stat {st}")
-        time.sleep(0.05)
+        return st if ok(st) else None
+    return poll_until(check, what, timeout_s)
 
 
 def test_a_revoked_lease_cannot_reach_other_objects_memory(daemon_factory):

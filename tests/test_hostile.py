@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 
-from conftest import run_py
+from conftest import poll_until, run_py
 
 
 def _hostile(daemon, code: str, *args: str, timeout: float = 60) -> dict:
     """Run ``code`` in a client process of its own (``c``: a Client of ``daemon``); it
-    prints one JSON line, returned."""
+    prints one JSON line, returned. The code reaches into the client's private state on
+    purpose (``c._arena_fd``, the daemon's memfd): a hostile process does what the
+    library never would."""
     prelude = ("import json, os, sys, time\nimport numpy as np\nfrom tierstore.client import Client\n"
                f"c = Client.connect(socket={daemon.socket!r}, namespace='hostile')\n")
     r = run_py(prelude + code, *args, timeout=timeout)
@@ -205,8 +207,6 @@ def _parked(daemon, n: int = 16, waiting: int | None = None):
     timeouts), both real processes; yields them once the daemon has ``waiting`` (all)
     of them waiting, kills what is left of them at the end."""
     waiting = n if waiting is None else waiting
-    import time
-
     holder = _start(_HOLDER, daemon.socket)
     waiters = None
     try:
@@ -214,10 +214,7 @@ def _parked(daemon, n: int = 16, waiting: int | None = None):
         waiters = _start(_WAITERS, daemon.socket, str(n))
         assert waiters.stdout.readline().strip() == "waiting", waiters.stderr.read()
         with daemon.client("watch") as w:
-            deadline = time.monotonic() + 30
-            while w.stat().get("waiting", n) < waiting:  # (a daemon without the count: the waits are in flight)
-                assert time.monotonic() < deadline, w.stat()
-                time.sleep(0.02)
+            poll_until(lambda: w.stat()["waiting"] >= waiting, f"{waiting} check-outs waiting in the daemon")
         yield holder, waiters
     finally:
         for p in (holder, waiters):
@@ -277,8 +274,6 @@ def test_a_connections_waits_queue_behind_its_own_and_end_with_it(daemon):
     them, the last is refused at once (``Busy``); another connection's check-out still
     waits on a thread of its own (its 1 s timeout is kept), and when the waiting client
     is SIGKILLed every one of its waits ends, nothing taken."""
-    import time
-
     with _parked(daemon, n=1041, waiting=1040) as (_holder, waiters):
         r = run_py(f"""
 import time
@@ -296,10 +291,7 @@ except Busy:
         out, _ = waiters.communicate()
         assert out.count("error Busy") == 1 and "requests waiting for other holders" in out, out[-2000:]
         with daemon.client("watch") as w:
-            deadline = time.monotonic() + 10
-            while (st := w.stat())["waiting"]:
-                assert time.monotonic() < deadline, st["waiting"]
-                time.sleep(0.05)
+            st = poll_until(lambda: (lambda st: st if not st["waiting"] else None)(w.stat()), "no wait left", 10)
             assert st["leases"] == 1  # the holder's; none of the waiters'
 
 
