@@ -3,8 +3,11 @@
 A GPT-style decoder (token embedding, pre-LayerNorm blocks with fused QKV, causal
 scaled-dot-product attention and a GELU MLP, a vocabulary head) at a sequence length
 where the activations saved for backward dominate the training process's memory,
-trained with AdamW. Each variant runs in its own process (so its peak memory is its
-own), the offloaded ones as clients of a daemon started for them:
+trained with AdamW. Each variant's memory is measured in a process of its own (so its
+peak is its own); the step times come from one more process that runs every variant a
+step at a time in turn (the first of each round rotating), each on its own copy of the
+model and the same batches, so the machine's load moves them all alike. The offloaded
+variants are clients of a daemon started for each:
 
   none                 every activation stays in the process
   checkpoint           torch.utils.checkpoint per block (use_reentrant=False): only
@@ -23,9 +26,10 @@ setting) and the activation bytes in the pool at most; backward stall time per s
 (unpacks that waited for bytes) and forward stall (puts behind); bytes moved per step
 (put + fetched back, and NVMe bytes read and written); prefetch hits. Every variant
 is checked against plain training in the same process on the same batch: loss and
-every gradient compared with torch.equal ("same").
+every gradient compared with torch.equal; and its loss at every timed step against
+``none``'s ("same": both hold).
 
-Usage: python bench/activations.py [--width 256] [--layers 8] [--heads 4] [--seq 1024] [--batch 2] [--vocab 1024] [--steps 3] [--window-mib 16] [--variants a,b] [--device cpu|cuda] [--quick] [--png F]
+Usage: python bench/activations.py [--width 256] [--layers 8] [--heads 4] [--seq 1024] [--batch 2] [--vocab 1024] [--steps 4] [--window-mib 16] [--variants a,b] [--device cpu|cuda] [--quick] [--png F]
 Prints a table, then one JSON line.
 """
 
@@ -44,7 +48,7 @@ from common import emit_json, machine, print_table, proc_status_bytes, pyplot, s
 
 VARIANTS = ("none", "checkpoint", "offload-host", "offload-nvme", "checkpoint+offload")
 
-WORKER = r"""
+MODEL = r"""
 import contextlib, json, sys, threading, time
 import torch
 from torch import nn
@@ -97,6 +101,21 @@ def batch(step):
     return torch.randint(0, V, (cfg["batch"], T), generator=g).to(dev)
 
 
+def fwd_bwd(model, idx, a):
+    with a if a is not None else contextlib.nullcontext():
+        loss = model(idx)
+    loss.backward()
+    return loss.detach()
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+"""
+
+MEMORY = MODEL + r"""
 variant = cfg["variant"]
 ckpt = variant.startswith("checkpoint")
 acts = client = None
@@ -108,13 +127,6 @@ if "offload" in variant:
     acts = offload_activations(client, min_bytes=cfg["min_bytes"], inflight_bytes=window, prefetch_bytes=window)
 
 
-def fwd_bwd(model, idx, a):
-    with a if a is not None else contextlib.nullcontext():
-        loss = model(idx)
-    loss.backward()
-    return loss.detach()
-
-
 def private_bytes():
     tot = 0
     with open("/proc/self/smaps_rollup") as f:
@@ -124,38 +136,13 @@ def private_bytes():
     return tot
 
 
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def nvme_io():
-    t = client.stat()["tiers"]["nvme"]
-    return t["bytes_read"], t["bytes_written"]
-
-
 model = make(ckpt)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-times, fb_times = [], []
-io0 = s0 = None
-for step in range(cfg["warmup"] + cfg["steps"]):
-    if step == cfg["warmup"]:
-        s0 = acts.snapshot() if acts else None
-        io0 = nvme_io() if client else None
-    idx = batch(step)
-    sync()
-    t0 = time.perf_counter()
-    fwd_bwd(model, idx, acts)
-    sync()
-    t1 = time.perf_counter()
+for step in range(cfg["warmup"]):  # the memory step below is not a first step
+    fwd_bwd(model, batch(step), acts)
     opt.step()
     opt.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the baseline below
     sync()
-    if step >= cfg["warmup"]:
-        times.append(time.perf_counter() - t0)
-        fb_times.append(t1 - t0)
-s1 = acts.snapshot() if acts else None
-io = [(b - a) / cfg["steps"] for a, b in zip(io0, nvme_io())] if client else [0, 0]
 if acts:
     acts.flush(timeout_s=600)
 
@@ -199,46 +186,137 @@ del plain
 other = make(ckpt)
 lo = fwd_bwd(other, idx, acts)
 same = torch.equal(lp, lo) and all(torch.equal(a, p.grad) for a, p in zip(gp, other.parameters()))
-per = {}
 if acts:
-    n = cfg["steps"]
-    per = {k: (s1[k] - s0[k]) / n for k in ("backward_stall_s", "forward_stall_s", "offloaded_bytes",
-                                           "fetched_bytes", "hits", "late", "misses", "cancelled")}
     acts.close()
 st = client.stat() if client else None
-print(json.dumps({"times": times, "fb_times": fb_times, "act_mem": act_mem, "peak_total": peak_total,
-                  "pool_peak": pool_peak, "per_step": per, "nvme_read_per_step": io[0],
-                  "nvme_written_per_step": io[1], "same": same, "loss": float(lp),
-                  "daemon_pid": st["pid"] if st else None}))
+print(json.dumps({"act_mem": act_mem, "peak_total": peak_total, "pool_peak": pool_peak, "same": same,
+                  "loss": float(lp), "daemon_pid": st["pid"] if st else None}))
 """
 
 
-def run(variant: str, cfg: dict, base: str, host_bytes: int) -> dict:
-    """One variant in its own process (against a daemon of its own when it offloads)."""
+TIMER = MODEL + r"""
+# every variant in this one process, a step of each in turn (the first of each round
+# rotating), so the machine's load moves all of them alike; each variant trains its own
+# copy of the model on the same batches, and its losses are compared with none's
+from tierstore.client import Client
+from tierstore.client.torch import offload_activations
+
+window = cfg["window_mib"] << 20
+runs = {}
+for v in cfg["variants"]:
+    r = {"model": make(v.startswith("checkpoint")), "acts": None, "client": None, "times": [], "fb_times": [],
+         "losses": []}
+    r["opt"] = torch.optim.AdamW(r["model"].parameters(), lr=1e-4)
+    if "offload" in v:
+        r["client"] = Client.connect(socket=cfg["sockets"][v], namespace="bench-acts")
+        r["acts"] = offload_activations(r["client"], min_bytes=cfg["min_bytes"], inflight_bytes=window,
+                                        prefetch_bytes=window)
+    runs[v] = r
+
+
+def counters(r):
+    if r["acts"] is None:
+        return None
+    t = r["client"].stat()["tiers"]["nvme"]
+    return r["acts"].snapshot(), (t["bytes_read"], t["bytes_written"])
+
+
+def one_step(r, step, timed):
+    idx = batch(step)
+    sync()
+    t0 = time.perf_counter()
+    loss = fwd_bwd(r["model"], idx, r["acts"])
+    sync()
+    t1 = time.perf_counter()
+    r["opt"].step()
+    r["opt"].zero_grad(set_to_none=False)
+    sync()
+    if timed:
+        r["times"].append(time.perf_counter() - t0)
+        r["fb_times"].append(t1 - t0)
+        r["losses"].append(float(loss))
+
+
+names = list(runs)
+for step in range(cfg["warmup"]):
+    for v in names:
+        one_step(runs[v], step, False)
+c0 = {v: counters(r) for v, r in runs.items()}
+for i, step in enumerate(range(cfg["warmup"], cfg["warmup"] + cfg["steps"])):
+    for v in names[i % len(names):] + names[:i % len(names)]:
+        one_step(runs[v], step, True)
+out = {}
+for v, r in runs.items():
+    per, io = {}, [0, 0]
+    if r["acts"] is not None:
+        (s0, io0), (s1, io1) = c0[v], counters(r)
+        n = cfg["steps"]
+        per = {k: (s1[k] - s0[k]) / n for k in ("backward_stall_s", "forward_stall_s", "offloaded_bytes",
+                                               "fetched_bytes", "hits", "late", "misses", "cancelled")}
+        io = [(b - a) / n for a, b in zip(io0, io1)]
+        r["acts"].close()
+        r["client"].close()
+    out[v] = {"times": r["times"], "fb_times": r["fb_times"], "losses": r["losses"], "per_step": per,
+              "nvme_read_per_step": io[0], "nvme_written_per_step": io[1]}
+print(json.dumps(out))
+"""
+
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""For the memory runs only: large allocations straight from mmap and back on free, so
+the private memory sampled follows what the process holds, not what malloc's free lists
+keep. The timing run keeps malloc's defaults, as a training job would."""
+
+
+def _worker(code: str, cfg: dict, env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True,
+                       env={**os.environ, **env})
+    if r.returncode != 0:
+        raise SystemExit(f"{cfg.get('variant', 'timing run')} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _daemon(base: str, host_bytes: int):
     d = tempfile.mkdtemp(dir=base)
+    return start_daemon(d, "--host-bytes", str(host_bytes), "--nvme-bytes", str(max(4 * host_bytes, 1 << 30)))
+
+
+def _stop(daemon, ns) -> None:
+    daemon.terminate()
+    daemon.wait()
+    ns.close()
+
+
+def run_memory(variant: str, cfg: dict, base: str, host_bytes: int) -> dict:
+    """One variant's memory and check, in its own process (against a daemon of its own when
+    it offloads)."""
     daemon = ns = None
     try:
         wcfg = dict(cfg, variant=variant)
         if "offload" in variant:
-            daemon, sock, ns = start_daemon(d, "--host-bytes", str(host_bytes),
-                                            "--nvme-bytes", str(max(4 * host_bytes, 1 << 30)))
-            wcfg["socket"] = sock
-        # large allocations straight from mmap and back on free: the private memory sampled
-        # follows what the process holds, not what malloc's free lists keep
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-        r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(wcfg)], capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            raise SystemExit(f"{variant} failed:\n{r.stderr[-3000:]}")
-        out = json.loads(r.stdout.strip().splitlines()[-1])
+            daemon, wcfg["socket"], ns = _daemon(base, host_bytes)
+        out = _worker(MEMORY, wcfg, _MALLOC_ENV)
         out["daemon_peak_rss"] = proc_status_bytes(daemon.pid, "VmHWM") if daemon else 0
         out["host_bytes"] = host_bytes if daemon else 0
         return out
     finally:
         if daemon is not None:
-            daemon.terminate()
-            daemon.wait()
-            ns.close()
-        shutil.rmtree(d, ignore_errors=True)
+            _stop(daemon, ns)
+
+
+def run_timing(variants: list[str], cfg: dict, base: str, hosts: dict[str, int]) -> dict:
+    """Every variant's steps, alternated in one process, each offloading one against a
+    daemon of its own (host tier as in its memory run)."""
+    daemons = {}
+    try:
+        sockets = {}
+        for v in variants:
+            if "offload" in v:
+                daemon, sockets[v], ns = _daemon(base, hosts[v])
+                daemons[v] = (daemon, ns)
+        return _worker(TIMER, dict(cfg, variants=variants, sockets=sockets), {})
+    finally:
+        for daemon, ns in daemons.values():
+            _stop(daemon, ns)
 
 
 def _median(xs: list[float]) -> float:
@@ -272,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--window-mib", type=int, default=16,
                    help="offload_activations' inflight_bytes and prefetch_bytes, in MiB (default 16)")
@@ -305,7 +383,12 @@ def main(argv: list[str] | None = None) -> dict:
             host = max(peak // 4, 16 << 20)
         elif "offload" in v:  # room for every activation of a step, and more
             host = max(2 * results["none"]["act_mem"], 64 << 20)
-        results[v] = run(v, cfg, base, host)
+        results[v] = run_memory(v, cfg, base, host)
+        results[v]["host_tier"] = host
+    timing = run_timing(variants, cfg, base, {v: r["host_tier"] for v, r in results.items()})
+    for v, r in results.items():
+        r.update(timing[v])
+        r["same"] = r["same"] and r["losses"] == timing["none"]["losses"]
     none = results["none"]
     none_step, none_mem = _median(none["times"]), max(none["act_mem"], 1)
     rows, table = [], []
