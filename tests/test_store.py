@@ -272,6 +272,41 @@ def test_unanswered_check_ins_never_leave_the_event_loop(make_store):
     assert s.stat()["leases"] == 0
 
 
+def test_the_rest_of_a_staged_transfer_looks_up_its_staging_area_again(make_store):
+    """A staged get or put the event loop cannot finish now is finished on an op worker
+    (``Later``). If the connection went away meanwhile its staging area is no longer its
+    own (here another connection's): the rest copies nothing into or out of it and
+    publishes nothing."""
+    from tierstore.errors import Closed
+
+    s = make_store(host_bytes="1MiB", high_watermark=1.0, low_watermark=1.0)
+    owner, other = object(), object()
+    s.daemon.staging_area(owner, 64 << 10)
+    h = s.put(np.full(1000, 5, np.uint8), tier="nvme")
+    rest = s.daemon.try_get_staged(owner, h)  # on NVMe: read through a pin, off the loop
+    assert isinstance(rest, Later)
+    s.daemon.release_owner(owner)
+    off, _ = s.daemon.staging_area(other, 64 << 10)
+    s.arena.view(off, 1000)[:] = 9
+    with pytest.raises(Closed):
+        rest.run()
+    assert (s.arena.view(off, 1000) == 9).all()
+    s.daemon.release_owner(other)
+
+    s.daemon.staging_area(owner, 64 << 10)
+    full = s.put(np.zeros(s.host.free_bytes, np.uint8), tier="host")  # the rest of the tier, checked out
+    held = s.checkout(full, "r")
+    spec = TensorSpec("numpy", "uint8", (1000,), 1000)
+    rest = s.daemon.try_put_staged(owner, 0, spec, key="k", tier=None, durable=False, replace=False,
+                                   namespace="default")
+    assert isinstance(rest, Later)  # no room now
+    s.daemon.release_owner(owner)  # its staging area goes: room for the put, but no bytes of its own
+    with pytest.raises(InvalidArgument, match="staging area"):
+        rest.run()
+    assert s.lookup("k") is None and s.stat()["reservations"] == 0
+    held.release()
+
+
 def test_second_store_on_same_dir_is_refused(make_store):
     make_store()
     with pytest.raises(InvalidArgument, match="in use by pid"):

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CapacityExceeded, InvalidArgument, NotFound
+from .errors import CapacityExceeded, Closed, InvalidArgument, NotFound
 from .index import Handle, ObjectMeta
 from .leases import LOCAL
 from .placement import Landing, Placement
@@ -276,11 +276,10 @@ class Puts:
                    durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
                    ephemeral: bool = False) -> Handle:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
-        area = self._staged_bytes(owner, src, spec)
+        self._staged_bytes(owner, src, spec)
         res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
                            owner=owner, wait_s=wait_s, ephemeral=ephemeral)
-        self._fill(res, area, src)
-        return self.commit(res.rid, owner=owner)
+        return self._fill_commit(res, owner, src, spec)
 
     def try_put_staged(self, owner: Any, src: int, spec: TensorSpec, *, key: str | None, tier: str | None,
                        durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
@@ -291,7 +290,7 @@ class Puts:
         res = self.try_reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
                                owner=owner, wait_s=wait_s, ephemeral=ephemeral)
         if isinstance(res, Later):
-            return Later(lambda: self._fill_commit(res.run(), area, src))
+            return Later(lambda: self._fill_commit(res.run(), owner, src, spec))
         self._fill(res, area, src)
         return self.try_commit(res.rid, owner=owner)
 
@@ -309,9 +308,16 @@ class Puts:
             view = self.placement.arena.view
             view(res.host_off, n)[:] = view(area[0] + src, n)
 
-    def _fill_commit(self, res: Reservation, area: tuple[int, int], src: int) -> Handle:
-        self._fill(res, area, src)
-        return self.commit(res.rid, owner=res.owner)
+    def _fill_commit(self, res: Reservation, owner: Any, src: int, spec: TensorSpec) -> Handle:
+        """The staged bytes copied into the reserved block, then the commit; the staging
+        area is looked up again first (the connection may have gone while the block was
+        made: its area is then no longer its own)."""
+        try:
+            self._fill(res, self._staged_bytes(owner, src, spec), src)
+        except BaseException:
+            self.abort(res.rid, owner=owner)
+            raise
+        return self.commit(res.rid, owner=owner)
 
     def try_get_staged(self, owner: Any, handle: Handle | int | str, *, namespace: str | None = None,
                        stream: str = "default") -> TensorSpec | None | Later:
@@ -340,10 +346,14 @@ class Puts:
                 self.counters["host_hits"] += 1
                 self.counters["get_bytes"] += meta.nbytes
                 return meta.spec
-        return Later(lambda: self._get_pinned(owner, h, namespace, area, stream))
+        return Later(lambda: self._get_pinned(owner, h, namespace, stream))
 
-    def _get_pinned(self, owner: Any, h: Handle, namespace: str | None, area: tuple[int, int],
-                    stream: str) -> TensorSpec:
+    def _get_pinned(self, owner: Any, h: Handle, namespace: str | None, stream: str) -> TensorSpec:
+        """The copy of ``try_get_staged`` through a pin, from whichever tier holds the object."""
+        with self.cv:
+            area = self.placement.staging_of(owner)  # (again: the connection may have gone meanwhile)
+        if area is None:
+            raise Closed("the connection that asked went away")
         t0 = time.monotonic()
         meta, late = self.index.pin(h, self.index.ns(namespace))
         try:
