@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocator import ExtentAllocator
-from .checksum import BLOCK_BYTES, crc32c
+from .checksum import BLOCK_BYTES, block_checksums, crc32c
 from .engine import IOEngine, probe_direct_io
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
 from .groupsync import GroupSync
@@ -296,8 +296,14 @@ class NvmeTier:
         if len(chunks) == 1:  # one request: issue it here, a hand-off to the pool would only add latency
             self._inline(self._write_chunk, extents, *chunks[0], src, src_padded, crcs)
         else:
-            self._gather([self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, crcs)
-                          for e, c_off, c_len in chunks], extents)
+            # the chunks go out first; this thread computes the checksums while they are written,
+            # so no worker holds a request back for them
+            futures = [self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, None)
+                       for e, c_off, c_len in chunks]
+            try:
+                crcs = block_checksums(src, nbytes)
+            finally:
+                self._gather(futures, extents)
         if sync:  # the journal record that names these bytes comes after this
             self.sync_drives({e.dev for e in extents})
         self.bytes_written += nbytes
@@ -368,8 +374,13 @@ class NvmeTier:
         if len(chunks) == 1 and (priority == 0 or not self.engine.queued()):
             self._inline(self._read_chunk, extents, *chunks[0], dst, dst_padded, checksums)
         else:
-            self._gather([self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, checksums,
-                                             priority=priority) for e, c_off, c_len in chunks], extents)
+            # the workers only move bytes; this thread checks each chunk's blocks as it lands,
+            # while the chunks after it are still being read
+            futures = [self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, None,
+                                          priority=priority) for e, c_off, c_len in chunks]
+            self._gather(futures, extents, verify=[(dst, c_off, c_len, checksums, self.drives[e.dev].path,
+                                                    e.file_offset + (c_off - e.obj_offset))
+                                                   for e, c_off, c_len in chunks])
         self.bytes_read += dst.nbytes
 
     def read_device(self, extents: list[Extent], dst, checksums: list[int], to_host) -> None:
@@ -409,11 +420,13 @@ class NvmeTier:
         return None
 
     def _write_chunk(self, e: Extent, off: int, n: int, src: np.ndarray, padded: np.ndarray | None,
-                     crcs: list[int]) -> None:
+                     crcs: list[int] | None) -> None:
+        """Write one chunk; its blocks' CRC32Cs into ``crcs`` unless None (the caller computes them)."""
         drv = self.drives[e.dev]
         data = src[off:off + n]
-        for b in range(0, n, BLOCK_BYTES):
-            crcs[(off + b) // BLOCK_BYTES] = crc32c(data[b:b + BLOCK_BYTES])
+        if crcs is not None:
+            for b in range(0, n, BLOCK_BYTES):
+                crcs[(off + b) // BLOCK_BYTES] = crc32c(data[b:b + BLOCK_BYTES])
         pos = e.file_offset + (off - e.obj_offset)
         io = self._io_buffer(src, padded, off, n, drv.direct)
         if io is not None:
@@ -430,18 +443,22 @@ class NvmeTier:
             self._bounce.put(bounce)
 
     def _read_chunk(self, e: Extent, off: int, n: int, dst: np.ndarray, padded: np.ndarray | None,
-                    crcs: list[int]) -> None:
+                    crcs: list[int] | None) -> None:
+        """Read one chunk into ``dst``; its blocks are checked against ``crcs`` unless None
+        (the caller checks them in ``dst``)."""
         drv = self.drives[e.dev]
         pos = e.file_offset + (off - e.obj_offset)
         io = self._io_buffer(dst, padded, off, n, drv.direct)
         if io is not None:
             drv.file.pread_into(io, pos)
-            self._verify(dst[off:off + n], off, crcs, drv.path, pos)
+            if crcs is not None:
+                self._verify(dst[off:off + n], off, crcs, drv.path, pos)
             return
         bounce = self._bounce.get()
         try:
             drv.file.pread_into(bounce[:align_up(n, PAGE)], pos)
-            self._verify(bounce[:n], off, crcs, drv.path, pos)
+            if crcs is not None:
+                self._verify(bounce[:n], off, crcs, drv.path, pos)
             dst[off:off + n] = bounce[:n]
         finally:
             self._bounce.put(bounce)
@@ -463,11 +480,16 @@ class NvmeTier:
             path = self.drives[extents[0].dev].path if extents else "?"
             raise _io_error(e, path, "I/O on") from None
 
-    def _gather(self, futures: list[Future], extents: list[Extent]) -> None:
+    def _gather(self, futures: list[Future], extents: list[Extent], verify: list[tuple] | None = None) -> None:
+        """Wait for every chunk; raise the first failure. ``verify``: per future, the
+        ``_verify`` arguments of its chunk, checked as soon as that chunk has landed."""
         first: BaseException | None = None
-        for f in futures:
+        for i, f in enumerate(futures):
             try:
                 f.result()
+                if verify is not None and first is None:
+                    dst, off, n, crcs, path, pos = verify[i]
+                    self._verify(dst[off:off + n], off, crcs, path, pos)
             except BaseException as e:  # keep waiting: no chunk may still be writing into a buffer we return
                 first = first or e
         if first is None:
