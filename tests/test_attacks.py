@@ -18,6 +18,7 @@ import torch
 
 from conftest import DaemonProc, poll_until
 from tierstore import Busy, InvalidArgument, InvalidKey, NotFound, TierstoreError
+from tierstore.protocol import PROTOCOL_VERSION
 
 _REPLY_S = 10.0
 """How long a raw client waits for one reply: a request that gets none by then hangs."""
@@ -60,7 +61,7 @@ class Raw:
         self.s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.s.settimeout(_REPLY_S)
         self.s.connect(daemon.socket)
-        self.s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": namespace,
+        self.s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": namespace,
                                    "fragments": True, "joined": joined}))
         _, fds, _, _ = socket.recv_fds(self.s, 1 << 20, 4)
         for fd in fds:

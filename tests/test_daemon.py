@@ -15,6 +15,7 @@ import torch
 from conftest import poll_until
 from tierstore import Busy, CapacityExceeded, DaemonUnavailable, InvalidArgument, KeyExists, NotFound, StaleHandle
 from tierstore.client import Client
+from tierstore.protocol import PROTOCOL_VERSION
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]
 
@@ -487,7 +488,7 @@ def test_malformed_input_never_hurts_others(daemon_factory):
 
     def hello(s):
         rep, fds, _, _ = socket.recv_fds(s, 1 << 16, 4) if not s.send(
-            msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": "evil"})) is None else (None,) * 4
+            msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "evil"})) is None else (None,) * 4
         for fd in fds:
             os.close(fd)
         return msgpack.unpackb(rep)
@@ -525,7 +526,7 @@ def test_malformed_input_never_hurts_others(daemon_factory):
          "InvalidArgument"),
         ({"id": 10, "op": "put_commit", "rid": 1}, "NotFound"),  # someone else's (or no) reservation
         ({"id": 11, "op": "release", "lid": 12345}, "NotFound"),
-        ({"id": 12, "op": "hello", "version": 1, "namespace": "again"}, "ProtocolError"),
+        ({"id": 12, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "again"}, "ProtocolError"),
         ({"id": 13, "op": "checkout", "handle": int(h), "mode": "r"}, "NotFound"),  # other namespace
         ({"id": 16, "op": "checkout", "handle": int(h), "mode": "x"}, "InvalidArgument"),
         ({"id": 14, "op": "lookup", "key": {"nested": [1, {"a": None}]}}, "InvalidArgument"),

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore.protocol import OPS
+from tierstore.protocol import OPS, PROTOCOL_VERSION
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
                     st.floats(allow_nan=True), st.text(max_size=40), st.binary(max_size=40))
@@ -38,7 +38,7 @@ def _hello(sock_path):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(20)
     s.connect(sock_path)
-    s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": "fuzz"}))
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "fuzz"}))
     _, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
     for fd in fds:
         os.close(fd)

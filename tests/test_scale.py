@@ -18,6 +18,7 @@ import torch
 
 from tierstore import NotFound, StaleHandle
 from tierstore.index import KeyIndex
+from tierstore.protocol import PROTOCOL_VERSION
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
 
@@ -40,7 +41,7 @@ def _raw(sock_path, namespace, fragments, joined=False):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(sock_path)
     s.settimeout(30)
-    s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": namespace, "fragments": fragments,
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": namespace, "fragments": fragments,
                           "joined": joined}))
     _data, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
     for fd in fds:
@@ -206,9 +207,10 @@ def _mem_kib(pid, field="VmRSS"):
 
 _FLOOD = r"""
 import os, socket, sys, msgpack
+from tierstore.protocol import PROTOCOL_VERSION
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(sys.argv[1])
-s.send(msgpack.packb({"id": 0, "op": "hello", "version": 1, "namespace": "flood", "fragments": True}))
+s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "flood", "fragments": True}))
 _, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
 s.send(msgpack.packb({"id": 1, "op": "lookup", "key": "held"}))
 h = msgpack.unpackb(s.recv(1 << 20))["ok"]

@@ -29,7 +29,9 @@ from .errors import InvalidArgument, ProtocolError, TierstoreError
 __all__ = ["PROTOCOL_VERSION", "OPS", "encode", "decode", "reply_ok", "reply_err", "field", "MAX_REPLY_BYTES",
            "PACKET_BYTES", "PAGE_BYTES", "fragments"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""Bumped with every change a peer of the previous version would misread (2: the `staging`
+op, `ls` pages by column)."""
 MAX_REPLY_BYTES = 16 << 20
 """The largest reply the daemon builds (fragmented on the wire); larger: an error reply."""
 PACKET_BYTES = 64 << 10
