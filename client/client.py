@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tierstore.arena import map_arena_fd
+from tierstore.arena import detach_mapping, map_arena_fd
 from tierstore.batch import LeaseGroup, check_each
 from tierstore._version import __version__
 from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
@@ -560,11 +560,16 @@ class Client:
         self._conn.close()
         if self._prefault.is_alive():
             self._prefault.join()  # it stops within one chunk; the mappings must outlive it
+        views = ((self._mm, self._arena, False), (self._mm_ro, self._arena_ro, True))
         self._arena = self._arena_ro = np.empty(0, np.uint8)
-        for mm in (self._mm, self._mm_ro):
+        for mm, view, read_only in views:
             try:
                 mm.close()
             except BufferError:
+                # views of check-outs outlive the client: they keep private copy-on-write
+                # pages from now on, so a write through one cannot reach the pool, whose
+                # leases ended with the connection
+                detach_mapping(view, self._arena_fd, read_only=read_only)
                 log.debug("arena still referenced by checked-out views; unmapped when they are collected")
         if self._arena_fd >= 0:
             os.close(self._arena_fd)

@@ -945,6 +945,27 @@ def _wait_stat(c, ok, what: str, timeout_s: float = 30.0) -> dict:
     return poll_until(check, what, timeout_s)
 
 
+def test_a_view_used_after_its_client_closed_cannot_write_the_pool(daemon):
+    """A check-out's tensor kept past ``Client.close()`` (the connection, and so the lease,
+    ended) keeps reading, but its writes land in the process's own pages: the object, and
+    whatever later uses its memory, are untouched."""
+    n = 1 << 20
+    a = daemon.client("closer")
+    h = a.put(np.full(n, 7, np.uint8), key="x")
+    rw, r = a.checkout(h, "rw").tensor, a.checkout(a.put(np.full(n, 8, np.uint8), key="y"), "r").tensor
+    a.close()  # with both views still referenced
+    assert int(rw[0]) == 7 and int(r[0]) == 8  # still readable
+    rw[:] = 99  # lands in private pages
+    assert int(rw[0]) == 99
+    with daemon.client("closer") as b:
+        assert (b.get(b.lookup("x")) == 7).all() and (b.get(b.lookup("y")) == 8).all()
+        with b.checkout(b.lookup("x"), "rw") as t:
+            t[:] = 5
+        rw[:] = 42  # after another writer's check-in: still nowhere in the pool
+        assert (b.get(b.lookup("x")) == 5).all()
+    del rw, r
+
+
 def test_a_revoked_lease_cannot_reach_other_objects_memory(daemon_factory):
     """lease_timeout_s revokes the leases of a client that stopped answering; when it
     resumes, what it writes through its old views lands in memory no object uses."""

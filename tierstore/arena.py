@@ -216,6 +216,26 @@ def map_arena_fd(fd: int, size: int, *, read_only: bool = False) -> tuple[mmap.m
     return mm, np.frombuffer(mm, dtype=np.uint8)
 
 
+def detach_mapping(view: np.ndarray, fd: int, *, read_only: bool = False) -> bool:
+    """Turn a shared mapping of the arena, still referenced by views that outlive their
+    client, into a private copy-on-write mapping of the same pages at the same address
+    (``MAP_FIXED | MAP_PRIVATE``): the views go on reading, but a write through one lands
+    in this process's own copy of the page, never in the pool. True when done."""
+    if not view.nbytes:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
+    addr = view.ctypes.data
+    got = libc.mmap(addr, view.nbytes, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+    if got != addr:
+        log.warning("could not detach the arena mapping from the pool: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+_MAP_FIXED = 0x10
 _MADV_POPULATE_READ = 22
 _PREFAULT_CHUNK = 64 << 20
 
