@@ -222,6 +222,7 @@ def dcp_load(model: torch.nn.Module, optimizer: OffloadedOptimizer, checkpoint_i
     _check(optimizer, options)
     with optimizer.lazy_state_dict() as ph:
         msd, osd = get_state_dict(model, optimizer, options=options)
+    optimizer.progress.forget()  # the state is replaced in place: until it is whole, a resume starts fresh
     planner = PoolLoadPlanner(ph)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=checkpoint_id, planner=planner, process_group=process_group)

@@ -2,7 +2,8 @@
 
 Small parameters of one group updated on the CPU are updated together, up to
 ``bucket_bytes`` of state: one check-out message, one call of the wrapped optimizer and
-one check-in for the bucket. A bucket that does not fit in the host tier at once
+one check-in for the bucket. Their first steps (the wrapped optimizer making their state)
+are made together within the same limit. A bucket that does not fit in the host tier at once
 lowers the limit for the rest of the run (``shrink``).
 """
 
@@ -66,6 +67,30 @@ class Buckets:
                 break
             end += 1
         return end
+
+    def first_end(self, work: list[Item], k: int) -> int:
+        """End (exclusive) of the first steps made together from ``work[k]`` (a parameter
+        without state yet): the parameters after it in the same group updated on the CPU
+        and without state either, while their state, made in memory by the wrapped
+        optimizer before it moves into the pool, stays within ``limit`` (about three fp32
+        tensors each: two moments and a master) and ``_BUCKET_MAX`` parameters."""
+        gi, pi, p = work[k]
+        end, total = k + 1, self._first_bytes(p)
+        if self._on_gpu(p):
+            return end
+        while end < len(work) and end - k < _BUCKET_MAX:
+            g2, p2, q = work[end]
+            if g2 != gi or (g2, p2) in self._states.layout or self._on_gpu(q):
+                break
+            total += self._first_bytes(q)
+            if total > self.limit:
+                break
+            end += 1
+        return end
+
+    @staticmethod
+    def _first_bytes(p: torch.Tensor) -> int:
+        return 3 * align_up(max(4 * local(p)[1].numel(), 1))
 
     def shrink(self, items: list[Item]) -> None:
         """The bucket ``items`` did not fit in the host tier at once (nothing was taken):

@@ -267,11 +267,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         in their groups; DTensor state (as DCP loads it, resharded to this rank's layout)
         is stored as this rank's local shard."""
         found = placed(self.param_groups, state_dict)
-        self._clear_pool()
+        # the state is replaced in place (each put replaces its key) rather than freed and put
+        # again: the progress records go first, so a process that dies meanwhile resumes
+        # fresh, as after a clear; objects the new state does not name go last
+        states = self.state_tensors
+        self.progress.forget()
+        old = {e["key"]: e["handle"] for e in states.store.ls(states.prefix + "/")}
+        states.layout, states.cur = {}, {}
         self.progress.completed = 0
         for (gi, pi), st in found:
             p = self.param_groups[gi]["params"][pi]
-            set_param_state(self.state_tensors, gi, pi, p, st, master=self._needs_master(p))
+            set_param_state(states, gi, pi, p, st, master=self._needs_master(p))
+        states.free_others(old, states.keys_in_layout())
         self.progress.write()
 
     def free(self) -> None:

@@ -58,6 +58,16 @@ class Progress:
         """The objects under the prefix were freed: the torn-step marker with them."""
         self._torn_marked = False
 
+    def forget(self) -> None:
+        """Free the progress records and the torn-step marker, so that a resume finds no
+        state to take up until the next ``write`` (before the state is replaced in place)."""
+        for key in (self._record_key, self._prev_key, self._torn_key):
+            h = self.states.store.lookup(key)
+            if h is not None:
+                self.states.store.free(h)
+        self._torn_marked = False
+        self._last_record = None
+
     def write(self, keep_previous: bool = False) -> None:
         """The progress record: [completed steps, then (group, index, current version) per
         parameter with state]. One put, so it names one consistent set of versions.

@@ -122,6 +122,22 @@ class StateTensors:
         if h is not None:
             self.store.free(h)
 
+    def keys_in_layout(self) -> set[str]:
+        """The keys of every state tensor the layout names, every version kept."""
+        return {self.key(gi, pi, name, v) for (gi, pi), names in self.layout.items() for name in names
+                for v in range(self.versions)}
+
+    def free_others(self, old: dict[str, str], keep: set[str]) -> None:
+        """Free the objects of ``old`` (key -> handle, as listed before) whose key is not in
+        ``keep``."""
+        for key, h in old.items():
+            if key not in keep:
+                self._handles.pop(key, None)
+                try:
+                    self.store.free(h)
+                except (NotFound, StaleHandle):  # freed or replaced since the listing
+                    pass
+
     def free_all(self) -> None:
         """Free every object under the prefix (the layout is the caller's to reset)."""
         self._handles.clear()

@@ -51,7 +51,12 @@ class Updates:
             while k < len(work):
                 gi, pi, p = work[k]
                 read = ver[(gi, pi)]
-                if not (self._on_gpu(p) and (gi, pi) in states.layout):
+                if (gi, pi) not in states.layout:  # first steps: those after it in its group go along
+                    end = buckets.first_end(work, k)
+                    self.first(work[k:end])
+                    k = end
+                    continue
+                if not self._on_gpu(p):
                     end = buckets.end(work, k)
                     if end < len(work):  # overlap the next bucket's fetch with this update
                         states.hint(work[end:buckets.end(work, end)], ver)
@@ -120,7 +125,7 @@ class Updates:
         group = self._groups()[gi]
         layout = states.layout.get((gi, pi))
         if layout is None:
-            self._first(gi, pi, p, group)
+            self.first([(gi, pi, p)])
             return
         try:
             # two versions: out of place, version `read` stays intact until the step completes
@@ -137,32 +142,37 @@ class Updates:
         finally:
             leases.release()
 
-    def _first(self, gi: int, pi: int, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """A parameter's first step: the wrapped optimizer creates its state, which then moves
-        into the pool (with an fp32 master where one is kept)."""
+    def first(self, items: list[Item]) -> None:
+        """The first step of parameters of one group: the wrapped optimizer creates their
+        state in one call (its update of each is the same as alone: elementwise, per
+        parameter), which then moves into the pool (with an fp32 master where one is kept)."""
         states = self._states
-        master_needed = self._needs_master(p)
-        host_update = p.is_cuda and not self._on_gpu(p)
-        if master_needed:
-            target = p.detach().to("cpu" if host_update else p.device, torch.float32, copy=True)
-            target.grad = p.grad.to(target.device, torch.float32)
-        else:
-            target = p
-        self._inner.param_groups = [dict(group, params=[target])]
-        self._inner.step()
-        state = self._inner.state.pop(target, {})
-        layout = states.layout[(gi, pi)] = {}
-        for name, v in state.items():
-            if isinstance(v, torch.Tensor):
-                layout[name], t = local(v)
+        group = self._groups()[items[0][0]]
+        targets = []
+        for gi, pi, p in items:
+            if self._needs_master(p):
+                host_update = p.is_cuda and not self._on_gpu(p)
+                target = p.detach().to("cpu" if host_update else p.device, torch.float32, copy=True)
+                target.grad = p.grad.to(target.device, torch.float32)
             else:
-                layout[name], t = pytag(v)
-            states.put_both(gi, pi, name, t)
-        if master_needed:
-            layout["master"] = "tensor"
-            states.put_both(gi, pi, "master", target.detach())
-            p.copy_(target)
-            target.grad = None
+                target = p
+            targets.append(target)
+        self._inner.param_groups = [dict(group, params=targets)]
+        self._inner.step()
+        for (gi, pi, p), target in zip(items, targets):
+            state = self._inner.state.pop(target, {})
+            layout = states.layout[(gi, pi)] = {}
+            for name, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    layout[name], t = local(v)
+                else:
+                    layout[name], t = pytag(v)
+                states.put_both(gi, pi, name, t)
+            if target is not p:
+                layout["master"] = "tensor"
+                states.put_both(gi, pi, "master", target.detach())
+                p.copy_(target)
+                target.grad = None
 
     def apply(self, group: dict[str, Any], p: torch.Tensor, layout: dict[str, str], views: Views) -> None:
         """Run the wrapped optimizer's update of ``p`` on state ``views`` (written in place;
