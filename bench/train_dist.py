@@ -12,8 +12,11 @@ Reported per run: median step time (after warm-up) and its ratio to plain; node 
 = the ranks' peak private memory (sampled after every step) + the daemon's peak resident
 memory; the optimizer state's bytes on all ranks; DCP save time (``get_state_dict`` +
 ``dcp.save``) and load time (``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` into a
-fresh model and optimizer). Results check: the offloaded run's parameters after every
-step and after the DCP load must equal plain's (a digest of every rank's parameters).
+fresh model and optimizer); for the offloaded run also ``dcp_save`` / ``dcp_load`` (the
+state streamed between the pool and the files) and the most state bytes a rank held at
+once during ``dcp_save``. Results check: the offloaded run's parameters after every step
+and after the DCP load must equal plain's (a digest of every rank's parameters), and a
+step after ``dcp_load`` must land on the same parameters as after ``dcp.load``.
 
 Usage: python bench/train_dist.py [--layouts fsdp2,tp+fsdp2,pipeline] [--width 256] [--layers 4]
                                   [--steps 4] [--warmup 1] [--ranks 4] [--quick] [--dir D]
@@ -146,7 +149,14 @@ dcp.save({key: {"model": msd, "optim": osd}}, checkpoint_id=ckpt)
 dist.barrier()
 save_s = time.perf_counter() - t0
 peak = max(peak, uss())
-if client is not None:
+stream_save_s = stream_load_s = stream_peak = None
+if client is not None:  # the same state saved again, streamed from the pool (dcp_save)
+    from tierstore.client.torch import dcp_load, dcp_save
+    dist.barrier()
+    t0 = time.perf_counter()
+    stream_peak = dcp_save(model, opt, ckpt + "-stream", key=key).peak_bytes
+    dist.barrier()
+    stream_save_s = time.perf_counter() - t0
     opt.free()
 del model, opt, msd, osd
 model, opt, fwd_bwd, key = build()
@@ -162,9 +172,23 @@ fwd_bwd(cfg["warmup"] + cfg["steps"])
 opt.step()
 digests.append(digest(model))  # one step after the load: the loaded state was used
 peak = max(peak, uss())
+if client is not None:  # and back with dcp_load: the step after it must land on the same parameters
+    opt.free()
+    del model, opt, msd, osd, sd
+    model, opt, fwd_bwd, key = build()
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp_load(model, opt, ckpt + "-stream", key=key)
+    dist.barrier()
+    stream_load_s = time.perf_counter() - t0
+    fwd_bwd(cfg["warmup"] + cfg["steps"])
+    opt.step()
+    if digest(model) != digests[-1]:
+        raise SystemExit("the step after dcp_load differs from the one after dcp.load + set_state_dict")
 st = client.stat() if client is not None else None
 mine = {"times": times, "peak_uss": peak, "digests": digests, "state_bytes": state_bytes,
-        "save_s": save_s, "load_s": load_s, "daemon_pid": st["pid"] if st else None}
+        "save_s": save_s, "load_s": load_s, "stream_save_s": stream_save_s, "stream_load_s": stream_load_s,
+        "stream_peak": stream_peak, "daemon_pid": st["pid"] if st else None}
 out = [None] * world
 dist.all_gather_object(out, mine)
 if rank == 0:
@@ -202,7 +226,19 @@ def run(layout: str, variant: str, args: argparse.Namespace, base: str) -> dict:
             "ranks_bytes": sum(rk["peak_uss"] for rk in ranks), "daemon_bytes": daemon_bytes,
             "state_bytes": sum(rk["state_bytes"] for rk in ranks),
             "save_s": max(rk["save_s"] for rk in ranks), "load_s": max(rk["load_s"] for rk in ranks),
+            "stream_save_s": _most(rk["stream_save_s"] for rk in ranks),
+            "stream_load_s": _most(rk["stream_load_s"] for rk in ranks),
+            "stream_peak_bytes": _most(rk["stream_peak"] for rk in ranks),
             "digests": [rk["digests"] for rk in ranks]}
+
+
+def _most(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def _fmt(x: float | None, unit: float = 1.0, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x / unit)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -246,9 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
         node = r["ranks_bytes"] + r["daemon_bytes"]
         rows.append([r["layout"], r["variant"], f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / p['step_s']:.2f}",
                      f"{node / 2**20:.0f}", f"{r['state_bytes'] / 2**20:.1f}", f"{r['save_s']:.2f}",
-                     f"{r['load_s']:.2f}", "yes" if r["same_as_plain"] else "NO"])
+                     f"{r['load_s']:.2f}", _fmt(r["stream_save_s"]), _fmt(r["stream_load_s"]),
+                     _fmt(r["stream_peak_bytes"], 2**10, "{:.0f}"), "yes" if r["same_as_plain"] else "NO"])
     print_table(["layout", "variant", "step ms", "x plain", "node MiB", "state MiB", "dcp save s", "dcp load s",
-                 "= plain"], rows)
+                 "dcp_save s", "dcp_load s", "dcp_save peak KiB", "= plain"], rows)
     out = {"bench": "train_dist", "ranks": args.ranks, "width": args.width, "layers": args.layers,
            "results": [{k: v for k, v in r.items() if k != "digests"} for r in results],
            "all_equal": all(r["same_as_plain"] for r in results)}

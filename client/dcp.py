@@ -199,33 +199,38 @@ def _check(optimizer: Any, options: StateDictOptions | None) -> None:
 
 def dcp_save(model: torch.nn.Module, optimizer: OffloadedOptimizer, checkpoint_id: str | os.PathLike, *,
              process_group: Any = None, file_bytes: int = DEFAULT_FILE_BYTES,
-             options: StateDictOptions | None = None) -> StreamStats:
+             options: StateDictOptions | None = None, key: str | None = None) -> StreamStats:
     """Save ``{"model": ..., "optim": ...}`` as ``dcp.save`` of ``get_state_dict(model,
     optimizer)`` does, streaming the optimizer state from the pool into the files (see
-    the module docstring). Collective like ``dcp.save``. Returns this rank's
-    ``StreamStats`` (its ``peak_bytes``: the most optimizer state in memory at once)."""
+    the module docstring); ``key``: nested under it, ``{key: {"model": ..., "optim": ...}}``
+    (a pipeline stage's own name, so stages' equal parameter names stay apart). Collective
+    like ``dcp.save``. Returns this rank's ``StreamStats`` (its ``peak_bytes``: the most
+    optimizer state in memory at once)."""
     _check(optimizer, options)
     with optimizer.lazy_state_dict() as ph:
         msd, osd = get_state_dict(model, optimizer, options=options)
     planner = PoolSavePlanner(ph)
-    dcp.save({"model": msd, "optim": osd}, storage_writer=StreamingWriter(checkpoint_id, file_bytes=file_bytes),
+    sd = {"model": msd, "optim": osd}
+    dcp.save(sd if key is None else {key: sd}, storage_writer=StreamingWriter(checkpoint_id, file_bytes=file_bytes),
              planner=planner, process_group=process_group)
     return planner.stats
 
 
 def dcp_load(model: torch.nn.Module, optimizer: OffloadedOptimizer, checkpoint_id: str | os.PathLike, *,
-             process_group: Any = None, options: StateDictOptions | None = None) -> StreamStats:
+             process_group: Any = None, options: StateDictOptions | None = None, key: str | None = None) -> StreamStats:
     """Load a checkpoint ``dcp_save`` (or ``dcp.save`` of ``get_state_dict``) wrote, on
-    any number of ranks: the model as ``set_model_state_dict`` loads it, the optimizer
-    state read one shard at a time straight into the pool (see the module docstring), at
-    the saved step. Collective like ``dcp.load``. Returns this rank's ``StreamStats``."""
+    any number of ranks (``key`` as it was saved with): the model as
+    ``set_model_state_dict`` loads it, the optimizer state read one shard at a time
+    straight into the pool (see the module docstring), at the saved step. Collective
+    like ``dcp.load``. Returns this rank's ``StreamStats``."""
     _check(optimizer, options)
     with optimizer.lazy_state_dict() as ph:
         msd, osd = get_state_dict(model, optimizer, options=options)
     optimizer.progress.forget()  # the state is replaced in place: until it is whole, a resume starts fresh
     planner = PoolLoadPlanner(ph)
     sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=checkpoint_id, planner=planner, process_group=process_group)
+    dcp.load(sd if key is None else {key: sd}, checkpoint_id=checkpoint_id, planner=planner,
+             process_group=process_group)
     set_model_state_dict(model, sd["model"], options=options)
     optimizer.loaded_in_place(ph)
     return planner.stats

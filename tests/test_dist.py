@@ -100,6 +100,14 @@ def test_dcp_save_streams_offloaded_state_from_the_pool_and_dcp_load_puts_it_bac
         assert torch.equal(a, b) and torch.equal(a, c)
     with pytest.raises(TypeError, match="offloaded optimizer"):
         dcp_save(plain, opt_p, tmp_path / "no")
+    dcp_save(off2, opt_o2, tmp_path / "nested", key="stage0")  # a pipeline stage's own name
+    meta = dcp.FileSystemReader(str(tmp_path / "nested")).read_metadata()
+    assert all(k.startswith("stage0.") for k in meta.state_dict_metadata)
+    off3 = copy.deepcopy(init)
+    opt_o3 = offload_optimizer(torch.optim.AdamW(off3.parameters(), lr=1e-3), store, tier="host", prefix="c")
+    dcp_load(off3, opt_o3, tmp_path / "nested", key="stage0")
+    for p, q in zip(off2.parameters(), off3.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt_o2.state[p]["exp_avg"], opt_o3.state[q]["exp_avg"])
 
 
 @pytest.mark.parametrize("options", ["default", "flatten", "full"])
