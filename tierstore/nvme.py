@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocator import ExtentAllocator
-from .checksum import BLOCK_BYTES, block_checksums, crc32c
+from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, probe_direct_io
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
 from .groupsync import GroupSync
@@ -296,12 +296,21 @@ class NvmeTier:
         if len(chunks) == 1:  # one request: issue it here, a hand-off to the pool would only add latency
             self._inline(self._write_chunk, extents, *chunks[0], src, src_padded, crcs)
         else:
-            # the chunks go out first; this thread computes the checksums while they are written,
-            # so no worker holds a request back for them
-            futures = [self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded, None)
-                       for e, c_off, c_len in chunks]
+            # the chunks go out first; this thread computes the checksums of those written from
+            # where they are while they are written, so no worker holds a request back for them.
+            # A chunk copied into a staging buffer is checksummed by its worker as it copies,
+            # block by block from the copy (still in cache): one pass over the source, not two
+            futures, mine = [], []
+            for e, c_off, c_len in chunks:
+                staged = self._io_buffer(src, src_padded, c_off, c_len, self.drives[e.dev].direct) is None
+                futures.append(self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded,
+                                                  crcs if staged else None))
+                if not staged:
+                    mine.append((c_off, c_len))
             try:
-                crcs = block_checksums(src, nbytes)
+                for c_off, c_len in mine:
+                    for b in range(c_off, c_off + c_len, BLOCK_BYTES):
+                        crcs[b // BLOCK_BYTES] = crc32c(src[b:min(b + BLOCK_BYTES, c_off + c_len)])
             finally:
                 self._gather(futures, extents)
         if sync:  # the journal record that names these bytes comes after this
@@ -376,11 +385,17 @@ class NvmeTier:
         else:
             # the workers only move bytes; this thread checks each chunk's blocks as it lands,
             # while the chunks after it are still being read
-            futures = [self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded, None,
-                                          priority=priority) for e, c_off, c_len in chunks]
-            self._gather(futures, extents, verify=[(dst, c_off, c_len, checksums, self.drives[e.dev].path,
-                                                    e.file_offset + (c_off - e.obj_offset))
-                                                   for e, c_off, c_len in chunks])
+            # (a chunk read into a staging buffer is checked there by its worker, block by block
+            # as it is copied out)
+            futures, verify = [], []
+            for e, c_off, c_len in chunks:
+                drv = self.drives[e.dev]
+                staged = self._io_buffer(dst, dst_padded, c_off, c_len, drv.direct) is None
+                futures.append(self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded,
+                                                  checksums if staged else None, priority=priority))
+                verify.append(None if staged else
+                              (dst, c_off, c_len, checksums, drv.path, e.file_offset + (c_off - e.obj_offset)))
+            self._gather(futures, extents, verify=verify)
         self.bytes_read += dst.nbytes
 
     def read_device(self, extents: list[Extent], dst, checksums: list[int], to_host) -> None:
@@ -424,18 +439,22 @@ class NvmeTier:
         """Write one chunk; its blocks' CRC32Cs into ``crcs`` unless None (the caller computes them)."""
         drv = self.drives[e.dev]
         data = src[off:off + n]
-        if crcs is not None:
-            for b in range(0, n, BLOCK_BYTES):
-                crcs[(off + b) // BLOCK_BYTES] = crc32c(data[b:b + BLOCK_BYTES])
         pos = e.file_offset + (off - e.obj_offset)
         io = self._io_buffer(src, padded, off, n, drv.direct)
         if io is not None:
+            if crcs is not None:
+                for b in range(0, n, BLOCK_BYTES):
+                    crcs[(off + b) // BLOCK_BYTES] = crc32c(data[b:b + BLOCK_BYTES])
             drv.file.pwrite_from(io, pos)
             return
         bounce = self._bounce.get()
         try:
             padded_n = align_up(n, PAGE)
-            bounce[:n] = data
+            for b in range(0, n, BLOCK_BYTES):  # copy a block, checksum the copy while it is in cache
+                m = min(BLOCK_BYTES, n - b)
+                bounce[b:b + m] = data[b:b + m]
+                if crcs is not None:
+                    crcs[(off + b) // BLOCK_BYTES] = crc32c(bounce[b:b + m])
             if padded_n > n:
                 bounce[n:padded_n] = 0
             drv.file.pwrite_from(bounce[:padded_n], pos)
@@ -457,9 +476,11 @@ class NvmeTier:
         bounce = self._bounce.get()
         try:
             drv.file.pread_into(bounce[:align_up(n, PAGE)], pos)
-            if crcs is not None:
-                self._verify(bounce[:n], off, crcs, drv.path, pos)
-            dst[off:off + n] = bounce[:n]
+            for b in range(0, n, BLOCK_BYTES):  # check a block, copy it out while it is in cache
+                m = min(BLOCK_BYTES, n - b)
+                if crcs is not None:
+                    self._verify(bounce[b:b + m], off + b, crcs, drv.path, pos + b)
+                dst[off + b:off + b + m] = bounce[b:b + m]
         finally:
             self._bounce.put(bounce)
 
@@ -480,14 +501,15 @@ class NvmeTier:
             path = self.drives[extents[0].dev].path if extents else "?"
             raise _io_error(e, path, "I/O on") from None
 
-    def _gather(self, futures: list[Future], extents: list[Extent], verify: list[tuple] | None = None) -> None:
+    def _gather(self, futures: list[Future], extents: list[Extent], verify: list[tuple | None] | None = None) -> None:
         """Wait for every chunk; raise the first failure. ``verify``: per future, the
-        ``_verify`` arguments of its chunk, checked as soon as that chunk has landed."""
+        ``_verify`` arguments of its chunk, checked as soon as that chunk has landed (None:
+        its worker checked it)."""
         first: BaseException | None = None
         for i, f in enumerate(futures):
             try:
                 f.result()
-                if verify is not None and first is None:
+                if verify is not None and verify[i] is not None and first is None:
                     dst, off, n, crcs, path, pos = verify[i]
                     self._verify(dst[off:off + n], off, crcs, path, pos)
             except BaseException as e:  # keep waiting: no chunk may still be writing into a buffer we return
