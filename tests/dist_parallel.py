@@ -4,8 +4,12 @@ state (and, where asked, parameters: under FSDP2 the rank's local shards) offloa
 node's daemon, compared step by step with the same run without tierstore (bit for bit:
 the plain loop is deterministic on CPU).
 
-    torchrun --nproc_per_node=2 tests/dist_parallel.py fsdp2 SOCKET JOB [params [STEPS]]
-    torchrun --nproc_per_node=4 tests/dist_parallel.py tp SOCKET JOB [params [STEPS]]
+    torchrun --nproc_per_node=2 tests/dist_parallel.py fsdp2 SOCKET JOB [params [STEPS [CKPT_DIR]]]
+    torchrun --nproc_per_node=4 tests/dist_parallel.py tp SOCKET JOB [params [STEPS [CKPT_DIR]]]
+
+With CKPT_DIR, after training the offloaded run saves with ``dcp_save``, loads into a
+fresh model and optimizer (parameters offloaded too) with ``dcp_load``, and both runs take
+one more step, which must be equal.
     torchrun --nproc_per_node=2 tests/dist_parallel.py gpipe|1f1b SOCKET JOB [params]
 
 Each rank prints ``rank R <layout> ok`` when its checks pass.
@@ -20,12 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tierstore.client import Client
-from tierstore.client.torch import offload_optimizer, offload_parameters
+from tierstore.client.torch import dcp_load, dcp_save, offload_optimizer, offload_parameters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import gpt_blocks  # noqa: E402  (the model bench/train_dist.py trains)
 
 STEPS, VOCAB, WIDTH, SEQ, BATCH = 4, 32, 16, 8, 4
+CKPT = None  # a directory: the sharded layouts go through dcp_save / dcp_load after training
 
 
 def gpt():
@@ -83,13 +88,17 @@ def sharded(client, params, tp):
             assert "managed by fully_shard" in str(e), e
         else:
             raise AssertionError("offload_parameters accepted DTensors outside FSDP2")
-    model = gpt()
-    for block in (model[1], model[2]):
-        if tp:
-            parallelize_module(block, mesh["tp"], gpt_blocks.tp_plan())
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    opt, undo = wrap(model, client, "tp" if tp else "fsdp2", params)
+    def build(name):
+        model = gpt()
+        for block in (model[1], model[2]):
+            if tp:
+                parallelize_module(block, mesh["tp"], gpt_blocks.tp_plan())
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return (model, *wrap(model, client, name, params))
+
+    name = "tp" if tp else "fsdp2"
+    model, opt, undo = build(name)
     checked = []
     if undo is not None:  # inside the forward of block 2, after its all-gather: no shard is resident
         shards = dict(model.named_parameters())  # the sharded parameters (forward swaps in unsharded ones)
@@ -117,8 +126,24 @@ def sharded(client, params, tp):
             assert not held, f"step {i}: shards still resident between steps: {held[:3]}"
     if undo is not None:
         assert len(checked) == STEPS
+    if CKPT is not None:  # offloaded: through dcp_save into a fresh model and optimizer, then one more step
+        if client is not None:
+            stats = dcp_save(model, opt, os.path.join(CKPT, name), file_bytes=2048)
+            assert stats.total_bytes and stats.peak_bytes < stats.total_bytes, vars(stats)
+            undo()
+            name += "2"
+            model, opt, undo = build(name)
+            dcp_load(model, opt, os.path.join(CKPT, name[:-1]))
+        x, y = tokens(STEPS, replica)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    if undo is not None:
+        undo.writeback()
         undo()
-    return losses, [p.full_tensor().detach().clone() for p in model.parameters()], model
+    return losses, [p.full_tensor().detach().clone() for p in model.parameters()], model, f"{name}-params"
 
 
 def pipeline(client, params, schedule):
@@ -144,15 +169,16 @@ def pipeline(client, params, schedule):
         opt_step(opt, undo)
     if undo is not None:
         undo()
-    return losses, [p.detach().clone() for p in stage_mod.parameters()], stage_mod
+    return losses, [p.detach().clone() for p in stage_mod.parameters()], stage_mod, None
 
 
 def main():
     layout, sock, job = sys.argv[1:4]
     params = sys.argv[4:5] == ["params"]
+    global STEPS, CKPT
     if sys.argv[5:]:
-        global STEPS
         STEPS = int(sys.argv[5])
+    CKPT = sys.argv[6] if sys.argv[6:] else None
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     client = Client.connect(socket=sock, namespace=f"{job}/rank{rank}")
@@ -160,8 +186,8 @@ def main():
         run = lambda c, p: sharded(c, p, layout == "tp")  # noqa: E731
     else:
         run = lambda c, p: pipeline(c, p, layout)  # noqa: E731
-    plain_losses, plain, _ = run(None, False)
-    off_losses, off, off_model = run(client, params)
+    plain_losses, plain, _, _ = run(None, False)
+    off_losses, off, off_model, params_prefix = run(client, params)
     for step, (a, b) in enumerate(zip(plain_losses, off_losses)):
         assert torch.equal(a, b), f"{layout}: step {step} loss {b.tolist()} differs from plain {a.tolist()}"
     assert all(torch.equal(a, b) for a, b in zip(plain, off)), f"{layout}: parameters differ from plain"
@@ -170,7 +196,7 @@ def main():
     if layout in ("tp", "fsdp2"):
         assert any("#dtensor" in k for k in keys), f"sharded state was not stored as local shards: {keys[:4]}"
     if params and layout in ("tp", "fsdp2"):  # each local shard, as the rank holds it, is in the pool
-        local = {f"{layout}-params/{n}": p._local_tensor for n, p in off_model.named_parameters()}
+        local = {f"{params_prefix}/{n}": p._local_tensor for n, p in off_model.named_parameters()}
         for k, t in local.items():
             if t.numel():
                 assert torch.equal(client.get(client.lookup(k)), t), f"{k}: pool copy differs from the shard"

@@ -164,23 +164,28 @@ def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(ma
 
 
 @pytest.mark.parametrize("steps", [2, pytest.param(6, marks=pytest.mark.slow)])
-def test_fsdp2_with_offloaded_parameter_shards_and_optimizer_equals_plain(daemon, steps):
+def test_fsdp2_with_offloaded_parameter_shards_and_optimizer_equals_plain(daemon, tmp_path, steps):
     """FSDP2 over 2 ranks, a GPT-style model: each rank's local parameter shards and
     optimizer state in its own namespace, brought in for FSDP2's all-gathers and the
     optimizer step and released between; losses and parameters equal plain AdamW's bit for
-    bit every step, no shard is resident between steps, and the pool holds each shard."""
-    assert_ranks_ok(torchrun(2, "dist_parallel.py", "fsdp2", daemon.socket, "fsdp-job", "params", steps), 2, "fsdp2")
+    bit every step, no shard is resident between steps, and the pool holds each shard.
+    Then dcp_save, dcp_load into a fresh offloaded model and optimizer, and one more step
+    equal to plain's."""
+    assert_ranks_ok(torchrun(2, "dist_parallel.py", "fsdp2", daemon.socket, "fsdp-job", "params", steps, tmp_path),
+                    2, "fsdp2")
     with daemon.client("fsdp-job/rank1") as c:
         assert c.keys(prefix="fsdp2-params/")
 
 
 @pytest.mark.parametrize("steps", [2, pytest.param(6, marks=pytest.mark.slow)])
-def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon, steps):
+def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon, tmp_path, steps):
     """GPT-style blocks with q/k/v/fc1 column- and o/fc2 row-parallel over "tp", FSDP2 over "dp":
     with the parameters' 2-D local shards and the optimizer state offloaded, losses and
     parameters equal plain AdamW's bit for bit every step, each rank's shards and state
-    in its own namespace."""
-    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params", steps), 4, "tp")
+    in its own namespace; through dcp_save / dcp_load into a fresh model, one more step
+    equal to plain's."""
+    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params", steps, tmp_path),
+                    4, "tp")
     with daemon.client("tp-job/rank0") as c:
         assert {f"tp-job/rank{r}" for r in range(4)} <= set(c.stat()["namespaces"])
         assert c.keys(prefix="tp-params/")
