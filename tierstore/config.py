@@ -125,8 +125,8 @@ class StoreConfig:
                                                                "else posix), posix or kvikio")
     direct_io: Literal["auto", "on", "off"] = _knob("auto", "O_DIRECT: auto (probe each directory), on (fail if "
                                                             "unsupported) or off")
-    io_threads: int = _knob(8, "NVMe requests in flight on the posix engine", minimum=1)
-    io_chunk_bytes: int = _knob(8 << 20, "large transfers are split into chunks of this size (a multiple of "
+    io_threads: int = _knob(16, "NVMe requests in flight on the posix engine", minimum=1)
+    io_chunk_bytes: int = _knob(16 << 20, "large transfers are split into chunks of this size (a multiple of "
                                          "1MiB)")
     nvme_grow_bytes: int = _knob(256 << 20, "NVMe data files grow (fallocate) in steps of this size; 0: each is "
                                             "reserved at its full size at start (for a drive the tier has to itself)")

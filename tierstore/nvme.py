@@ -40,6 +40,8 @@ DATA_FILE = "data.bin"
 LOCK_FILE = "lock"
 _FALLBACK_GROW_BYTES = 256 << 20
 """Growth step of a data file that could not be reserved whole."""
+_BOUNCE_BUFFERS = 8
+"""Most staging buffers (of one chunk each) for transfers of memory that is not 4 KiB aligned."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,7 +145,8 @@ class NvmeTier:
             self.reserved = self._reserve_files()
         self.direct = all(d.direct for d in self.drives)
         self.direct_reason = "; ".join(sorted({d.direct_reason for d in self.drives}))
-        self._bounce = _BouncePool(engine.threads + 2, chunk_bytes)
+        # at most _BOUNCE_BUFFERS unaligned chunks in flight: their pages are resident once used
+        self._bounce = _BouncePool(min(engine.threads + 2, _BOUNCE_BUFFERS), chunk_bytes)
         self._lock = threading.Lock()  # guards the allocators and the stripe cursor
         self._next_drive = 0
         self.bytes_read = 0
