@@ -4,12 +4,13 @@ state (and, where asked, parameters: under FSDP2 the rank's local shards) offloa
 node's daemon, compared step by step with the same run without tierstore (bit for bit:
 the plain loop is deterministic on CPU).
 
-    torchrun --nproc_per_node=2 tests/dist_parallel.py fsdp2 SOCKET JOB [params [STEPS [CKPT_DIR]]]
-    torchrun --nproc_per_node=4 tests/dist_parallel.py tp SOCKET JOB [params [STEPS [CKPT_DIR]]]
+    torchrun --nproc_per_node=2 tests/dist_parallel.py fsdp2 SOCKET JOB [params [STEPS [CKPT_DIR|- [prefetch]]]]
+    torchrun --nproc_per_node=4 tests/dist_parallel.py tp SOCKET JOB [params [STEPS [CKPT_DIR|- [prefetch]]]]
 
 With CKPT_DIR, after training the offloaded run saves with ``dcp_save``, loads into a
 fresh model and optimizer (parameters offloaded too) with ``dcp_load``, and both runs take
-one more step, which must be equal.
+one more step, which must be equal. ``prefetch``: FSDP2's explicit forward and backward
+prefetching, and block 1 not resharded after forward.
     torchrun --nproc_per_node=2 tests/dist_parallel.py gpipe|1f1b SOCKET JOB [params]
 
 Each rank prints ``rank R <layout> ok`` when its checks pass.
@@ -31,6 +32,7 @@ import gpt_blocks  # noqa: E402  (the model bench/train_dist.py trains)
 
 STEPS, VOCAB, WIDTH, SEQ, BATCH = 4, 32, 16, 8, 4
 CKPT = None  # a directory: the sharded layouts go through dcp_save / dcp_load after training
+PREFETCH = False  # the sharded layouts with FSDP2's explicit prefetching and a block kept unsharded after forward
 
 
 def gpt():
@@ -93,8 +95,12 @@ def sharded(client, params, tp):
         for block in (model[1], model[2]):
             if tp:
                 parallelize_module(block, mesh["tp"], gpt_blocks.tp_plan())
-            fully_shard(block, mesh=mesh["dp"])
+            # PREFETCH: block 1 keeps its gathered parameters from forward to backward
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=not (PREFETCH and block is model[1]))
         fully_shard(model, mesh=mesh["dp"])
+        if PREFETCH:  # explicit prefetching: each block's all-gather is issued by the block before it runs
+            model[1].set_modules_to_forward_prefetch([model[2]])
+            model[2].set_modules_to_backward_prefetch([model[1]])
         return (model, *wrap(model, client, name, params))
 
     name = "tp" if tp else "fsdp2"
@@ -175,10 +181,11 @@ def pipeline(client, params, schedule):
 def main():
     layout, sock, job = sys.argv[1:4]
     params = sys.argv[4:5] == ["params"]
-    global STEPS, CKPT
+    global STEPS, CKPT, PREFETCH
     if sys.argv[5:]:
         STEPS = int(sys.argv[5])
-    CKPT = sys.argv[6] if sys.argv[6:] else None
+    CKPT = sys.argv[6] if sys.argv[6:] and sys.argv[6] != "-" else None
+    PREFETCH = sys.argv[7:] == ["prefetch"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     client = Client.connect(socket=sock, namespace=f"{job}/rank{rank}")

@@ -163,29 +163,34 @@ def test_get_and_set_state_dict_speak_parameter_names_without_a_process_group(ma
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("steps", [2, pytest.param(6, marks=pytest.mark.slow)])
-def test_fsdp2_with_offloaded_parameter_shards_and_optimizer_equals_plain(daemon, tmp_path, steps):
+SHARDED_RUNS = [(2, ""), pytest.param(6, "", marks=pytest.mark.slow), pytest.param(4, "prefetch", marks=pytest.mark.slow)]
+"""(steps, extra): the default run, a longer one, and one with FSDP2's explicit prefetching
+and a block kept unsharded from forward to backward."""
+
+
+@pytest.mark.parametrize("steps,extra", SHARDED_RUNS)
+def test_fsdp2_with_offloaded_parameter_shards_and_optimizer_equals_plain(daemon, tmp_path, steps, extra):
     """FSDP2 over 2 ranks, a GPT-style model: each rank's local parameter shards and
     optimizer state in its own namespace, brought in for FSDP2's all-gathers and the
     optimizer step and released between; losses and parameters equal plain AdamW's bit for
     bit every step, no shard is resident between steps, and the pool holds each shard.
     Then dcp_save, dcp_load into a fresh offloaded model and optimizer, and one more step
     equal to plain's."""
-    assert_ranks_ok(torchrun(2, "dist_parallel.py", "fsdp2", daemon.socket, "fsdp-job", "params", steps, tmp_path),
-                    2, "fsdp2")
+    assert_ranks_ok(torchrun(2, "dist_parallel.py", "fsdp2", daemon.socket, "fsdp-job", "params", steps, tmp_path,
+                             *[extra][:bool(extra)]), 2, "fsdp2")
     with daemon.client("fsdp-job/rank1") as c:
         assert c.keys(prefix="fsdp2-params/")
 
 
-@pytest.mark.parametrize("steps", [2, pytest.param(6, marks=pytest.mark.slow)])
-def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon, tmp_path, steps):
+@pytest.mark.parametrize("steps,extra", SHARDED_RUNS)
+def test_tensor_parallel_x_fsdp2_on_a_2x2_mesh_equals_plain(daemon, tmp_path, steps, extra):
     """GPT-style blocks with q/k/v/fc1 column- and o/fc2 row-parallel over "tp", FSDP2 over "dp":
     with the parameters' 2-D local shards and the optimizer state offloaded, losses and
     parameters equal plain AdamW's bit for bit every step, each rank's shards and state
     in its own namespace; through dcp_save / dcp_load into a fresh model, one more step
     equal to plain's."""
-    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params", steps, tmp_path),
-                    4, "tp")
+    assert_ranks_ok(torchrun(4, "dist_parallel.py", "tp", daemon.socket, "tp-job", "params", steps, tmp_path,
+                             *[extra][:bool(extra)]), 4, "tp")
     with daemon.client("tp-job/rank0") as c:
         assert {f"tp-job/rank{r}" for r in range(4)} <= set(c.stat()["namespaces"])
         assert c.keys(prefix="tp-params/")
