@@ -180,8 +180,10 @@ def _cli(*args: str) -> float:
 
 
 def _daemon_flags(n: int) -> list[str]:
-    # every small object takes a 4 KiB page of the host tier and, durable, of the NVMe tier
-    host = max(128 << 20, (n * 4096 * 5) // 4 + (64 << 20))
+    # every small object takes a 4 KiB page of the host tier and, durable, of the NVMe tier;
+    # room for all n below the high watermark, so a put phase measures puts, not the
+    # demoter making room (at most 12 GiB)
+    host = min(12 << 30, max(128 << 20, (n * 4096 * 5) // 4 + (64 << 20)))
     return ["--host-bytes", str(host), "--nvme-bytes", str(max(1 << 30, n * 4096 * 3)), "--lease-timeout-s", "0"]
 
 
@@ -203,7 +205,7 @@ def run_size(n: int, args) -> dict:
     from tierstore.client import Client
 
     base = tempfile.mkdtemp(prefix="tierstore-scale-")
-    flags = _daemon_flags(n)
+    flags = _daemon_flags(2 * n)  # a volatile and a durable phase of n objects each
     daemon, sock, notify = start_daemon(base, *flags, env={"TIERSTORE_NVME_GROW_BYTES": "256MiB"})
     res: dict = {"n": n}
     try:

@@ -368,6 +368,30 @@ def test_object_larger_than_1gib(make_store):
     assert torch.equal(s.get(h), t)
 
 
+def test_the_demoter_moves_many_small_objects_down_in_batches_intact(make_store, nvme_dir):
+    """Past the high watermark the demoter takes small objects down a batch at a time:
+    every one keeps its bytes; a durable object whose host copy is newer than its NVMe
+    copy (an rw check-in) is written and journaled on the way, so it survives a reopen."""
+    s = make_store(host_bytes="8MiB", high_watermark=0.6, low_watermark=0.3)
+    dur = s.put(torch.zeros(256), key="dur", durable=True)
+    with s.checkout(dur, "rw") as v:  # the host copy is now the newer one
+        v.fill_(7.0)
+    hs = [s.put(torch.full((1024,), float(i)), key=f"k{i}", tier="host") for i in range(1500)]  # past 60 %
+
+    def worked_down():
+        st = s.stat()
+        return st["counters"]["demotions"] >= 256 and st["tiers"]["host"]["used_bytes"] <= 0.6 * (8 << 20)
+    poll_until(worked_down, "the demoter works down")  # more than one batch's worth
+    moved = s.stat()["counters"]["demotions"]
+    assert sum(_resident(s, h) == ["nvme"] for h in hs) >= moved - 1
+    for i, h in enumerate(hs):
+        assert torch.equal(s.get(h), torch.full((1024,), float(i)))
+    assert torch.equal(s.get(dur), torch.full((256,), 7.0))
+    s.close()
+    s2 = make_store(host_bytes="8MiB")
+    assert torch.equal(s2.get(s2.lookup("dur")), torch.full((256,), 7.0))
+
+
 def test_nvme_homed_objects_go_back_down_after_use(make_store):
     s = make_store(host_bytes="16MiB")
     h = s.put(torch.ones(100_000), tier="nvme")

@@ -55,6 +55,10 @@ DISCARD_WAIT_S = 5.0
 
 _PREFETCH_WAIT_S = 1.0
 
+_DEMOTE_BATCH = 256
+_DEMOTE_BATCH_BYTES = 16 << 20
+"""The background demoter moves at most this many objects / bytes in one batch (whoever
+waits for one of them waits for the batch's write)."""
 READ_RESERVE_BYTES = 64 << 20
 """The last this many bytes of the host tier (at most a sixteenth of it) only take reads
 of bytes that are on NVMe: durable objects stay readable when both tiers are full."""
@@ -263,9 +267,7 @@ class Placement:
         objects = self.index.objects
         for oid in self.policy.candidates():
             m = objects.get(oid)
-            if m is None or not m.host_valid or m.host_off is None:
-                continue
-            if m.moving or m.pins or m.readers or m.writer or m.freeing or (clean_only and not m.nvme_valid):
+            if not _may_move(m) or (clean_only and not m.nvme_valid):
                 continue
             if admit_distance is not None:
                 if self.prefetcher.is_protected(oid):
@@ -277,6 +279,23 @@ class Placement:
             self.prefetcher.forget(oid)  # evicted before its predicted use: wasted
             return m
         return None
+
+    def _pick_victims(self, nbytes: int) -> list[ObjectMeta]:
+        """(under cv) Victims that may move now, best first, marked moving: enough to free
+        ``nbytes`` (at least one), at most ``_DEMOTE_BATCH`` objects and
+        ``_DEMOTE_BATCH_BYTES``."""
+        objects, out, total = self.index.objects, [], 0
+        for oid in self.policy.candidates():
+            m = objects.get(oid)
+            if not _may_move(m):
+                continue
+            m.moving = True
+            self.prefetcher.forget(oid)
+            out.append(m)
+            total += align_up(max(m.nbytes, 1), PAGE)
+            if total >= min(nbytes, _DEMOTE_BATCH_BYTES) or len(out) >= _DEMOTE_BATCH:
+                break
+        return out
 
     def release_host(self, meta: ObjectMeta) -> None:
         """(under cv) ``meta`` leaves the host tier: its block goes back, the eviction order
@@ -364,6 +383,55 @@ class Placement:
         finally:
             with ix.cv:
                 meta.moving = False
+                ix.cv.notify_all()
+
+    def demote_many(self, metas: list[ObjectMeta]) -> None:
+        """``demote`` for a batch of host-resident objects (each flagged moving): those whose
+        NVMe copy is current only give their host block back; the volatile others are
+        written in one ``write_many`` (runs of adjacent page-sized objects in one request,
+        unsynced, as ``demote`` writes them); a durable one whose host copy is newer goes
+        through ``demote`` (synced, journaled). Then every host block goes back in one hold
+        of the index lock. A tier of many small objects is brought under its watermark in a
+        few requests instead of one write and three lock holds per object."""
+        ix = self.index
+        metas = list(metas)
+        try:
+            for m in [m for m in metas if not m.nvme_valid and m.durable]:
+                metas.remove(m)
+                self.demote(m)  # clears its moving flag itself
+            dirty = [m for m in metas if not m.nvme_valid]
+            taken: list[tuple[ObjectMeta, list]] = []
+            for m in dirty:
+                try:
+                    taken.append((m, self.nvme_take(m.nbytes, demoting=True)))
+                except TierstoreError as e:  # NVMe full: these stay where they are
+                    log.error("background demotion of %s failed: %s", m.handle, e)
+                    break
+            views = self.arena.view
+            crcs = self.nvme.write_many([(ext, views(m.host_off, m.nbytes), views(m.host_off, align_up(m.nbytes, PAGE)))
+                                         if m.nbytes else (ext, np.empty(0, np.uint8), None) for m, ext in taken])
+            stale = []
+            for (m, ext), c in zip(taken, crcs):
+                if isinstance(c, Exception):
+                    log.error("background demotion of %s failed: %s", m.handle, c)
+                    self.nvme.free(ext)
+            with ix.cv:
+                for (m, ext), c in zip(taken, crcs):
+                    if not isinstance(c, Exception):
+                        if m.nvme:
+                            stale.append(m.nvme)
+                        m.nvme, m.crcs, m.nvme_valid = ext, c, True
+                for m in metas:
+                    if m.nvme_valid:
+                        self.release_host(m)
+                        self.counters["demotions"] += 1
+                        self.counters["demoted_bytes"] += m.nbytes
+            for ext in stale:
+                self.nvme.free(ext)
+        finally:
+            with ix.cv:
+                for m in metas:
+                    m.moving = False
                 ix.cv.notify_all()
 
     def write_down(self, meta: ObjectMeta, *, sync: bool, demoting: bool = False) -> None:
@@ -770,16 +838,23 @@ class Placement:
                 continue
             while not ix.closed and self.host.used_bytes > low:
                 with ix.cv:
-                    victim = self._pick_victim()
-                if victim is None:
+                    victims = self._pick_victims(int(self.host.used_bytes - low))
+                if not victims:
                     break
                 try:
-                    self.demote(victim)
+                    self.demote_many(victims)
                 except TierstoreError as e:
                     # one failed object (NVMe full, I/O error) must not stop the worker
-                    log.error("background demotion of %s failed: %s", victim.handle, e)
+                    log.error("background demotion of %d objects failed: %s", len(victims), e)
                     break
         log.info("demoter stopped")
+
+
+def _may_move(m: ObjectMeta | None) -> bool:
+    """(under cv) Whether a host-resident object may leave the host tier now: nobody holds
+    it, nothing moves it, it is not being freed."""
+    return (m is not None and m.host_valid and m.host_off is not None
+            and not (m.moving or m.pins or m.readers or m.writer or m.freeing))
 
 
 class Landing:
