@@ -79,6 +79,8 @@ class Placement:
         self.gpu_lru: OrderedDict[int, None] = OrderedDict()
         """GPU-tier objects, least recently used first."""
         self.staging: dict[Any, tuple[int, int]] = {}
+        self._staging_bytes = 0
+        """The staging areas' bytes together (kept with ``staging``, under cv)."""
         """owner -> (offset, nbytes) of its staging area in the host arena."""
         self._spill: list[int] = []  # home-NVMe objects released from use, to go back down
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
@@ -170,7 +172,7 @@ class Placement:
     def host_usable(self) -> int:
         """Host bytes one object can ever get: the tier less the connections' staging areas."""
         with self.index.cv:
-            return self.host.capacity - sum(n for _, n in self.staging.values())
+            return self.host.capacity - self._staging_bytes
 
     def host_take(self, nbytes: int, *, reading: bool = False) -> int | None:
         """(under cv) A host block now, or None.
@@ -347,6 +349,7 @@ class Placement:
             if off is None:
                 raise CapacityExceeded("host tier full: no room for a staging area; use the two-phase put")
             self.staging[owner] = (off, nbytes)
+            self._staging_bytes += nbytes
             return off, nbytes
 
     def staging_of(self, owner: Any) -> tuple[int, int] | None:
@@ -358,6 +361,7 @@ class Placement:
         with self.index.cv:
             area = self.staging.pop(owner, None)
             if area is not None:
+                self._staging_bytes -= area[1]
                 self.host.free(*area)
                 self.index.cv.notify_all()
             if self.gpu is not None:
