@@ -270,9 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--path-rounds", type=int, default=5, help="interleaved rounds of the per-path comparison")
     p.add_argument("--deepspeed-python", default=sys.executable,
                    help="an interpreter where deepspeed imports (default: this one; docs/benchmarks.md#deepspeed)")
-    p.add_argument("--ds-aio", default="1MiB:8:1,8MiB:32:8",
-                   help="DeepSpeed aio configurations, BLOCK:QUEUE_DEPTH:THREADS each (the first: ZeRO-Infinity's "
-                        "default aio block and depth, as bench/train_offload.py runs it)")
+    p.add_argument("--ds-aio", default="8MiB:32:8,1MiB:8:1",
+                   help="DeepSpeed aio configurations, BLOCK:QUEUE_DEPTH:THREADS each, all in the per-path comparison; "
+                        "the first also in the size table (default: a deep queue, then ZeRO-Infinity's default aio "
+                        "block and depth, as bench/train_offload.py runs it)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.runs, args.snapshot_bytes, args.snapshot_objects = "1MiB,3MiB", 2, "8MiB", 20
