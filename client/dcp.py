@@ -16,7 +16,9 @@ state ever being whole in the rank's memory:
   up holding the whole state after all. At most about one file's worth (and one
   tensor) of state is in memory at a time (``StreamStats`` counts it).
 
-``dcp_load(model, optimizer, path)`` is the way back: ``PoolLoadPlanner.resolve_tensor``
+``dcp_load(model, optimizer, path)`` is the way back. A fresh optimizer first gets its
+state (what ``get_state_dict`` would make with a zero-gradient step over every parameter
+at once) a bucket at a time (``make_state``); then ``PoolLoadPlanner.resolve_tensor``
 gives the reader a buffer for each placeholder's shard (the pieces of a resharded
 tensor land in it), and ``commit_tensor`` puts it into the pool (every version kept)
 and drops it as soon as the last piece is in. Resharding N → M ranks works as DCP does
@@ -224,6 +226,7 @@ def dcp_load(model: torch.nn.Module, optimizer: OffloadedOptimizer, checkpoint_i
     straight into the pool (see the module docstring), at the saved step. Collective
     like ``dcp.load``. Returns this rank's ``StreamStats``."""
     _check(optimizer, options)
+    optimizer.make_state()  # get_state_dict's zero-gradient step, a bucket at a time
     with optimizer.lazy_state_dict() as ph:
         msd, osd = get_state_dict(model, optimizer, options=options)
     optimizer.progress.forget()  # the state is replaced in place: until it is whole, a resume starts fresh

@@ -251,6 +251,38 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         finally:
             self._lazy = None
 
+    @torch.no_grad()
+    def make_state(self) -> None:
+        """What ``get_state_dict`` does to an optimizer without state (a zero-gradient step
+        with every learning rate 0, so that the state exists to be loaded into), a bucket
+        at a time: zero gradients for one bucket's parameters at once instead of all of
+        them. Nothing happens when some parameter has state or a gradient, as there."""
+        if len(self.state) or any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            return
+        work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                if p.requires_grad]
+        lrs = [g.get("lr") for g in self.param_groups]
+        for g in self.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        try:
+            k = 0
+            while k < len(work):
+                end = self.buckets.first_end(work, k)
+                for _, _, p in work[k:end]:
+                    p.grad = torch.zeros_like(p)
+                try:
+                    self.update_now(work[k:end])
+                finally:
+                    for _, _, p in work[k:end]:
+                        p.grad = None
+                k = end
+            self._complete_step(work)
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+
     def loaded_in_place(self, ph: Placeholders) -> None:
         """A load put every placeholder's tensor into the pool itself (``dcp_load``): take
         over what it filled in place (python scalars, the groups' settings), make fp32
