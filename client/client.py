@@ -734,7 +734,9 @@ def _entries(page: dict[str, Any]) -> list[dict[str, Any]]:
     for every row)."""
     try:
         n, names = page["n"], tuple(page["fields"])
-        cols = [itertools.repeat(c["all"], n) if type(c) is dict else c for c in page["columns"]]
+        # a list held by every row is copied for each (shape, residency: each entry's own)
+        cols = [(map(list, itertools.repeat(c["all"], n)) if type(c["all"]) is list else itertools.repeat(c["all"], n))
+                if type(c) is dict else c for c in page["columns"]]
         if len(cols) != len(names) or not all(type(f) is str for f in names):
             raise ValueError
         return _entry_maker(names)(zip(*cols))

@@ -54,23 +54,15 @@ PAGE_NAMESPACES = 1024
 """Most entries in one page of ``keys``, ``ls``, ``namespaces`` (and at most about PAGE_BYTES)."""
 
 _KEY_COLUMN = INFO_FIELDS.index("key")
-_SCALARS = (str, int, float, bool, type(None))
 
 
-def _columns(rows: list[list[Any]]) -> list[Any]:
-    """An ``ls`` page by column (``INFO_FIELDS`` order), a column whose every value is the
-    same scalar sent once as ``{"all": value}``: a third of the bytes of rows, and a
-    fraction of the objects for the client to decode (namespace, kind, dtype and the lease
-    columns are nearly always one value). Lists (shape, residency) are never folded: each
-    entry gets its own."""
-    if not rows:
-        return [[] for _ in INFO_FIELDS]
-    cols: list[Any] = list(zip(*rows))
-    for i, col in enumerate(cols):
-        first = col[0]
-        if type(first) in _SCALARS and col.count(first) == len(col) and len(set(map(type, col))) == 1:
-            cols[i] = {"all": first}
-    return cols
+def _columns(cols: list[list[Any]]) -> list[Any]:
+    """An ``ls`` page's columns (``ObjectIndex.ls_columns``) for the wire: a column whose
+    every row holds the same value sent once as ``{"all": value}`` (namespace, kind,
+    dtype, shape and the lease columns nearly always are: a third of the bytes of rows,
+    and a fraction of the objects for the client to decode). A column's values are all
+    of one type, so equal means the same."""
+    return [{"all": col[0]} if col and col.count(col[0]) == len(col) else col for col in cols]
 
 
 def _handle(msg: dict[str, Any], name: str = "handle") -> Handle:
@@ -356,9 +348,10 @@ class Handlers:
             return self._whole_list(sess, lambda: self.store.ls(prefix, namespace=sess.namespace))
         if field(msg, "columns", bool, False):
             prefix, after, limit = self._page_args(msg, PAGE_ROWS)
-            rows = self.store.ls_rows(prefix, after, limit, namespace=sess.namespace)
-            return {"fields": INFO_FIELDS, "n": len(rows), "columns": _columns(rows),
-                    "next": rows[-1][_KEY_COLUMN] if len(rows) == limit else None}
+            cols = self.store.ls_columns(prefix, after, limit, namespace=sess.namespace)
+            keys = cols[_KEY_COLUMN]
+            return {"fields": INFO_FIELDS, "n": len(keys), "columns": _columns(cols),
+                    "next": keys[-1] if len(keys) == limit else None}
         prefix, after, limit = self._page_args(msg, PAGE_LS)
         rows = self.store.ls_page(prefix, after, limit, namespace=sess.namespace)
         return {"objects": rows, "next": rows[-1]["key"] if len(rows) == limit else None}

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import hypothesis
+import hypothesis.strategies as st
 import msgpack
 import numpy as np
 import pytest
@@ -336,6 +338,21 @@ def test_key_index_pages_one_namespace_in_order():
     assert ki.scan("c") == [] and len(ki) == 4 and ki.count("a") == 3
     del ki[("b", "x0")]
     assert ki.count("b") == 0 and ("b", "x0") not in ki and ki.pop(("b", "x0"), None) is None
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(keys=st.sets(st.text(alphabet="ab\U0010ffff\u00e9", max_size=4), max_size=30),
+                  prefix=st.text(alphabet="ab\U0010ffff\u00e9", max_size=3),
+                  after=st.none() | st.text(alphabet="ab\U0010ffff\u00e9", max_size=4),
+                  limit=st.none() | st.integers(1, 8))
+def test_key_index_scans_are_bounded_by_the_prefix_exactly(keys, prefix, after, limit):
+    """A scan walks from its cursor to the end of its prefix's range only, and returns what
+    filtering every key would: keys with the prefix, after the cursor, in order, at most
+    ``limit`` (keys at the top of Unicode included)."""
+    ki = KeyIndex({("n", k): i for i, k in enumerate(sorted(keys))})
+    want = [k for k in sorted(keys) if k.startswith(prefix) and (after is None or k > after)][:limit]
+    assert ki.scan_keys("n", prefix, after, limit) == want
+    assert [k for k, _ in ki.scan("n", prefix, after, limit)] == want
 
 
 def test_stat_counters_match_a_recount_through_moves_replaces_frees_and_a_restart(make_store):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import unicodedata
 from collections import OrderedDict
@@ -280,24 +281,35 @@ class KeyIndex:
 
     def scan_keys(self, namespace: str, prefix: str = "", after: str | None = None,
                   limit: int | None = None) -> list[str]:
-        """The keys alone of ``scan``."""
+        """The keys alone of ``scan``: O(log n + what it returns), in C but for the page's
+        list (the prefix bounds the walk, it is not tested key by key)."""
         d = self._ns.get(namespace)
         if d is None:
             return []
-        out = []
-        for k in sorted_from(d, prefix, after):
-            if not k.startswith(prefix) or (limit is not None and len(out) >= limit):
-                break
-            out.append(k)
-        return out
+        lo, from_lo = (after, False) if after is not None and after >= prefix else (prefix or None, True)
+        it = d.irange(minimum=lo, maximum=_prefix_end(prefix), inclusive=(from_lo, False))
+        return list(it if limit is None else itertools.islice(it, limit))
+
+    def scan_ids(self, namespace: str, prefix: str = "", after: str | None = None,
+                 limit: int | None = None) -> tuple[list[str], list[int]]:
+        """``scan`` as two lists: the keys, and their ids."""
+        d = self._ns.get(namespace)
+        keys = self.scan_keys(namespace, prefix, after, limit)
+        return keys, (list(map(d.__getitem__, keys)) if keys else [])
 
     def scan(self, namespace: str, prefix: str = "", after: str | None = None,
              limit: int | None = None) -> list[tuple[str, int]]:
         """``(key, id)`` of the namespace's keys that start with ``prefix`` and sort after
         ``after`` (exclusive; None: from the first), in key order, at most ``limit``."""
-        d = self._ns.get(namespace)
-        return [(k, d[k]) for k in self.scan_keys(namespace, prefix, after, limit)] if d is not None else []
+        return list(zip(*self.scan_ids(namespace, prefix, after, limit)))
 
+
+def _prefix_end(prefix: str) -> str | None:
+    """The least string above every string that starts with ``prefix`` (None: no bound):
+    those strings are exactly the ones in [prefix, _prefix_end(prefix))."""
+    top = chr(0x10FFFF)
+    stem = prefix.rstrip(top)
+    return stem[:-1] + chr(ord(stem[-1]) + 1) if stem else None
 
 def sorted_from(d: SortedDict, start: str, after: str | None) -> Any:
     """``d``'s keys from ``start`` (inclusive) or after ``after`` (exclusive), whichever is later."""

@@ -386,10 +386,10 @@ class Store:
         """One page of ``ls``: as ``key_page``, with each object's ``info``."""
         return self.index.ls_page(prefix, after, limit, namespace)
 
-    def ls_rows(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
-                namespace: str | None = None) -> list[list[Any]]:
-        """``ls_page`` as rows of ``objectindex.INFO_FIELDS``."""
-        return self.index.ls_rows(prefix, after, limit, namespace)
+    def ls_columns(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
+                   namespace: str | None = None) -> list[list[Any]]:
+        """``ls_page`` by column of ``objectindex.INFO_FIELDS`` (``ObjectIndex.ls_columns``)."""
+        return self.index.ls_columns(prefix, after, limit, namespace)
 
     def snapshot(self, dest: str, *, prefix: str = "", namespace: str | None = None,
                  progress: bool | None = None) -> dict[str, Any]:
