@@ -13,6 +13,10 @@ parser per field (``parse_setting``), so ``"8GiB"`` means the same everywhere an
 error names the setting as it was given (``TIERSTORE_IO_THREADS='abc': expected an
 integer``). Precedence, lowest first: embedded defaults, TOML file, environment,
 flags. ``Config.load_sourced`` also says where each effective value came from.
+
+Length: the settings are one table (every field with its default, type, help text and
+checks) and the one parser that reads them from every source; split, a setting's
+rules would live in two places.
 """
 
 from __future__ import annotations

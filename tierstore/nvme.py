@@ -9,6 +9,10 @@ reserved whole when the tier opens instead, so no write the tier has room for ev
 meets a full filesystem (where the filesystem cannot hold the reservation: a
 warning, and growth in steps). Reads never grow a file. What to place here, and
 when, is the store's policy; this module only moves bytes.
+
+Length: the data files, their growth, and the read and write paths (single, batched,
+through staging buffers for unaligned tensors) share one set of rules for chunks,
+alignment and checksums; they are kept together so those rules are written once.
 """
 
 from __future__ import annotations
