@@ -64,3 +64,31 @@ def test_adoption_of_a_replaced_object_whose_drop_never_made_it_frees_its_block(
             assert s.stat()["tiers"]["host"]["used_bytes"] == 0
     finally:
         log.close()
+
+
+def test_a_live_set_larger_than_a_half_abandons_the_log_instead_of_failing_appends(caplog):
+    """More host-resident objects than a half can describe: appends go on (a put must not
+    fail for the restart log), the log says once that it stopped, and a daemon handed the
+    memfd finds no log and adopts nothing rather than a partial set."""
+    log = HostIndexLog(size=4096 + 2 * 8192)
+    log.start_empty()
+    live = {}
+    for i in range(400):  # ~400 records of ~40 bytes: twice what one 8 KiB half holds
+        live[i] = _rec(i, i * 4096)
+        log.append_host(live[i], lambda: list(live.values()))
+    assert log.abandoned
+    assert sum("cannot hold the host tier's live set" in r.message for r in caplog.records) == 1
+    log.append_drop(3, lambda: list(live.values()))  # still no error
+    log.rewrite(list(live.values()))
+    handed = HostIndexLog(fd=os.dup(log.fd))
+    assert handed.replay() == []
+    for x in (log, handed):
+        x.close()
+
+
+def test_the_log_is_sized_for_every_block_of_the_host_tier():
+    from tierstore.hostindex import INDEX_BYTES, index_bytes_for
+
+    assert index_bytes_for(1 << 20) == INDEX_BYTES  # small tiers: the floor
+    big = index_bytes_for(16 << 30)  # 4 Mi pages: a record of 256 bytes each fits in a half
+    assert (big - 4096) // 2 >= (16 << 30) // 4096 * 256

@@ -16,6 +16,7 @@ No fsync: the memfd lives in RAM and outlives the daemon only while systemd hold
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -26,13 +27,25 @@ import msgpack
 
 from .checksum import crc32c
 
-__all__ = ["HostIndexLog", "INDEX_BYTES"]
+__all__ = ["HostIndexLog", "INDEX_BYTES", "index_bytes_for"]
 
 INDEX_BYTES = 64 << 20
+"""The smallest log: two halves of 32 MiB."""
+_BYTES_PER_BLOCK = 256
+"""Room per possible host block (one per 4 KiB page) in each half: a record is ~50 bytes
+plus its namespace and key. The memfd is sparse: only the bytes written take memory."""
+
+
+def index_bytes_for(host_bytes: int) -> int:
+    """The log's size for a host tier of ``host_bytes``: every block it can hold, with a
+    record of up to ``_BYTES_PER_BLOCK`` bytes each, fits in one half."""
+    return max(INDEX_BYTES, _HEADER + 2 * (host_bytes // 4096) * _BYTES_PER_BLOCK)
 _HEADER = 4096
 _MAGIC = 0x54534849  # "IHST"
 _HDR = struct.Struct("<IIQ")  # magic, active half, generation
 _REC = struct.Struct("<II")
+
+log = logging.getLogger(__name__)
 
 
 class HostIndexLog:
@@ -53,6 +66,9 @@ class HostIndexLog:
         else:
             _, self._active, self._gen = _HDR.unpack_from(self.mm, 0)
         self._tail = None  # found by replay(); appends need it
+        self.abandoned = False
+        """The live set outgrew a half (``_compact``): the log records nothing more, and a
+        daemon handed this memfd adopts nothing from it."""
 
     def _base(self, half: int) -> int:
         return _HEADER + half * self.half
@@ -104,10 +120,13 @@ class HostIndexLog:
     def _append(self, payload: bytes, live: Callable[[], Iterable[list[Any]]]) -> None:
         """Append one record; compact into the other half (from ``live()``) when full."""
         with self._lock:
+            if self.abandoned:
+                return
             if self._tail is None:
                 raise RuntimeError("replay() or start_empty() first")
             if self._tail + _REC.size * 2 + len(payload) > self._base(self._active) + self.half:
-                self._compact(live())
+                if not self._compact(live()):
+                    return
             self._write(payload)
 
     def _write(self, payload: bytes) -> None:
@@ -120,23 +139,37 @@ class HostIndexLog:
         _REC.pack_into(self.mm, pos, len(payload), crc32c(payload))
         self._tail = end
 
-    def _compact(self, records: Iterable[list[Any]]) -> None:
+    def _compact(self, records: Iterable[list[Any]]) -> bool:
+        """Write the live set to the other half and flip to it; False (the log abandoned)
+        when it does not fit there."""
         other = 1 - self._active
         self._tail = self._base(other)
         self._clear(other)
         for h in records:
             payload = msgpack.packb([0, h], use_bin_type=True)
             if self._tail + _REC.size * 2 + len(payload) > self._base(other) + self.half:
-                raise RuntimeError("host index log too small for the live set")
+                self._abandon()
+                return False
             self._write(payload)
         self._gen += 1
         self._active = other
         _HDR.pack_into(self.mm, 0, _MAGIC, other, self._gen)  # the flip
+        return True
+
+    def _abandon(self) -> None:
+        # the header's magic goes first: a daemon handed this memfd then finds no log and
+        # adopts nothing (its durable objects come back from NVMe, as after any restart)
+        _HDR.pack_into(self.mm, 0, 0, self._active, self._gen)
+        self.abandoned = True
+        log.warning("the host index log (%d bytes) cannot hold the host tier's live set: it records nothing "
+                    "more, and a daemon handed this arena at a restart will not adopt its host-resident objects",
+                    self.size)
 
     def rewrite(self, records: Iterable[list[Any]]) -> None:
         """Replace the log by exactly ``records`` (after an adoption)."""
         with self._lock:
-            self._compact(records)
+            if not self.abandoned:
+                self._compact(records)
 
     def close(self) -> None:
         try:

@@ -39,7 +39,7 @@ from .config import Config, StoreConfig
 from .engine import select_engine
 from .errors import InvalidArgument, TierstoreError
 from .gpu import GpuTier, detect_backend
-from .hostindex import HostIndexLog
+from .hostindex import HostIndexLog, index_bytes_for
 from .index import Handle, validate_key
 from .journal import Journal
 from .leasebatches import LeaseBatches
@@ -159,7 +159,7 @@ class Store:
             inherited = inherited_fds or {}
             adopt = "arena" in inherited and "index" in inherited
             self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None, populate=populate_host)
-            self.hostlog = HostIndexLog(inherited["index"] if adopt else None)
+            self.hostlog = HostIndexLog(inherited["index"] if adopt else None, size=index_bytes_for(self.arena.size))
             # small blocks (staging areas, scalars, biases) from the top, big ones from the bottom
             self.host = ExtentAllocator(self.arena.size, small_bytes=SMALL_BLOCK_BYTES)
             self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
