@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from . import checkpoint
 from .allocator import ExtentAllocator
-from .errors import PermissionDenied, StorageError, TierstoreError
+from .errors import InvalidArgument, PermissionDenied, StorageError, TierstoreError
 from .hostindex import HostIndexLog
 from .index import KeyIndex, ObjectMeta, validate_namespace
 from .journal import Journal, ReplayResult, pack as pack_record
@@ -88,7 +88,8 @@ class Durability:
         """``record_put`` of a volatile object, for a caller that must not wait (the daemon's
         event loop): False, with nothing done, while another holds the journal lock (a
         durable op may be syncing under it)."""
-        assert not meta.durable, "a durable put waits for the journal sync"
+        if meta.durable:
+            raise InvalidArgument("try_record_put is for volatile objects: a durable put waits for the journal sync")
         if not self.lock.acquire(blocking=False):
             return False
         try:
