@@ -122,9 +122,6 @@ class Session:
     wait_backlog: deque = field(default_factory=deque)
     """Its further requests that must wait, queued behind those."""
 
-    def __hash__(self) -> int:
-        return id(self)
-
 
 class Server:
     def __init__(self, config: Config, *, notifier: Notifier | None = None) -> None:
@@ -596,6 +593,8 @@ class Server:
                     self._waits.submit(self._wait, sess, sess.wait_backlog.popleft())
 
     def _drain_done(self) -> None:
+        if self._done.empty():
+            return
         self._corked = set()  # replies finished together (one group commit's) leave together
         try:
             self._drain_done_corked()

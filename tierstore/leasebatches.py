@@ -189,7 +189,7 @@ class LeaseBatches:
         write lease in it (a write-back syncs) is ``Later``, whole; any other is checked in
         now (``LeaseTable.try_release``)."""
         self._check_count(lids)
-        if any(self.leases.writes_back(lid, owner) for lid in lids):
+        if self.leases.writes_back_any(lids, owner):
             return Later(lambda: self.release_many(lids, owner=owner))
         self._release_each(lids, owner, self.leases.check_in_now)
         return None

@@ -37,6 +37,7 @@ __all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH"]
 log = logging.getLogger(__name__)
 
 LOCAL = "local"  # owner of leases taken through the in-process API
+_WRITES_BACK = object()  # what ``_check_in(now=True)`` returns for a check-in it left to a thread that may sync
 
 
 @dataclass(slots=True)
@@ -351,34 +352,44 @@ class LeaseTable:
         """``release`` for a caller that must not wait: the check-in of a durable object's
         write lease (its write-back syncs) is ``Later``; any other is done now, and a durable
         object it lets go (its free journals and syncs) is discarded on the discard thread."""
-        if self.writes_back(lid, owner):
+        drop = self._check_in(lid, owner, now=True)
+        if drop is _WRITES_BACK:
             return Later(lambda: self.release(lid, owner=owner))
-        self.check_in_now(lid, owner)
+        self._discard_soon(drop)
         return None
 
-    def writes_back(self, lid: int, owner: Any) -> bool:
-        """Whether checking in ``owner``'s lease ``lid`` writes a durable object back (syncs)."""
+    def writes_back_any(self, lids: list[int], owner: Any) -> bool:
+        """Whether checking in any of ``owner``'s leases ``lids`` writes a durable object
+        back (syncs)."""
         with self.cv:
-            info = self.leases.get(lid)
-            return info is not None and info.owner == owner and info.mode != "r" and info.durable
+            for lid in lids:
+                info = self.leases.get(lid)
+                if info is not None and info.owner == owner and info.mode != "r" and info.durable:
+                    return True
+        return False
 
     def check_in_now(self, lid: int, owner: Any) -> None:
-        """(the caller knows it ``writes_back`` nothing) ``try_release``'s check-in."""
-        drop = self._check_in(lid, owner)
+        """(the caller knows it writes nothing back: ``writes_back_any``) ``try_release``'s check-in."""
+        self._discard_soon(self._check_in(lid, owner))
+
+    def _discard_soon(self, drop: ObjectMeta | None) -> None:
         if drop is not None:
             if drop.durable:
                 self.placement.discard_later(drop)
             else:
                 self.placement.discard(drop)
 
-    def _check_in(self, lid: int, owner: Any) -> ObjectMeta | None:
+    def _check_in(self, lid: int, owner: Any, *, now: bool = False) -> Any:
         """End lease ``lid`` (a durable object written through it is written back and
         journaled first); the object to discard now, if this was a replaced object's last
-        check-out."""
+        check-out. ``now``: a check-in that would write back is left undone, and
+        ``_WRITES_BACK`` returned instead."""
         with self.cv:
             info = self.leases.get(lid)
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
+            if now and info.mode != "r" and info.durable:
+                return _WRITES_BACK
             meta = self.index.objects.get(info.oid)
             del self.leases[lid]
             if meta is None:
