@@ -19,14 +19,18 @@ Life of a saved tensor:
    NVMe when the host tier is full); then this process drops its reference.
 3. unpack (backward): the bytes come back from whatever holds them: the tensor itself
    if its put has not run yet (the last ones saved, needed first), a buffer a fetch
-   already filled, or a fetch now (a stall, counted). The restored tensor has the
+   already filled, or a fetch now (a stall, counted). On the CPU a fetch checks the
+   object out and backward reads the pool's memory in place (no copy out); the check-in
+   follows once the last tensor over it is gone. A check-out that cannot be had at once
+   (no room in the host tier) falls back to a copy. The restored tensor has the
    original's dtype, shape, strides and storage offset (and its alignment mod 512
    bytes), so the gradients are bit for bit those of the same loop without offload.
    Each unpack starts fetches of the next entries in reverse save order up to
    ``prefetch_bytes``, and sends the pool a prefetch hint for the window after that
    (NVMe to host).
 4. free: when autograd drops the packed handle (after the node that needed it ran, or
-   when a retained graph goes), the object is freed. Objects are ephemeral: a process
+   when a retained graph goes), the object is freed (after its check-in, if backward
+   read it in place). Objects are ephemeral: a process
    that dies takes its activations with it.
 
 Length: one concept, the saved-tensor hooks with their put/fetch worker and the
@@ -81,7 +85,9 @@ class ActivationStats:
     cancelled: int = 0
     """Puts not made because backward asked for the tensor first (it was still here)."""
     fetched_bytes: int = 0
-    """Bytes read back from the pool."""
+    """Bytes read back from the pool (read in place or copied out)."""
+    read_in_place: int = 0
+    """Fetches that backward read where they are in the pool (a check-out, no copy out)."""
     hits: int = 0
     """Unpacks whose bytes were already here (prefetched, or never sent)."""
     late: int = 0
@@ -122,6 +128,22 @@ class _Entry:
     wanted: bool = False  # inside a prefetch window: keep ``src`` after the put
     dead: bool = False
     gpu_ready: Any = None  # a CUDA event after the producer's work: the put waits for it
+    views: int = 0  # check-outs of it that backward reads in place (or a fetch is taking): not freed meanwhile
+    pending_free: Any = None  # the handle to free once the last of them is back in
+    view_arr: Any = None  # a weak reference to the array the last in-place read's tensors hold
+
+
+@dataclass(slots=True, eq=False)
+class _Unview:
+    """A job for a put worker: the last tensor over a check-out's memory is gone; check it in."""
+
+    entry: _Entry
+    lease: Any
+
+
+def _live(ref: Any) -> Any:
+    """What a weak reference (or None) still refers to."""
+    return None if ref is None else ref()
 
 
 class _Saved:
@@ -177,6 +199,11 @@ class ActivationOffload:
         self._hooks: list[Any] = []
         self._closed = False
         self._last_report = 0.0
+        # check-ins of in-place reads: counted by a lock of their own, since the last tensor
+        # over one may go while its thread holds ``_cv``
+        self._unview_lock = threading.Lock()
+        self._unviews_sent = 0
+        self._unviews_done = 0
         self._puts: queue.SimpleQueue[tuple[str, _Entry] | None] = queue.SimpleQueue()  # puts and frees, in order
         self._gets: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._loop, args=(q, name, run), name=f"tierstore-act-{name}{k}",
@@ -396,12 +423,14 @@ class ActivationOffload:
                 e.queued = False
                 self._pending -= e.nbytes
                 self._cv.notify_all()
-            if e.src is not None or e.buf is not None:
-                self._held(-e.nbytes)
-            e.src = e.buf = None
             handle, e.handle = e.handle, None
             if handle is not None:
                 self._in_pool(-e.nbytes)
+                if e.views:  # backward reads it in place: freed after the check-in
+                    e.pending_free, handle = handle, None
+            if e.src is not None or e.buf is not None:
+                self._held(-e.nbytes)
+            e.src = e.buf = None
             if self._live == 0:  # a backward is over: start the order afresh
                 self._order.clear()
                 self._index.clear()
@@ -432,7 +461,10 @@ class ActivationOffload:
                 log.exception("activation %s failed", name)
             finally:
                 with self._cv:
-                    self._jobs -= 1
+                    if isinstance(job, _Unview):
+                        self._unviews_done += 1
+                    else:
+                        self._jobs -= 1
                     self._cv.notify_all()
 
     def _queue(self, jobs: queue.SimpleQueue, job: Any) -> None:
@@ -440,7 +472,10 @@ class ActivationOffload:
             self._jobs += 1
         jobs.put(job)
 
-    def _put_or_free(self, job: tuple[str, Any]) -> None:
+    def _put_or_free(self, job: tuple[str, Any] | _Unview) -> None:
+        if isinstance(job, _Unview):
+            self._end_view(job.entry, job.lease)
+            return
         kind, what = job
         if kind == "free":
             self._free(what)
@@ -492,13 +527,35 @@ class ActivationOffload:
     def _fetch(self, e: _Entry) -> None:
         """Read ``e``'s bytes back (``e.fetching`` is set); wakes whoever waits for them."""
         buf = err = None
+        viewing = in_place = False
         with self._cv:
             handle = None if e.dead else e.handle
+            if handle is not None and e.device.type == "cpu":
+                # an earlier in-place read of it (a retained graph read twice): its memory
+                # again while a tensor over it lives, else its check-in first (it is queued)
+                self._cv.wait_for(lambda: e.views == 0 or _live(e.view_arr) is not None)
+                arr = _live(e.view_arr)
+                if arr is not None:
+                    buf = torch.from_numpy(arr)
+                else:
+                    viewing = True
+                    e.views += 1  # from here a free of it waits for the check-in (``_drop_ref``)
         try:
-            if handle is not None:
+            if viewing:
+                got = self._view(handle, e)
+                if got is not None:
+                    buf, arr = got
+                    in_place = True
+                    with self._cv:
+                        e.view_arr = weakref.ref(arr)
+                        self.stats.read_in_place += 1
+            if buf is None and handle is not None:
                 buf = self._read(handle, e)
         except BaseException as x:
             err = x
+        finally:
+            if viewing and not in_place:
+                self._end_view(e, None)
         with self._cv:
             e.fetching = False
             if err is not None:
@@ -511,6 +568,60 @@ class ActivationOffload:
                 e.error = TierstoreError("an offloaded activation is gone from the pool before backward used it")
             self._cv.notify_all()
 
+    def _view(self, handle: Any, e: _Entry) -> tuple[torch.Tensor, Any] | None:
+        """(CPU) The object's bytes where they are in the pool, for backward to read in
+        place: a check-out, back in once the last tensor over it is gone (``_view_gone``).
+        The tensor and the array its storage holds; None if it cannot be had at once (the
+        host tier full, say): then a copy.
+
+        The check-out is ``rw``, not ``r``, although backward only reads: an ``r`` view
+        through a daemon is a read-only mapping, where a write (a custom autograd
+        function changing what it saved) would kill the process instead of failing."""
+        try:
+            lease = self.store.checkout(handle, "rw", timeout_s=0.0, stream=_STREAM)
+        except TierstoreError as err:
+            log.debug("activation read as a copy: %s", err)
+            return None
+        arr = lease.tensor.numpy()  # the pool's bytes; holds the lease's tensor
+        buf = torch.from_numpy(arr)  # its storage holds ``arr`` until the last tensor over it goes
+        weakref.finalize(arr, self._view_gone, e, lease)
+        return buf, arr
+
+    def _view_gone(self, e: _Entry, lease: Any) -> None:
+        """(any thread, maybe under ``_cv``) The last tensor over an in-place read is gone:
+        its check-in (and the free it held back) goes to a put worker."""
+        with self._unview_lock:
+            self._unviews_sent += 1
+        if self._closed:  # no workers left
+            self._end_view(e, lease, locked=False)
+        else:
+            self._puts.put(_Unview(e, lease))
+
+    def _end_view(self, e: _Entry, lease: Any, *, locked: bool = True) -> None:
+        """Check an in-place read's object back in, then free it if it was dropped meanwhile."""
+        if lease is not None:
+            try:
+                lease.release()
+            except TierstoreError as err:  # the connection is gone: the daemon checked it in
+                log.debug("checking in an activation: %s", err)
+        if locked:
+            with self._cv:
+                handle = self._viewed(e)
+        else:
+            handle = self._viewed(e)
+            self._unviews_done += 1
+        if handle is not None:
+            self._free(handle)
+
+    @staticmethod
+    def _viewed(e: _Entry) -> Any:
+        """(under ``_cv``, or once closed) One in-place read of ``e`` is over: the handle to free now, if any."""
+        e.views -= 1
+        if e.views:
+            return None
+        handle, e.pending_free = e.pending_free, None
+        return handle
+
     def _read(self, handle: Any, e: _Entry) -> torch.Tensor:
         if e.device.type == "cuda":
             buf = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
@@ -522,7 +633,8 @@ class ActivationOffload:
         """Wait until every put, free and fetch queued so far is done (benchmarks, tests:
         after a backward, the pool holds none of its objects then); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._jobs == 0, timeout=timeout_s)
+            return self._cv.wait_for(lambda: self._jobs == 0 and self._unviews_done == self._unviews_sent,
+                                     timeout=timeout_s)
 
     # ------------------------------------------------------------------ counters
     def _held(self, delta: int) -> None:
@@ -566,6 +678,13 @@ class ActivationOffload:
             self._gets.put(None)
         for w in self._workers:
             w.join()
+        while True:  # check-ins of in-place reads queued behind the workers' stop
+            try:
+                job = self._puts.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, _Unview):
+                self._end_view(job.entry, job.lease, locked=False)
         self._report(force=True)
 
     def __del__(self) -> None:

@@ -148,7 +148,10 @@ def test_dtypes_views_and_strides_come_back_exactly(make_store, dtype):
         assert torch.equal(g, ref), name
         assert g.data_ptr() % 64 == align, name  # same alignment: vector kernels split the same way
     acts.close()
-    assert _ns_objects(store) == 0
+    assert _ns_objects(store) == len(cases)  # the tensors backward handed out still read the pool
+    del got, g
+    Save.seen = []
+    assert _ns_objects(store) == 0  # gone with them
 
 
 def test_the_same_storage_saved_twice_is_put_once(make_store):
@@ -264,6 +267,78 @@ def test_with_gradient_accumulation_and_optimizer_and_parameter_offload(make_sto
     acts.close()
 
 
+def test_backward_reads_the_pool_in_place_and_each_object_goes_after_its_check_in(make_store):
+    store = make_store()
+    plain, off = _model(), _model()
+    acts = offload_activations(store, min_bytes=4096, prefetch_bytes=256 << 10)
+    for step in range(2):
+        lp, lo = _step(plain, _batch(step)), _step(off, _batch(step), acts)
+        assert torch.equal(lp, lo) and _same(_grads(plain), _grads(off))
+        assert acts.flush(timeout_s=60)
+        assert _ns_objects(store) == 0 and store.stat()["leases"] == 0
+    assert acts.stats.read_in_place > 0 and acts.stats.put_errors == 0
+    acts.close()
+
+
+def test_an_in_place_read_held_past_backward_keeps_its_object_until_it_goes(make_store):
+    """A tensor backward got from the pool (kept by the caller here) stays valid; its
+    object is checked in and freed once the tensor goes."""
+    store = make_store()
+    Save.seen.clear()
+    acts = offload_activations(store, min_bytes=1, prefetch_bytes=0)
+    keep = torch.arange(1 << 16, dtype=torch.float32)
+    x = torch.ones(4, requires_grad=True)
+    with acts:
+        y = Save.apply(x, keep * 1)  # a fresh tensor: it goes to the pool
+    assert acts.flush(timeout_s=60)  # put before backward asks for it
+    y.sum().backward()
+    assert acts.stats.read_in_place == 1
+    assert acts.flush(timeout_s=60)
+    assert store.stat()["leases"] == 1 and _ns_objects(store) == 1  # the tensor kept still reads the pool
+    assert torch.equal(Save.seen[0], keep)
+    Save.seen.clear()
+    assert acts.flush(timeout_s=60)
+    assert store.stat()["leases"] == 0 and _ns_objects(store) == 0
+    acts.close()
+
+
+class WritesSaved(torch.autograd.Function):
+    """A backward that overwrites the tensor it saved (allowed: nothing reads it after)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y.mul_(g)
+
+
+def test_a_backward_that_writes_what_it_saved_through_a_daemon(daemon):
+    """An in-place read is a writable check-out: a write through it changes the pool's
+    copy, which is freed next; the process goes on and the gradient is right."""
+    torch.manual_seed(0)
+    x0 = torch.randn(1 << 16)
+    x = x0.clone().requires_grad_()
+    WritesSaved.apply(x).sum().backward()
+    with daemon.client("writes") as c:
+        acts = offload_activations(c, min_bytes=1, prefetch_bytes=0)
+        x2 = x0.clone().requires_grad_()
+        with acts:
+            y = WritesSaved.apply(x2)
+        assert acts.flush(timeout_s=60)
+        y.sum().backward()
+        assert acts.stats.read_in_place == 1 and torch.equal(x.grad, x2.grad)
+        del y
+        x2.grad = None  # the gradient was the saved tensor itself: it held the pool's memory
+        assert acts.flush(timeout_s=60)
+        acts.close()
+        assert c.stat()["leases"] == 0 and c.stat()["namespaces"].get("writes", {}).get("objects", 0) == 0
+
+
 def test_a_full_host_tier_sends_activations_to_nvme(make_store):
     store = make_store(host_bytes="4MiB")
     plain, off = _model(), _model()
@@ -313,10 +388,12 @@ def test_through_a_daemon_and_stat_and_metrics_show_bytes_in_flight(daemon_facto
         assert m["tierstore_activation_backward_stall_seconds"] == a["backward_stall_s"]
         lo.backward()
         assert torch.equal(lp, lo.detach()) and _same(_grads(plain), _grads(off))
+        assert acts.stats.read_in_place > 0  # backward read the arena through check-outs
         acts.close()  # reports the last counters
         a = c.stat()["activations"]
         assert a["bytes_in_flight"] == 0 and a["peak_bytes_in_flight"] > 0 and a["offloaded_bytes"] > 0
         assert c.stat()["namespaces"].get("acts", {}).get("objects", 0) == 0
+        assert c.stat()["leases"] == 0  # every in-place read checked back in
         from tierstore.client.cli.statview import render
 
         assert "activations (1 clients): in flight" in render(c.stat())
