@@ -19,7 +19,7 @@ from typing import Any
 from msgpack import unpackb as _unpackb
 
 from tierstore.errors import DaemonUnavailable, ProtocolError, TierstoreError, error_for_code
-from tierstore.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, encode
+from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, PROTOCOL_VERSION, encode
 
 __all__ = ["Connection"]
 
@@ -52,6 +52,11 @@ class Connection:
         self._cv = threading.Condition()
         self._closed: BaseException | None = None
         self._frags: list[bytes] = []  # a fragmented reply so far (touched only by the reading thread)
+        # every packet after hello fits this (replies over PACKET_BYTES come as fragments); one
+        # buffer, reused (only the thread holding _recv_lock reads): a recv(n) allocates n bytes each
+        # call, and at MAX_REPLY_BYTES that malloc costs more than the round trip itself
+        self._rbuf = bytearray(_RECV_BYTES)
+        self._rview = memoryview(self._rbuf)
 
     # ------------------------------------------------------------------ handshake
     def hello(self, namespace: str) -> tuple[dict[str, Any], int]:
@@ -141,12 +146,15 @@ class Connection:
         """Read one reply and hand it to its waiter; the reply itself if it answers ``want``
         (whose failure, like the connection's, is raised)."""
         try:
-            data = self.sock.recv(MAX_REPLY_BYTES)
+            n, _anc, flags, _ = self.sock.recvmsg_into([self._rbuf])
         except OSError as e:
             return self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"), want)
-        if not data:
+        if not n:
             return self._fail_all(DaemonUnavailable(f"the daemon on {self.path} closed the connection "
                                                     "(stopped or restarted); reconnect"), want)
+        if flags & socket.MSG_TRUNC:
+            return self._fail_all(ProtocolError(f"a reply packet from the daemon over {_RECV_BYTES} bytes"), want)
+        data = self._rview[:n]  # decoded at once: the values are copies, the buffer is read into again
         try:
             reply = _unpack(data)
             if type(reply) is list:  # several replies joined in one packet
@@ -232,6 +240,9 @@ class Connection:
             pass
         self._fail_all(DaemonUnavailable("connection closed by the client"))
 
+
+_RECV_BYTES = 2 * PACKET_BYTES
+"""Room for any packet after hello: a fragment or a joined batch is PACKET_BYTES and a header."""
 
 _DIRECT = object()
 """Pending-table marker of a request whose thread reads its own reply."""

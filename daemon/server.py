@@ -143,6 +143,11 @@ class Server:
         self._corked: set[Session] | None = None
         """Sessions with replies held back until the current read burst or drain ends (clients that take joined replies)."""
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        # every request is read into this one buffer (only the event loop reads): a
+        # recvmsg(n) allocates n bytes per call, which at max_message_bytes costs several
+        # times the syscall itself
+        self._rbuf = bytearray(self.config.daemon.max_message_bytes + 1)
+        self._rview = memoryview(self._rbuf)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_pending = False
         self._stop = threading.Event()
@@ -466,23 +471,23 @@ class Server:
             if time.perf_counter() > deadline:
                 return  # the rest waits in the socket; the selector reports it again
             try:
-                data, _anc, flags, _ = sess.sock.recvmsg(limit + 1)
+                n, _anc, flags, _ = sess.sock.recvmsg_into([self._rbuf])
             except BlockingIOError:
                 return
             except OSError:
                 self._close(sess)
                 return
-            if not data:
+            if not n:
                 self._half_closed(sess)
                 return
-            if flags & _MSG_TRUNC or len(data) > limit:
+            if flags & _MSG_TRUNC or n > limit:
                 self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
                 return
-            self._handle(sess, data)
+            self._handle(sess, self._rview[:n])  # decoded at once: the buffer is read into again
             if sess.closed:
                 return
 
-    def _handle(self, sess: Session, data: bytes) -> None:
+    def _handle(self, sess: Session, data: bytes | memoryview) -> None:
         try:
             msg = decode(data, self.config.daemon.max_message_bytes)
         except ProtocolError as e:

@@ -147,6 +147,50 @@ def test_a_daemon_without_a_feature_this_client_uses_is_refused_at_connect(tmp_p
         os.close(fd)
 
 
+def test_a_reply_packet_larger_than_the_protocol_allows_fails_the_connection_with_a_protocol_error(tmp_path):
+    """Replies are read into one reused buffer sized for the largest packet the daemon
+    sends (a fragment, a joined batch); a bigger one is a broken daemon: ProtocolError,
+    never a silently cut reply."""
+    import os
+    import socket
+    import threading
+
+    from tierstore import ProtocolError
+    from tierstore.protocol import PACKET_BYTES, PROTOCOL_VERSION, encode, reply_ok
+
+    path = str(tmp_path / "big.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(1)
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, 1 << 20)
+
+    def daemon_sending_too_much() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            conn.recv(4096)  # hello
+            hello = {"version": PROTOCOL_VERSION, "server_version": "0.0.1", "arena_bytes": 1 << 20, "session": 1,
+                     "pid": os.getpid(), "gpu_tier": False, "gpu_reason": "none",
+                     "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"]}
+            socket.send_fds(conn, [reply_ok(0, hello)], [fd])
+            rid = __import__("msgpack").unpackb(conn.recv(4096))["id"]
+            conn.send(encode({"id": rid, "ok": b"x" * (3 * PACKET_BYTES)}))
+            conn.recv(4096)  # until the client hangs up
+
+    t = threading.Thread(target=daemon_sending_too_much)
+    t.start()
+    try:
+        c = Client.connect(socket=path, timeout_s=5, prefault=False)
+        with pytest.raises(ProtocolError, match="reply packet from the daemon over"):
+            c.ping()
+        c.close()
+        t.join(timeout=10)
+    finally:
+        srv.close()
+        os.close(fd)
+
+
 def test_the_client_loads_only_the_core_modules_it_uses(daemon):
     """A process that only talks to a daemon imports the handles, the arena mapping, the
     wire codec and the tensor helpers of the core, not the store, its NVMe tier (and its
