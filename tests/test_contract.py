@@ -106,6 +106,29 @@ def test_instances_satisfy_the_contract_and_only_a_client_reports_activations(ma
         assert isinstance(c, ReportsActivations) and not isinstance(s, ReportsActivations)
 
 
+def _fake_daemon(tmp_path, features):
+    """A listening SEQPACKET socket, a 1 MiB arena memfd, and ``answer_hello(conn)``, which
+    reads a hello and answers it as a daemon with ``features`` would."""
+    import os
+    import socket
+
+    from tierstore.protocol import PROTOCOL_VERSION, reply_ok
+
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(1)
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, 1 << 20)
+
+    def answer_hello(conn) -> None:
+        conn.recv(4096)
+        hello = {"version": PROTOCOL_VERSION, "server_version": "0.0.1", "arena_bytes": 1 << 20, "session": 1,
+                 "pid": os.getpid(), "gpu_tier": False, "gpu_reason": "none", "features": features}
+        socket.send_fds(conn, [reply_ok(0, hello)], [fd])
+    return path, srv, fd, answer_hello
+
+
 def test_a_daemon_without_a_feature_this_client_uses_is_refused_at_connect(tmp_path):
     """No call falls back for an older daemon: one that lacks a feature is refused at
     ``connect``, with what it lacks and what to do."""
@@ -114,24 +137,15 @@ def test_a_daemon_without_a_feature_this_client_uses_is_refused_at_connect(tmp_p
     import threading
 
     from tierstore import ProtocolError
-    from tierstore.protocol import PROTOCOL_VERSION, reply_ok
 
-    path = str(tmp_path / "old.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(path)
-    srv.listen(1)
-    fd = os.memfd_create("arena")
-    os.ftruncate(fd, 1 << 20)
+    path, srv, fd, answer_hello = _fake_daemon(  # no "ephemeral"
+        tmp_path, ["batch", "source", "each", "activations", "pages", "columns"])
     closed = threading.Event()
 
     def old_daemon() -> None:
         conn, _ = srv.accept()
         with conn:
-            conn.recv(4096)  # hello
-            hello = {"version": PROTOCOL_VERSION, "server_version": "0.0.1", "arena_bytes": 1 << 20, "session": 1,
-                     "pid": os.getpid(), "gpu_tier": False, "gpu_reason": "none",
-                     "features": ["batch", "source", "each", "activations", "pages", "columns"]}  # no "ephemeral"
-            socket.send_fds(conn, [reply_ok(0, hello)], [fd])
+            answer_hello(conn)
             if conn.recv(4096) == b"":  # the client hung up instead of mapping the arena
                 closed.set()
 
@@ -156,25 +170,19 @@ def test_a_reply_packet_larger_than_the_protocol_allows_fails_the_connection_wit
     import threading
 
     from tierstore import ProtocolError
-    from tierstore.protocol import PACKET_BYTES, PROTOCOL_VERSION, encode, reply_ok
+    import msgpack
 
-    path = str(tmp_path / "big.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(path)
-    srv.listen(1)
-    fd = os.memfd_create("arena")
-    os.ftruncate(fd, 1 << 20)
+    from tierstore.protocol import PACKET_BYTES, encode
+
+    path, srv, fd, answer_hello = _fake_daemon(
+        tmp_path, ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"])
 
     def daemon_sending_too_much() -> None:
         conn, _ = srv.accept()
         with conn:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-            conn.recv(4096)  # hello
-            hello = {"version": PROTOCOL_VERSION, "server_version": "0.0.1", "arena_bytes": 1 << 20, "session": 1,
-                     "pid": os.getpid(), "gpu_tier": False, "gpu_reason": "none",
-                     "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"]}
-            socket.send_fds(conn, [reply_ok(0, hello)], [fd])
-            rid = __import__("msgpack").unpackb(conn.recv(4096))["id"]
+            answer_hello(conn)
+            rid = msgpack.unpackb(conn.recv(4096))["id"]
             conn.send(encode({"id": rid, "ok": b"x" * (3 * PACKET_BYTES)}))
             conn.recv(4096)  # until the client hangs up
 
