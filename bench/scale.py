@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", default="10000,100000", help="objects in one namespace, comma-separated")
     p.add_argument("--million", action="store_true", help="add N = 1 000 000 (long: minutes per phase)")
     p.add_argument("--namespaces", type=int, default=10000)
-    p.add_argument("--clients", type=int, default=4, help="put client processes")
+    p.add_argument("--clients", type=int, default=min(4, os.cpu_count() or 1),
+                   help="put client processes (default: one per core, at most 4)")
     p.add_argument("--window", type=int, default=64, help="puts in flight per client")
     p.add_argument("--snapshot-max", type=int, default=10000,
                    help="snapshot a namespace of at most this many objects (a Zarr array each)")

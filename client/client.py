@@ -409,23 +409,14 @@ class Client:
             src = _STAGED_MAX + slot * _SLOT_BYTES
             if spec.nbytes:
                 self._arena[off + src:off + src + spec.nbytes] = u8
-            sent = self._conn.submit("put_staged", src=src, kind=spec.kind, dtype=spec.dtype,
-                                     shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
-                                     durable=durable, replace=bool(kw.get("replace", False)),
-                                     wait_s=float(kw.get("wait_s", 0.0)))
+            out = _ReadsReplies(self._conn)
+            self._conn.send_with("put_staged", _StagedPut(self._slots, slot, out), src=src, kind=spec.kind,
+                                 dtype=spec.dtype, shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
+                                 durable=durable, replace=bool(kw.get("replace", False)),
+                                 wait_s=float(kw.get("wait_s", 0.0)))
         except BaseException:
             self._slots.append(slot)
             raise
-        out = _ReadsReplies(self._conn)
-
-        def done(f: Future) -> None:
-            self._slots.append(slot)  # the reply came: the daemon has copied the bytes out
-            err = f.exception()
-            if err is not None:
-                out.set_exception(err)
-            else:
-                out.set_result(Handle.parse(f.result()["handle"]))
-        sent.add_done_callback(done)
         self._in_flight.append(out)
         while self._in_flight and self._in_flight[0].done():
             self._in_flight.popleft()
@@ -705,6 +696,32 @@ class Client:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierstore-client")
         return self._executor
+
+
+class _StagedPut:
+    """What a pipelined small put's reply goes to (``Connection.send_with``): its staging
+    slot is free again (the daemon has copied the bytes out), and its future gets the handle."""
+
+    __slots__ = ("slots", "slot", "out")
+
+    def __init__(self, slots: list[int], slot: int, out: Future) -> None:
+        self.slots, self.slot, self.out = slots, slot, out
+
+    def done(self) -> bool:
+        return self.out.done()
+
+    def set_result(self, reply: Any) -> None:
+        self.slots.append(self.slot)
+        try:
+            h = Handle.parse(reply["handle"])
+        except Exception as e:  # a malformed reply fails this put, not the reader
+            self.out.set_exception(ProtocolError(f"malformed put reply from the daemon: {e}"))
+            return
+        self.out.set_result(h)
+
+    def set_exception(self, err: BaseException) -> None:
+        self.slots.append(self.slot)
+        self.out.set_exception(err)
 
 
 class _ReadsReplies(Future):

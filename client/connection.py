@@ -92,6 +92,12 @@ class Connection:
         self._send(op, fields, fut)
         return fut
 
+    def send_with(self, op: str, waiter: Any, **fields: Any) -> None:
+        """Send without waiting; the reply goes to ``waiter`` (``set_result(ok)`` or
+        ``set_exception(error)``, on the thread reading replies; ``done()`` says whether it
+        has), as to a ``submit``'s future, without one."""
+        self._send(op, fields, waiter)
+
     def _send(self, op: str, fields: dict[str, Any], waiter: Any) -> int:
         with self._send_lock:
             if self._closed is not None:
@@ -143,8 +149,16 @@ class Connection:
         return fut.result()
 
     def _recv_one(self, want: int | None = None) -> dict[str, Any] | None:
-        """Read one reply and hand it to its waiter; the reply itself if it answers ``want``
-        (whose failure, like the connection's, is raised)."""
+        """Read one packet and hand each reply in it to its waiter; the reply itself if it
+        answers ``want`` (whose failure, like the connection's, is raised). Threads waiting
+        for their futures are woken once per packet."""
+        try:
+            return self._read_packet(want)
+        finally:
+            with self._cv:
+                self._cv.notify_all()
+
+    def _read_packet(self, want: int | None) -> dict[str, Any] | None:
         try:
             n, _anc, flags, _ = self.sock.recvmsg_into([self._rbuf])
         except OSError as e:
@@ -198,8 +212,6 @@ class Connection:
             fut.set_exception(error_for_code(err.get("code", ""), err.get("message", "")))
         else:
             fut.set_result(reply.get("ok"))
-        with self._cv:
-            self._cv.notify_all()
         return None
 
     def _fail_all(self, exc: TierstoreError, want: int | None = None) -> None:
