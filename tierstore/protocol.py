@@ -84,13 +84,17 @@ _MISSING = object()
 def field(msg: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any = _MISSING, *,
           min_value: int | float | None = None, max_value: int | float | None = None) -> Any:
     """Fetch and type-check one field of a request; ``InvalidArgument`` when wrong."""
-    if name not in msg:
+    v = msg.get(name, _MISSING)
+    if v is _MISSING:
         if default is _MISSING:
             raise InvalidArgument(f"field {name!r} is required")
         return default
-    v = msg[name]
     if v is None and default is None:
         return None
+    t = type(v)
+    if (t is types or (type(types) is tuple and t in types)) and t is not float and min_value is None \
+            and max_value is None:
+        return v  # the common case, checked in full below: exactly a type asked for, no NaN, no bounds
     bad_bool = isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,))
     if not isinstance(v, types) or bad_bool:
         tn = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
