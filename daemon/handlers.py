@@ -10,6 +10,7 @@ needs one, or what a store ``try_*`` call answered); or, for a durable put, a
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from tierstore._version import __version__
@@ -83,7 +84,20 @@ def _spec(msg: dict[str, Any]) -> TensorSpec:
     nbytes = field(msg, "nbytes", int, min_value=0, max_value=_MAX_NBYTES)
     if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
         raise InvalidArgument(f"nbytes {nbytes} does not match shape {shape} of {dtype}")
-    return TensorSpec(kind, dtype, tuple(shape), nbytes)
+    key = (kind, dtype, tuple(shape), nbytes)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        spec = _SPECS[key] = TensorSpec(sys.intern(kind), sys.intern(dtype), key[2], nbytes)
+    return spec
+
+
+_SPECS: dict[tuple, TensorSpec] = {}
+"""The specs of recent requests (frozen, so shared): a hundred thousand objects of a few
+shapes hold a few specs, not a hundred thousand (each with its own strings and shape
+tuple: ~200 bytes an object), as a replay's objects do (``ObjectMeta.from_record``)."""
+_MAX_SPECS = 4096
 
 
 class Deferred(NamedTuple):
