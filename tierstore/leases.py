@@ -364,7 +364,7 @@ class LeaseTable:
         with self.cv:
             for lid in lids:
                 info = self.leases.get(lid)
-                if info is not None and info.owner == owner and info.mode != "r" and info.durable:
+                if info is not None and info.owner == owner and _writes_back(info):
                     return True
         return False
 
@@ -388,7 +388,7 @@ class LeaseTable:
             info = self.leases.get(lid)
             if info is None or info.owner != owner:
                 raise NotFound(f"no lease {lid} held by this connection")
-            if now and info.mode != "r" and info.durable:
+            if now and _writes_back(info):
                 return _WRITES_BACK
             meta = self.index.objects.get(info.oid)
             del self.leases[lid]
@@ -511,3 +511,9 @@ def _lease_ok(meta: ObjectMeta, mode: str) -> bool:
     if mode == "r":
         return not meta.writer
     return not meta.writer and meta.readers == 0 and meta.pins == 0
+
+
+def _writes_back(info: LeaseInfo) -> bool:
+    """Whether checking in this lease writes a durable object back (syncs): a write lease
+    on a durable object."""
+    return info.mode != "r" and info.durable
