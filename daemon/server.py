@@ -152,6 +152,8 @@ class Server:
         self._wake_pending = False
         self._stop = threading.Event()
         self._started = time.monotonic()
+        self._ready_s: float | None = None
+        """Seconds from the start to serving (READY=1), once there."""
         self.errors_by_code: dict[str, int] = {}
         self.accepted = 0
         self.refused = 0
@@ -171,9 +173,12 @@ class Server:
         2. The store: the host arena is created and mapped, its pages populated by a
            background thread from here on, while the journal is replayed.
         3. The socket is bound: clients are served from here on.
-        4. A thread waits for the populating to end; ``READY=1`` (and the start line in
-           the log) follows, so systemd's ready means the promise holds: every page of
-           the host tier is there.
+        4. ``READY=1``, with the start line as its ``STATUS=``: the pools are mapped and
+           the journal replayed, so every object is there and every request is served.
+           A 12 GiB host tier takes seconds to populate on few cores; a request meanwhile
+           is served all the same, its first touch of a page faulting it in.
+        5. A thread waits for the populating to end and says so (``STATUS=`` and the log).
+           Memory that is not there after all stops the daemon then, with one error line.
         """
         path = self.config.daemon.socket
         self.notifier.status("checking the configuration")
@@ -218,9 +223,9 @@ class Server:
                                            f"{self.config.daemon.metrics_port}: {e}") from None
         self._sel.register(self._listen, selectors.EVENT_READ, ("listen", None))
         self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        log.info("accepting connections on %s after %.2f s; populating the %s host arena", path,
-                 time.monotonic() - self._started, format_size(self.store.arena.size))
-        self.notifier.status(f"serving on {path}; populating the host arena")
+        status = self.start_line(None)
+        log.info("%s", status)
+        self.notifier.ready(self._damage_note(status))
         self._populater = threading.Thread(target=self._populate, name="tierstore-populate", daemon=True)
         self._populater.start()
 
@@ -230,32 +235,41 @@ class Server:
         except TierstoreError as e:
             if self._stop.is_set():
                 return  # stopping while populating: the arena is going away anyway
-            log.error("cannot start: %s", e)
+            log.error("stopping: the host arena's memory is not there after all: %s", e)
             self.failed = e
             self.request_stop()
             return
         status = self.start_line(seconds)
+        log.info("%s", status)
+        self.notifier.status(self._damage_note(status))
+
+    def _damage_note(self, status: str) -> str:
         if self.store.replay_info.get("kept_aside"):
             status += f"; the journal was damaged (see the log), kept as found at {self.store.replay_info['kept_aside']}"
-        log.info("%s", status)
-        self.notifier.ready(status)
+        return status
 
-    def start_line(self, populate_s: float) -> str:
-        """One line, in human units, of what the tiers are and where (the log and READY=1's STATUS)."""
+    def start_line(self, populate_s: float | None) -> str:
+        """One line, in human units, of what the tiers are and where (the log and ``STATUS=``):
+        ``populate_s`` None while the host arena's pages are still being populated."""
         st = self.store.stat()
         t = st["tiers"]
         nvme = t["nvme"]
         gpu = (f"gpu {format_size(t['gpu']['capacity_bytes'])}" if "gpu" in t
                else f"gpu none ({st.get('gpu_reason') or 'gpu_bytes is 0'})")
-        ready_s = time.monotonic() - self._started
-        return (f"serving on {self.config.daemon.socket}, ready in {ready_s:.1f} s: "
+        if self._ready_s is None:
+            self._ready_s = time.monotonic() - self._started
+        return (f"serving on {self.config.daemon.socket}, ready in {self._ready_s:.1f} s: "
                 f"host {format_size(t['host']['capacity_bytes'])} (shared memfd, "
-                f"{'adopted' if self.store.arena.adopted else 'populated'} in {populate_s:.1f} s), "
+                f"{self._populated(populate_s)}), "
                 f"nvme {format_size(nvme['capacity_bytes'])} in {', '.join(self.config.store.nvme_dirs)} "
                 f"(engine {nvme['engine']}, O_DIRECT {'on' if nvme.get('direct_io') else 'off'}), {gpu}; "
                 f"{self.store.replay_info['objects']} durable objects recovered "
                 f"({self._recovered_how()}), "
                 f"{self.store.replay_info['adopted']} host-resident objects adopted")
+
+    def _populated(self, populate_s: float | None) -> str:
+        how = "adopted" if self.store.arena.adopted else "populated"
+        return f"{how} in {populate_s:.1f} s" if populate_s is not None else f"being {how} in the background"
 
     def _recovered_how(self) -> str:
         info = self.store.replay_info

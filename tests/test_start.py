@@ -54,13 +54,33 @@ def test_a_bad_flag_value_is_one_line(tmp_path):
 
 
 def test_the_start_line_names_every_tier_in_human_units(daemon):
+    """READY=1 comes once the daemon serves (journal replayed, arena mapped); a later
+    STATUS= says the arena's pages are populated, with the same line."""
     ready = daemon.wait_for("READY=1")
-    log = daemon.log.read_text()
-    assert "host 64.0 MiB (shared memfd, populated in" in ready
+    assert "host 64.0 MiB (shared memfd, being populated in the background)" in ready
     assert f"nvme 1.0 GiB in {daemon.nvme} (engine posix" in ready and "gpu none (" in ready
-    assert "accepting connections on" in log and "settings: " in log and "(flag --host-bytes)" in log
-    # the socket accepted before the arena was populated, and READY=1 came after
-    assert log.index("accepting connections on") < log.index("host arena: 64.0 MiB")
+    populated = daemon.wait_for("memfd, populated in")
+    assert "READY=1" not in populated and "host 64.0 MiB (shared memfd, populated in" in populated
+    assert f"nvme 1.0 GiB in {daemon.nvme} (engine posix" in populated
+    log = daemon.log.read_text()
+    assert "settings: " in log and "(flag --host-bytes)" in log
+    # served before the arena was populated
+    assert log.index("being populated in the background") < log.index("host arena: 64.0 MiB")
+
+
+def test_a_client_is_served_while_the_arena_is_populated(daemon_factory):
+    """A host tier too big to populate in an instant: READY=1 before its pages are all
+    there, a put and a get through the daemon meanwhile, the bytes exact."""
+    import torch
+
+    d = daemon_factory("--host-bytes", "2GiB")
+    ready = d.wait_for("READY=1")
+    assert "being populated in the background" in ready
+    with d.client("early") as c:
+        t = torch.arange(1 << 20, dtype=torch.float32)
+        h = c.put(t, key="w")
+        assert torch.equal(c.get(h), t)
+    assert "populated in" in d.wait_for("shared memfd, populated in")
 
 
 def test_an_unset_nvme_size_shrinks_to_the_free_space_and_says_so(tmpfs, caplog):
