@@ -58,6 +58,7 @@ from tierstore.store import Store
 from tierstore.units import format_size
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
+from .gcpolicy import FreezeAfterFullCollections
 from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
@@ -899,5 +900,6 @@ def run(config: Config) -> int:
         server.request_stop()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    FreezeAfterFullCollections().install()  # (the process is the daemon's: an in-process Server is left alone)
     server.serve_forever()
     return 1 if server.failed is not None else 0
