@@ -165,3 +165,49 @@ def test_reserving_many_at_once_equals_reserving_one_by_one(seed):
     assert many.free_extents() == one.free_extents() and many.used_bytes == one.used_bytes
     assert many.largest_free == one.largest_free
     assert [many.alloc(4096) for _ in range(3)] == [one.alloc(4096) for _ in range(3)]
+
+
+def test_a_run_is_adjacent_extents_taken_at_once_and_freed_one_by_one():
+    a = ExtentAllocator(64 * 4096)
+    offs = a.alloc_run([16, 4096, 5000, 1])
+    assert offs is not None and len(offs) == 4
+    assert [b - o for o, b in zip(offs, offs[1:])] == [4096, 4096, 8192]  # each its rounded size, adjacent
+    assert a.used_bytes == 5 * 4096
+    for o, n in zip(offs, [16, 4096, 5000, 1]):
+        a.free(o, n)
+    assert a.used_bytes == 0 and a.free_extents() == [(0, 64 * 4096)]
+
+
+def test_a_run_that_no_free_extent_holds_takes_nothing():
+    a = ExtentAllocator(16 * 4096)
+    blocks = [a.alloc(4096) for _ in range(16)]
+    for o in blocks[::2]:
+        a.free(o, 4096)  # 8 free pages, none adjacent
+    used = a.used_bytes
+    assert a.alloc_run([4096, 4096]) is None and a.used_bytes == used
+    assert a.alloc_run([4096]) is not None and a.alloc_run([]) is None
+
+
+def test_nvme_alloc_many_takes_small_objects_as_one_run_and_falls_back_one_by_one(tmp_path):
+    from tierstore.engine import select_engine
+    from tierstore.errors import CapacityExceeded
+    from tierstore.nvme import NvmeTier
+
+    tier = NvmeTier([str(tmp_path)], 64 * 4096, select_engine("posix", 2), direct_io="off", grow_bytes=4096)
+    try:
+        got = tier.alloc_many([16, 4096, 8192])
+        assert [len(e) for e in got] == [1, 1, 1]
+        starts = [e[0].file_offset for e in got]
+        assert starts == [starts[0], starts[0] + 4096, starts[0] + 8192]
+        assert tier.used_bytes == 4 * 4096
+        # the data file grew once, to the run's end
+        assert tier.drives[0].file_size >= starts[0] + 16384
+        # fragmented: no extent holds the run, so one by one; what does not fit fails alone
+        rest = tier.alloc_many([4096] * 60)
+        assert all(isinstance(e, list) for e in rest)
+        for e in rest[::2]:
+            tier.free(e)
+        later = tier.alloc_many([4096, 4096, 8192])
+        assert [type(e) for e in later] == [list, list, CapacityExceeded]
+    finally:
+        tier.close()

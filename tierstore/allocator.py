@@ -113,6 +113,21 @@ class ExtentAllocator:
         self.used_bytes += size
         return start
 
+    def alloc_run(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of adjacent extents for ``sizes`` (each ``rounded``), taken as one
+        allocation of their sum (so each costs what one ``alloc`` does, not one each);
+        None, with nothing taken, when no free extent holds them all. Each is freed on its
+        own later, as if it came from ``alloc``."""
+        rounded = [self.rounded(n) for n in sizes]
+        start = self.alloc(sum(rounded)) if rounded else None
+        if start is None:
+            return None
+        out = []
+        for r in rounded:
+            out.append(start)
+            start += r
+        return out
+
     def free(self, offset: int, nbytes: int) -> None:
         """Return an extent obtained from ``alloc(nbytes)`` (or ``reserve``)."""
         size = self.rounded(nbytes)

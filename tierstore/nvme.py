@@ -218,6 +218,35 @@ class NvmeTier:
             raise
         return extents
 
+    def alloc_many(self, sizes: list[int]) -> list[list[Extent] | Exception]:
+        """``alloc`` for each of ``sizes`` (a group commit's batch), per object its extents
+        or the error. On one drive, objects of up to a chunk are taken as one run of
+        adjacent extents in one hold of the lock (a batch of small durable puts then
+        costs one allocation, and its writes one request per run); otherwise, or when no
+        free extent holds the run, one by one."""
+        out: list[list[Extent] | Exception | None] = [None] * len(sizes)
+        small = [i for i, n in enumerate(sizes) if n <= self.chunk_bytes] if len(self.drives) == 1 else []
+        if len(small) > 1:
+            drv = self.drives[0]
+            with self._lock:
+                offs = drv.alloc.alloc_run([sizes[i] for i in small])
+            if offs is not None:
+                try:
+                    self._ensure_file_size(drv, offs[-1] + align_up(max(sizes[small[-1]], 1), PAGE))
+                    for i, off in zip(small, offs):
+                        out[i] = [Extent(drv.index, off, 0, sizes[i])]
+                except Exception:  # the file cannot grow that far: one by one, each meeting it
+                    with self._lock:
+                        for i, off in zip(small, offs):
+                            drv.alloc.free(off, sizes[i])
+        for i, n in enumerate(sizes):
+            if out[i] is None:
+                try:
+                    out[i] = self.alloc(n)
+                except Exception as e:  # this object fails; the others go on
+                    out[i] = e
+        return out  # type: ignore[return-value]
+
     def _pick_drive(self, first: int, n: int, taken: set[int]) -> _Drive | None:
         ndrv = len(self.drives)
         for k in range(ndrv):

@@ -199,6 +199,21 @@ class Placement:
                 "reads while the host tier is full; free objects or raise nvme_bytes")
         return self.nvme.alloc(nbytes)
 
+    def nvme_take_many(self, sizes: list[int]) -> list[list | Exception]:
+        """``nvme_take`` (not demoting) for each of ``sizes``: per object its extents or
+        the error. Where the whole batch leaves the read reserve alone, one pass
+        (``NvmeTier.alloc_many``); otherwise object by object, so each meets the check."""
+        need = sum(align_up(max(n, 1), PAGE) for n in sizes)
+        if self.nvme.free_bytes - need < self.read_reserve and self.host.free_bytes < self.read_reserve:
+            out: list[list | Exception] = []
+            for n in sizes:
+                try:
+                    out.append(self.nvme_take(n, demoting=False))
+                except Exception as e:
+                    out.append(e)
+            return out
+        return self.nvme.alloc_many(sizes)
+
     def alloc_host(self, nbytes: int, *, wait_s: float, admit_distance: int | None = None,
                    reading: bool = False) -> int:
         """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise.
@@ -475,12 +490,12 @@ class Placement:
         commit of the batch (none of them is published; their extents go back)."""
         out: list[Landing | Exception] = []
         taken: list[tuple[int, ObjectMeta, list]] = []
-        for meta, tier, gpu_loc in puts:
-            try:
-                taken.append((len(out), meta, self.nvme_take(meta.nbytes, demoting=False)))
+        for (meta, tier, gpu_loc), ext in zip(puts, self.nvme_take_many([m.nbytes for m, _, _ in puts])):
+            if isinstance(ext, Exception):  # this commit fails; the others go on
+                out.append(ext)
+            else:
+                taken.append((len(out), meta, ext))
                 out.append(Landing(self, meta, tier, gpu_loc))
-            except Exception as e:  # this commit fails; the others go on
-                out.append(e)
         views = self.arena.view
         crcs = self.nvme.write_many([(ext, views(m.host_off, m.nbytes), views(m.host_off, align_up(m.nbytes, PAGE)))
                                      if m.nbytes else (ext, np.empty(0, np.uint8), None) for _, m, ext in taken])
