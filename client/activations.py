@@ -598,10 +598,13 @@ class ActivationOffload:
             self._puts.put(_Unview(e, lease))
 
     def _end_view(self, e: _Entry, lease: Any, *, locked: bool = True) -> None:
-        """Check an in-place read's object back in, then free it if it was dropped meanwhile."""
+        """Check an in-place read's object back in, then free it if it was dropped meanwhile.
+        Given back as never written (backward only read it): after an ``rw`` check-in the
+        object would be dirty, and a demotion in the moment before its free — a consumed
+        activation is the first the trace policy picks — would write it to NVMe again."""
         if lease is not None:
             try:
-                lease.release()
+                lease.give_back()
             except TierstoreError as err:  # the connection is gone: the daemon checked it in
                 log.debug("checking in an activation: %s", err)
         if locked:

@@ -51,7 +51,7 @@ _SLOTS = 32
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
 
-_NEEDS = frozenset({"ephemeral", "batch", "source", "each", "activations", "pages", "columns"})
+_NEEDS = frozenset({"ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"})
 """What this client asks of the daemon beyond the protocol version (``hello``'s
 ``features``): a daemon without one of them is refused at connect, so no call has to
 fall back for it."""
@@ -92,6 +92,13 @@ class ClientLease:
                 self._client._conn.request("release", lid=lid)
             else:
                 self._client._conn.submit("release", lid=lid).add_done_callback(_log_release_error)
+
+    def give_back(self) -> None:
+        """Check the object back in as never written (``PoolLease.give_back``), without
+        waiting for the reply."""
+        token = self._take()
+        if token is not None:
+            self._client._conn.submit("release", lid=token[0], unused=True).add_done_callback(_log_release_error)
 
     def _take(self) -> tuple[int, bool] | None:
         """End this object's hold on the lease: (lease id, whether its check-in must wait

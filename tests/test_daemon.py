@@ -1104,3 +1104,21 @@ def test_a_put_after_close_is_a_typed_error(daemon):
     for t in (torch.ones(4), torch.ones(1 << 20)):
         with pytest.raises(Closed):
             c.put(t)
+
+
+def test_a_lease_given_back_through_the_daemon_leaves_its_object_clean(daemon):
+    """``ClientLease.give_back()`` (``release`` with ``unused``): after an ``rw`` check-out
+    the object is not dirty and keeps its NVMe copy; the connection's next request already
+    sees it checked in. ``release()`` leaves it dirty."""
+    with daemon.client("giveback") as c:
+        t = torch.arange(100_000, dtype=torch.float32)
+        kept, dirtied = c.put(t, tier="nvme"), c.put(t, tier="nvme")
+        lease = c.checkout(kept, "rw")
+        assert torch.equal(lease.tensor, t)
+        lease.give_back()
+        lease.release()  # already checked in: nothing
+        info = c.info(kept)
+        assert not info["dirty"] and "nvme" in info["residency"] and not info["writer"]
+        c.checkout(dirtied, "rw").release()
+        assert c.info(dirtied)["dirty"]
+        assert torch.equal(c.get(kept), t)

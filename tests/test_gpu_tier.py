@@ -366,3 +366,23 @@ def test_a_device_get_of_an_nvme_object_reads_through_device_io_and_checks_every
         f.write(b"\xff" * 64)
     with pytest.raises(ChecksumMismatch, match="block 1 "):
         s.placement.read_to_device(meta, out)
+
+
+@pytest.mark.parametrize("call", ["try_put_staged", "put_staged"])
+def test_a_staged_put_to_the_gpu_tier_is_refused_and_writes_no_host_block(full_store, call):
+    """A staged put copies from the staging area into a host block; a hostile request
+    naming the GPU tier once had its bytes land at offset 0 of the arena — another
+    object's block — while the GPU block stayed unfilled. It is refused; nothing moves."""
+    from tierstore.tensors import to_bytes
+
+    s = full_store
+    victim = s.put(np.full(1 << 20, 7, np.uint8), tier="host")  # large: its block is at the arena's bottom
+    off, _ = s.daemon.staging_area("c", 64 << 10)
+    u8, spec = to_bytes(np.full(4096, 0xEE, np.uint8))
+    s.arena.view(off, 4096)[:] = u8
+    with pytest.raises(InvalidArgument, match="staged put cannot go to the gpu tier"):
+        getattr(s.daemon, call)("c", 0, spec, key=None, tier="gpu", durable=False, replace=False,
+                                namespace="default")
+    np.testing.assert_array_equal(s.get(victim), np.full(1 << 20, 7, np.uint8))
+    assert not s.puts.reservations
+    s.daemon.release_owner("c")

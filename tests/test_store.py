@@ -697,3 +697,31 @@ def test_a_put_waits_for_the_space_a_replace_gave_up_instead_of_failing(make_sto
     assert torch.equal(s.get(result[0]), torch.full((blk,), 7, dtype=torch.uint8))
     assert torch.equal(held.tensor, torch.ones(blk, dtype=torch.uint8))
     held.release()
+
+
+def test_a_lease_given_back_leaves_its_object_clean_with_its_nvme_copy(make_store):
+    """``give_back()`` of an ``rw`` check-out (a holder that only read, as the activation
+    offload's in-place reads): the object is not dirty and keeps its NVMe copy, so a
+    demotion writes nothing; ``release()`` after ``rw`` leaves it dirty."""
+    s = make_store()
+    t = torch.arange(100_000, dtype=torch.float32)
+    kept, dirtied = s.put(t, tier="nvme"), s.put(t, tier="nvme")
+    for h in (kept, dirtied):
+        assert s.info(h)["residency"] == ["nvme"]
+    lease = s.checkout(kept, "rw")
+    assert torch.equal(lease.tensor, t) and "host" in s.info(kept)["residency"]
+    lease.give_back()
+    lease.give_back()  # a second call does nothing
+    assert lease.tensor is None
+    info = s.info(kept)
+    assert not info["dirty"] and "nvme" in info["residency"] and not info["writer"]
+    s.checkout(dirtied, "rw").release()
+    assert s.info(dirtied)["dirty"]
+    # what the NVMe copy holds is the object's bytes: dropped from host and read back, exact
+    written = s.nvme.bytes_written
+    meta = s.index.objects[kept.id]
+    with s.index.cv:
+        meta.moving = True  # (as the demoter flags what it moves)
+    s.placement.demote(meta)
+    assert s.nvme.bytes_written == written and s.info(kept)["residency"] == ["nvme"]
+    assert torch.equal(s.get(kept), t)

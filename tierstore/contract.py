@@ -42,6 +42,11 @@ class PoolLease(Protocol):
     def release(self) -> None:
         """Check the object back in (a second call does nothing)."""
 
+    def give_back(self) -> None:
+        """Check the object back in as never written: after ``rw`` it is not dirty, and
+        its NVMe copy, if it has one, stays current (a demotion then writes nothing).
+        Bytes written through the view may be lost. For a holder that only read."""
+
     def __enter__(self) -> Any:
         """The tensor; leaving the block releases the lease."""
 

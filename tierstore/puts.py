@@ -16,6 +16,9 @@ at a time on the group committer (``groupcommit.py``); ``commit`` waits for it.
 The ``try_*`` methods are for the daemon's event loop, which never waits: each does its
 work now when it can, else returns ``Later`` (``tierstore.waits``), the rest of the
 call, for a thread that may wait.
+
+Length: the in-process puts, the two phases and the daemon's staged puts are one set of
+steps (check, open, take up, commit) over one table of reservations.
 """
 
 from __future__ import annotations
@@ -276,6 +279,7 @@ class Puts:
                    durable: bool, replace: bool, namespace: str, wait_s: float = 0.0,
                    ephemeral: bool = False) -> Handle:
         """One-round-trip put: the bytes are at ``src`` in ``owner``'s staging area."""
+        _check_staged_tier(tier)
         self._staged_bytes(owner, src, spec)
         res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
                            owner=owner, wait_s=wait_s, ephemeral=ephemeral)
@@ -286,6 +290,7 @@ class Puts:
                        ephemeral: bool = False) -> Handle | Pending | Later:
         """``put_staged`` for a caller that must not wait: ``try_reserve``, the copy, then
         ``try_commit``; where one of them answers ``Later``, so does this (the rest from there)."""
+        _check_staged_tier(tier)
         area = self._staged_bytes(owner, src, spec)
         res = self.try_reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=namespace,
                                owner=owner, wait_s=wait_s, ephemeral=ephemeral)
@@ -448,3 +453,10 @@ class Puts:
         if ephemeral and durable:
             raise InvalidArgument("an ephemeral object is freed when its connection ends: it cannot be durable")
 
+
+def _check_staged_tier(tier: str | None) -> None:
+    """A staged put is copied from the staging area into a host block, never into a
+    GPU-tier one (a GPU-tier object's bytes come through a two-phase put)."""
+    if tier == "gpu":
+        raise InvalidArgument("a staged put cannot go to the gpu tier: put a GPU-tier object with a two-phase "
+                              "put (put_reserve, put_commit)")

@@ -87,6 +87,12 @@ class Lease:
         if lid is not None:
             self._store.release(lid)
 
+    def give_back(self) -> None:
+        """Check the object back in as never written (``PoolLease.give_back``)."""
+        lid = self._take()
+        if lid is not None:
+            self._store.give_back(lid)
+
     def _take(self) -> int | None:
         """End this object's hold on the lease; the lease id to check in (None if done)."""
         if self._info is None:
