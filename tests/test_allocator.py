@@ -211,3 +211,28 @@ def test_nvme_alloc_many_takes_small_objects_as_one_run_and_falls_back_one_by_on
         assert [type(e) for e in later] == [list, list, CapacityExceeded]
     finally:
         tier.close()
+
+
+def test_nvme_write_many_counts_each_byte_written_once(tmp_path):
+    """``bytes_written`` (``stat``'s NVMe bytes) counts what reached the data file: small
+    objects written in one run and larger ones written one by one, each once."""
+    import os
+
+    from tierstore.engine import select_engine
+    from tierstore.nvme import NvmeTier
+
+    tier = NvmeTier([str(tmp_path)], 64 << 20, select_engine("posix", 2), direct_io="off", grow_bytes=1 << 20)
+    try:
+        sizes = [100, 4096, 3 << 20, 5000]
+        srcs = [np.full(n, i + 1, np.uint8) for i, n in enumerate(sizes)]
+        exts = tier.alloc_many(sizes)
+        crcs = tier.write_many([(e, s, None) for e, s in zip(exts, srcs)])
+        assert not any(isinstance(c, Exception) for c in crcs)
+        assert tier.bytes_written == sum(sizes)
+        for e, s, c in zip(exts, srcs, crcs):
+            back = np.empty(s.nbytes, np.uint8)
+            tier.read(e, back, c)
+            assert np.array_equal(back, s)
+        assert os.path.getsize(tier.drives[0].path) >= max(x[0].file_offset for x in exts)
+    finally:
+        tier.close()

@@ -393,7 +393,9 @@ class NvmeTier:
                     for p in run:
                         out[p[1]] = err
                 start = k
-        self.bytes_written += sum(src.nbytes for (_, src, _), r in zip(writes, out) if not isinstance(r, Exception))
+        # (``write`` counted the objects it wrote: only the runs' are counted here)
+        self.bytes_written += sum(writes[i][1].nbytes for parts in runs.values() for _, i, _ in parts
+                                  if not isinstance(out[i], Exception))
         return out  # type: ignore[return-value]
 
     def sync_drives(self, devs: set[int]) -> None:
