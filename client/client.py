@@ -46,7 +46,7 @@ __all__ = ["Client", "ClientLease"]
 _STAGED_MAX = 64 << 10
 """Objects up to this size are put in one round trip through a per-connection staging area."""
 _SLOT_BYTES = 4096
-_SLOTS = 32
+_SLOTS = 64
 """``put_async`` of an object up to ``_SLOT_BYTES`` copies it into one of ``_SLOTS`` slots
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
