@@ -119,6 +119,10 @@ def _answer(result: Any, reply: Callable[[Any], Any]) -> Any:
     return reply(result)
 
 
+def _staged_reply(spec: TensorSpec) -> dict[str, Any]:
+    return {"staged": True, "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape), "nbytes": spec.nbytes}
+
+
 def _handle_reply(h: Handle) -> dict[str, Any]:
     return {"handle": int(h)}
 
@@ -140,6 +144,9 @@ def _lease_reply(info) -> dict[str, Any]:
 
 def _stream(msg: dict[str, Any]) -> str:
     """The access stream a get or check-out is recorded under (a short name)."""
+    stream = msg.get("stream", "default")
+    if type(stream) is str and len(stream) <= MAX_STREAM_CHARS:
+        return stream  # (the common case; the checks below say what is wrong otherwise)
     stream = field(msg, "stream", str, "default")
     if len(stream) > MAX_STREAM_CHARS:
         raise InvalidArgument(f"field 'stream' is {len(stream)} characters; at most {MAX_STREAM_CHARS}")
@@ -247,21 +254,15 @@ class Handlers:
     def get(self, sess: "Session", msg: dict[str, Any]) -> Any:
         h = _handle(msg)
         stream = _stream(msg)
-        device = field(msg, "device", bool, False)
         d = self.store.daemon
-
-        def lease() -> Any:
-            return _answer(d.try_acquire(h, "r", owner=sess, namespace=sess.namespace, stream=stream, device=device),
-                           _lease_reply)
-
-        if not field(msg, "staged", bool, False):
-            return lease()
-        staged = d.try_get_staged(sess, h, namespace=sess.namespace, stream=stream)
-        if staged is None:  # too big for the staging area: a lease
-            return lease()
-        # the bytes wait in the staging area; no lease to release
-        return _answer(staged, lambda spec: {"staged": True, "kind": spec.kind, "dtype": spec.dtype,
-                                             "shape": list(spec.shape), "nbytes": spec.nbytes})
+        if field(msg, "staged", bool, False):
+            staged = d.try_get_staged(sess, h, namespace=sess.namespace, stream=stream)
+            if type(staged) is TensorSpec:  # the bytes wait in the staging area; no lease to release
+                return _staged_reply(staged)
+            if staged is not None:  # (not None: too big for the staging area, so a lease)
+                return _answer(staged, _staged_reply)
+        return _answer(d.try_acquire(h, "r", owner=sess, namespace=sess.namespace, stream=stream,
+                                     device=field(msg, "device", bool, False)), _lease_reply)
 
     def checkout(self, sess: "Session", msg: dict[str, Any]) -> Any:
         mode = field(msg, "mode", str, "r")
@@ -310,7 +311,8 @@ class Handlers:
         if field(msg, "unused", bool, False):  # never written: as if not taken
             self.store.give_back(lid, owner=sess)
             return {}
-        return _answer(self.store.daemon.try_release(lid, owner=sess), _empty_reply)
+        rest = self.store.daemon.try_release(lid, owner=sess)
+        return {} if rest is None else _answer(rest, _empty_reply)
 
     def release_many(self, sess: "Session", msg: dict[str, Any]) -> Any:
         lids = field(msg, "lids", list)

@@ -472,35 +472,33 @@ class Server:
         return self.config.daemon.max_clients - (0 if uid == 0 else _root_reserve(self.config.daemon.max_clients))
 
     def _read(self, sess: Session) -> None:
-        # the replies of one burst of requests leave together, in as few packets as they fit
+        """A burst of ``sess``'s requests, each handled as it is read; their replies leave
+        together, in as few packets as they fit."""
         self._corked = {sess}
         try:
-            self._read_burst(sess)
+            limit = self.config.daemon.max_message_bytes
+            deadline = time.perf_counter() + _READ_BUDGET_S
+            for _ in range(64):  # bounded, so one chatty client cannot starve the others
+                if time.perf_counter() > deadline:
+                    return  # the rest waits in the socket; the selector reports it again
+                try:
+                    n, _anc, flags, _ = sess.sock.recvmsg_into([self._rbuf])
+                except BlockingIOError:
+                    return
+                except OSError:
+                    self._close(sess)
+                    return
+                if not n:
+                    self._half_closed(sess)
+                    return
+                if flags & _MSG_TRUNC or n > limit:
+                    self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
+                    return
+                self._handle(sess, self._rview[:n])  # decoded at once: the buffer is read into again
+                if sess.closed:
+                    return
         finally:
             self._uncork()
-
-    def _read_burst(self, sess: Session) -> None:
-        limit = self.config.daemon.max_message_bytes
-        deadline = time.perf_counter() + _READ_BUDGET_S
-        for _ in range(64):  # bounded, so one chatty client cannot starve the others
-            if time.perf_counter() > deadline:
-                return  # the rest waits in the socket; the selector reports it again
-            try:
-                n, _anc, flags, _ = sess.sock.recvmsg_into([self._rbuf])
-            except BlockingIOError:
-                return
-            except OSError:
-                self._close(sess)
-                return
-            if not n:
-                self._half_closed(sess)
-                return
-            if flags & _MSG_TRUNC or n > limit:
-                self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
-                return
-            self._handle(sess, self._rview[:n])  # decoded at once: the buffer is read into again
-            if sess.closed:
-                return
 
     def _handle(self, sess: Session, data: bytes | memoryview) -> None:
         try:

@@ -41,6 +41,16 @@ class DaemonSurface:
         self.index, self.durability, self.placement = index, durability, placement
         self.leases, self.batches, self.puts = leases, batches, puts
         self.gpu, self.gpu_reason = gpu, gpu_reason
+        # the event loop's most frequent calls are the components' own methods, bound here:
+        # no frame of this class (nor a keyword dict passed through) on every small op
+        self.try_put_staged = puts.try_put_staged
+        """``Puts.try_put_staged``: a small put from ``owner``'s staging area."""
+        self.try_get_staged = puts.try_get_staged
+        """``Puts.try_get_staged``: a small object copied into ``owner``'s staging area."""
+        self.try_acquire = leases.try_acquire
+        """``LeaseTable.try_acquire``: a check-out for ``owner``."""
+        self.try_release = leases.try_release
+        """``LeaseTable.try_release``: a check-in for ``owner``."""
 
     def reserve_put(self, spec: TensorSpec, **kw: Any) -> Reservation:
         """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
@@ -74,19 +84,11 @@ class DaemonSurface:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
         return self.puts.put_staged(owner, src, spec, **kw)
 
-    def try_put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle | Pending | Later:
-        return self.puts.try_put_staged(owner, src, spec, **kw)
-
-    def try_get_staged(self, owner: Any, handle: Handle | int | str, **kw: Any) -> TensorSpec | None | Later:
-        """A small object copied into ``owner``'s staging area (``Puts.try_get_staged``)."""
-        return self.puts.try_get_staged(owner, handle, **kw)
 
     def acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
         """A check-out for ``owner`` (``LeaseTable.acquire``)."""
         return self.leases.acquire(handle, mode, **kw)
 
-    def try_acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo | Later:
-        return self.leases.try_acquire(handle, mode, **kw)
 
     def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
         return self.leases.acquire_from(handle, source, **kw)
@@ -107,9 +109,6 @@ class DaemonSurface:
     def try_acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo] | Later:
         return self.batches.try_acquire_each(requests, **kw)
 
-    def try_release(self, lid: int, *, owner: Any) -> Later | None:
-        """A check-in for ``owner`` (``LeaseTable.try_release``)."""
-        return self.leases.try_release(lid, owner=owner)
 
     def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:
         return self.batches.try_release_many(lids, owner=owner)

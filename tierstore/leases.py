@@ -165,13 +165,13 @@ class LeaseTable:
         _check_mode(mode)
         with self.cv:
             info = self._take(self.index.get_meta(h, ns), mode, owner, stream, device, time.monotonic(),
-                              hit=True, late=False, blank=False)
+                              True, False, False)  # (hit, late, blank)
         if info is not None:
             return info
         return Later(lambda: self.acquire(h, mode, owner=owner, namespace=ns, timeout_s=timeout_s, stream=stream,
                                           device=device, undoable=undoable))
 
-    def _take(self, meta: ObjectMeta, mode: str, owner: Any, stream: str, device: bool, t0: float, *,
+    def _take(self, meta: ObjectMeta, mode: str, owner: Any, stream: str, device: bool, t0: float,
               hit: bool, late: bool, blank: bool) -> LeaseInfo | None:
         """(under cv) The lease, if ``meta`` is in the tier it is wanted in, not moving, and
         no other lease is in the way; else None."""
@@ -353,6 +353,8 @@ class LeaseTable:
         write lease (its write-back syncs) is ``Later``; any other is done now, and a durable
         object it lets go (its free journals and syncs) is discarded on the discard thread."""
         drop = self._check_in(lid, owner, now=True)
+        if drop is None:
+            return None
         if drop is _WRITES_BACK:
             return Later(lambda: self.release(lid, owner=owner))
         self._discard_soon(drop)

@@ -35,6 +35,10 @@ MAX_HINTED = 65536
 log = logging.getLogger(__name__)
 
 
+_COUNTER = {"hit": "hits", "late": "late", "miss": "misses"}
+"""The counter an access's outcome adds to."""
+
+
 class Prefetcher:
     def __init__(self, config: "StoreConfig", lookup: Callable[[int], "ObjectMeta | None"],
                  fetch: Callable[[int], None]) -> None:
@@ -70,7 +74,7 @@ class Prefetcher:
     def record(self, owner: Any, stream: str, oid: int, nbytes: int, outcome: str, stall_s: float) -> None:
         """An access by ``owner``: count it, learn from it, schedule what comes next."""
         c = self.counters
-        c[{"hit": "hits", "late": "late", "miss": "misses"}[outcome]] += 1
+        c[_COUNTER[outcome]] += 1
         c["stall_s"] += stall_s
         if outcome == "late":
             c["late_wait_s"] += stall_s
@@ -87,9 +91,10 @@ class Prefetcher:
     def access(self, owner: Any, stream: str, meta: "ObjectMeta", hit: bool, late: bool, t0: float) -> None:
         """A read of ``meta`` that began at ``t0`` (``time.monotonic()``): from a memory tier
         (``hit``), after waiting for a prefetch in flight (``late``), or neither (a miss)."""
-        outcome = "miss" if not hit else ("late" if late else "hit")
-        stall = time.monotonic() - t0 if outcome != "hit" else 0.0
-        self.record(owner, stream, meta.id, meta.nbytes, outcome, stall)
+        if hit and not late:
+            self.record(owner, stream, meta.id, meta.nbytes, "hit", 0.0)
+        else:
+            self.record(owner, stream, meta.id, meta.nbytes, "late" if hit else "miss", time.monotonic() - t0)
 
     def hint(self, owner: Any, oids: list[int]) -> int:
         """Explicit prefetch() hints: the same queue and budget as predictions. What the
