@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -150,6 +151,7 @@ DEEPSPEED_STUB = '''
 """A stand-in for deepspeed with the surface bench/train_offload.py's peer uses: it checks
 the ZeRO-3 NVMe offload config and trains with torch's AdamW (no ZeRO, no NVMe)."""
 import os
+import shutil
 import torch
 __version__ = "0.0-stub"
 
@@ -238,3 +240,14 @@ def test_scale_smoke(tmp_path):
     assert r["volatile_puts_per_s"] > 0 and r["durable_puts_per_s"] > 0 and r["restart_to_ready_s"] > 0
     assert r["ping_under_scans"]["p99_ms"] > 0 and r["snapshot_objects"] == 100 and r["keys_s"] > 0
     assert out["namespaces"]["namespaces"] == 20 and out["namespaces"]["stat_s"] > 0
+
+
+@pytest.mark.skipif(not shutil.which("valgrind"), reason="valgrind is not installed (apt-get install valgrind)")
+@pytest.mark.skipif(not os.path.exists(os.path.join(BENCH, "..", ".git")), reason="not a git checkout")
+def test_instructions_smoke(tmp_path):
+    out = _run("instructions.py", "--against", "HEAD", "--ops", "lookup", "--n", "40", cwd=tmp_path)
+    (row,) = out["rows"]
+    assert out["bench"] == "instructions" and row["op"] == "lookup"
+    # (at 40 requests the per-request figure is within the start's noise: only that each daemon was counted)
+    for side in ("before", "now"):
+        assert all(total > 10**8 for total in row[side]["runs_main"])
