@@ -309,9 +309,9 @@ class Handlers:
     def release(self, sess: "Session", msg: dict[str, Any]) -> Any:
         lid = field(msg, "lid", int, min_value=0)
         if field(msg, "unused", bool, False):  # never written: as if not taken
-            self.store.give_back(lid, owner=sess)
-            return {}
-        rest = self.store.daemon.try_release(lid, owner=sess)
+            rest = self.store.daemon.try_give_back(lid, owner=sess)
+        else:
+            rest = self.store.daemon.try_release(lid, owner=sess)
         return {} if rest is None else _answer(rest, _empty_reply)
 
     def release_many(self, sess: "Session", msg: dict[str, Any]) -> Any:

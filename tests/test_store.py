@@ -725,3 +725,24 @@ def test_a_lease_given_back_leaves_its_object_clean_with_its_nvme_copy(make_stor
     s.placement.demote(meta)
     assert s.nvme.bytes_written == written and s.info(kept)["residency"] == ["nvme"]
     assert torch.equal(s.get(kept), t)
+
+
+def test_a_sourced_durable_lease_given_back_on_the_event_loop_path_writes_back_later(make_store):
+    """``try_give_back`` (the daemon's ``release`` with ``unused``) never syncs on the
+    caller: a lease from a source is checked in, and for a durable object that writes it
+    back, so that part is ``Later``; a plain lease is given back at once."""
+    from tierstore.waits import Later
+
+    s = make_store()
+    src = s.put(torch.full((4096,), 3.0), durable=True)
+    dst = s.put(torch.zeros(4096), durable=True)
+    info = s.daemon.acquire_from(dst, src, owner="c")
+    rest = s.daemon.try_give_back(info.lid, owner="c")
+    assert isinstance(rest, Later)
+    assert s.info(dst)["writer"]  # not checked in yet: the write-back is the rest's
+    rest.run()
+    assert not s.info(dst)["writer"] and not s.info(dst)["dirty"]
+    assert torch.equal(s.get(dst), torch.full((4096,), 3.0))
+    plain = s.daemon.acquire(dst, "rw", owner="c")
+    assert s.daemon.try_give_back(plain.lid, owner="c") is None and not s.info(dst)["writer"]
+    s.daemon.release_owner("c")

@@ -51,6 +51,8 @@ class DaemonSurface:
         """``LeaseTable.try_acquire``: a check-out for ``owner``."""
         self.try_release = leases.try_release
         """``LeaseTable.try_release``: a check-in for ``owner``."""
+        self.try_give_back = leases.try_give_back
+        """``LeaseTable.try_give_back``: a check-in for ``owner`` as never written."""
 
     def reserve_put(self, spec: TensorSpec, **kw: Any) -> Reservation:
         """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""

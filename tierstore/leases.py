@@ -342,6 +342,18 @@ class LeaseTable:
         else:
             self.undo(info)
 
+    def try_give_back(self, lid: int, *, owner: Any) -> Later | None:
+        """``give_back`` for a caller that must not wait: a lease from a source is checked in
+        as ``try_release`` does it (``Later`` when that writes a durable object back)."""
+        with self.cv:
+            info = self.leases.get(lid)
+            if info is None or info.owner != owner:
+                raise NotFound(f"no lease {lid} held by this connection")
+        if info.sourced:
+            return self.try_release(lid, owner=owner)
+        self.undo(info)
+        return None
+
     def release(self, lid: int, *, owner: Any = LOCAL) -> None:
         """End a lease. After ``rw`` the object is dirty; a durable one is written back first."""
         drop = self._check_in(lid, owner)
