@@ -35,7 +35,7 @@ import numpy as np
 from tierstore.arena import detach_mapping, map_arena_fd
 from tierstore.batch import LeaseGroup, check_each
 from tierstore._version import __version__
-from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
+from tierstore.errors import CapacityExceeded, Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
@@ -181,6 +181,8 @@ class Client:
         if "torch" in sys.modules:  # tell `tierstore stat` (no reply awaited)
             self._report_pinning()
         self._staging: tuple[int, int] | None = None
+        self._staging_retry_at = 0.0
+        """Until when no staging area is asked for again (the last ask found no room)."""
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
         self._slots: deque[int] = deque(range(_SLOTS))  # free put_async slots (deque ops are atomic)
         self._in_flight: deque[Future] = deque()  # put_async futures sent from slots, oldest first
@@ -262,13 +264,15 @@ class Client:
         if spec.nbytes <= _STAGED_MAX and self._staging_lock.acquire(blocking=False):
             try:
                 # small object: copy into this connection's staging area, one round trip
-                off, _ = self._staging_area()
-                if spec.nbytes:
-                    self._arena[off:off + spec.nbytes] = u8
-                r = self._conn.request("put_staged", src=0, kind=spec.kind, dtype=spec.dtype,
-                                       shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
-                                       durable=durable, replace=replace, wait_s=float(wait_s), **eph)
-                return Handle.parse(r["handle"])
+                area = self._staging_area()
+                if area is not None:  # (else no room for one: the two-phase put below)
+                    off = area[0]
+                    if spec.nbytes:
+                        self._arena[off:off + spec.nbytes] = u8
+                    r = self._conn.request("put_staged", src=0, kind=spec.kind, dtype=spec.dtype,
+                                           shape=list(spec.shape), nbytes=spec.nbytes, key=key, tier=tier,
+                                           durable=durable, replace=replace, wait_s=float(wait_s), **eph)
+                    return Handle.parse(r["handle"])
             finally:
                 self._staging_lock.release()
         r = self._conn.request("put_reserve", kind=spec.kind, dtype=spec.dtype, shape=list(spec.shape),
@@ -289,20 +293,22 @@ class Client:
         if _is_cuda(out):
             return self._get_cuda(handle, out, stream)
         dev = self._gpu_readable()  # then a GPU-tier object is read where it is, not moved down
+        r = None
         if self._staging_lock.acquire(blocking=False):
             try:
-                self._staging_area()
-                r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream, device=dev)
-                if r.get("staged"):
-                    # a small object: the daemon copied it into our staging area, no lease held
-                    spec = _spec_of(r)
-                    dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
-                    if spec.nbytes:
-                        dst[:] = self._arena[self._staging[0]:self._staging[0] + spec.nbytes]
-                    return out if out is not None else from_bytes(dst, spec)
+                area = self._staging_area()
+                if area is not None:  # (else no room for one: a lease below)
+                    r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream, device=dev)
+                    if r.get("staged"):
+                        # a small object: the daemon copied it into our staging area, no lease held
+                        spec = _spec_of(r)
+                        dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
+                        if spec.nbytes:
+                            dst[:] = self._arena[area[0]:area[0] + spec.nbytes]
+                        return out if out is not None else from_bytes(dst, spec)
             finally:
                 self._staging_lock.release()
-        else:
+        if r is None:
             r = self._conn.request("get", handle=_wire(handle), stream=stream, device=dev)
         try:
             spec = _spec_of(r)
@@ -412,7 +418,11 @@ class Client:
         except IndexError:  # other threads took them
             return None
         try:
-            off, _ = self._staging_area()
+            area = self._staging_area()
+            if area is None:  # no room for one: the caller's other path
+                self._slots.append(slot)
+                return None
+            off = area[0]
             src = _STAGED_MAX + slot * _SLOT_BYTES
             if spec.nbytes:
                 self._arena[off + src:off + src + spec.nbytes] = u8
@@ -693,9 +703,19 @@ class Client:
             self._conn.submit("release", lid=r["lid"])
         return out
 
-    def _staging_area(self) -> tuple[int, int]:
+    def _staging_area(self) -> tuple[int, int] | None:
+        """This connection's staging area in the arena, asked for on first use; None while
+        the host tier has no room for one: small puts and gets then take the two-phase put
+        and a lease, as larger ones do (asked again at most once a second)."""
         if self._staging is None:
-            r = self._conn.request("staging", nbytes=_STAGED_MAX + _SLOTS * _SLOT_BYTES)
+            if time.monotonic() < self._staging_retry_at:
+                return None
+            try:
+                r = self._conn.request("staging", nbytes=_STAGED_MAX + _SLOTS * _SLOT_BYTES)
+            except CapacityExceeded as e:
+                log.debug("no staging area for now (%s): small puts and gets take the longer path", e)
+                self._staging_retry_at = time.monotonic() + 1.0
+                return None
             self._staging = (int(r["offset"]), int(r["nbytes"]))
         return self._staging
 

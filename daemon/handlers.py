@@ -327,7 +327,7 @@ class Handlers:
         return Later(lambda: _empty_reply(self.store.free(h, namespace=sess.namespace, owner=sess)))
 
     def lookup(self, sess: "Session", msg: dict[str, Any]) -> Any:
-        h = self.store.lookup(field(msg, "key", str), namespace=sess.namespace)
+        h = self.store.daemon.lookup(field(msg, "key", str), sess.namespace)
         return None if h is None else int(h)
 
     # A listing with ``page: true`` answers one page, ``{"keys"|"objects": [...], "next": cursor}``:

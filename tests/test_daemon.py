@@ -1122,3 +1122,16 @@ def test_a_lease_given_back_through_the_daemon_leaves_its_object_clean(daemon):
         c.checkout(dirtied, "rw").release()
         assert c.info(dirtied)["dirty"]
         assert torch.equal(c.get(kept), t)
+
+
+def test_small_puts_and_gets_work_when_the_host_tier_has_no_room_for_a_staging_area(daemon_factory):
+    """A host tier smaller than a connection's staging area: small puts (plain and
+    pipelined) and gets take the two-phase put and a lease instead, and every byte is right."""
+    d = daemon_factory("--host-bytes", "256KiB")
+    with d.client("nostaging") as c:
+        xs = [torch.full((256,), float(i)) for i in range(8)]
+        hs = [c.put(x, key=f"k{i}") for i, x in enumerate(xs)]
+        hs += [c.put_async(torch.full((256,), 99.0), key="async").result()]
+        for h, x in zip(hs, xs + [torch.full((256,), 99.0)]):
+            assert torch.equal(c.get(h), x)
+        assert c.lookup("async") == hs[-1]

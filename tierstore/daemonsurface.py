@@ -53,6 +53,8 @@ class DaemonSurface:
         """``LeaseTable.try_release``: a check-in for ``owner``."""
         self.try_give_back = leases.try_give_back
         """``LeaseTable.try_give_back``: a check-in for ``owner`` as never written."""
+        self.lookup = index.lookup
+        """``ObjectIndex.lookup(key, namespace)``: the handle of ``key``, or None."""
 
     def reserve_put(self, spec: TensorSpec, **kw: Any) -> Reservation:
         """First phase of a two-phase put: a block the client fills (``Puts.reserve``)."""
