@@ -333,14 +333,9 @@ class LeaseTable:
         it had never been taken — nothing dirtied, a blank ``w`` lease's block dropped (the
         object keeps its NVMe copy). A lease from a source is checked in instead: its bytes
         are the source's, which the object's own block may already have taken."""
-        with self.cv:
-            info = self.leases.get(lid)
-            if info is None or info.owner != owner:
-                raise NotFound(f"no lease {lid} held by this connection")
-        if info.sourced:
-            self.release(lid, owner=owner)
-        else:
-            self.undo(info)
+        rest = self.try_give_back(lid, owner=owner)
+        if rest is not None:
+            rest.run()
 
     def try_give_back(self, lid: int, *, owner: Any) -> Later | None:
         """``give_back`` for a caller that must not wait: a lease from a source is checked in
