@@ -9,11 +9,13 @@ memory is its own), the offloaded ones against a daemon started for it:
                      arena = 1.1x the state)
   host-2v            the same, crash-consistent (two versions: arena = 2.2x the state)
   host+bwd           host, updating each parameter in backward (update_in_backward=True)
+  host+bwd+drop      the same, each gradient dropped once its update used it (drop_grads=True)
   nvme               state on the NVMe tier (two versions, its default), host tier = 25% of
                      the state bytes, no prefetch
   nvme+prefetch      the same with the trace-driven prefetcher
   nvme+prefetch-1v   the same, single-version (crash_consistent=False)
   nvme+prefetch+bwd  nvme+prefetch, updating each parameter in backward
+  nvme+prefetch+bwd+drop  the same, each gradient dropped once its update used it
   cache+prefetch     state placed by the store (tier=None): the 25 % host tier keeps what
                      fits resident across steps (trace eviction), the rest on NVMe; prefetch
   deepspeed          the peer: DeepSpeed ZeRO-3 (its CPU accelerator, gloo, world size 1)
@@ -27,7 +29,9 @@ of theirs stays resident between steps), the store-placed one 1/3 (every byte of
 budget is one it cannot keep resident); docs/prefetch.md.
 
 Reported: median step time (vs plain), the training process's peak unique memory
-(private pages, sampled after every step), the daemon's peak resident memory, their
+(private pages, sampled after every backward, when the gradients are all there unless
+updates in backward dropped them, and after every step; the sample's time is not part
+of the step's), the daemon's peak resident memory, their
 sum (the node's memory spent on training), the saving against plain as a fraction
 of the optimizer-state bytes, the pool bytes the state takes (1x or 2x), and the disk
 bytes read and written per step. Every tierstore variant must end with the same
@@ -65,16 +69,26 @@ def uss():
                 tot += int(line.split()[1]) * 1024
     return tot
 
+def after_backward():
+    # the memory once backward is done (every gradient there, unless updates dropped them):
+    # sampled, and its own time taken out of the step's
+    global peak, sampling
+    t = time.perf_counter()
+    peak = max(peak, uss())
+    sampling = time.perf_counter() - t
+
 def record(step, t0, t1, loss):
-    # after a step that began at t0 (forward + backward done at t1): its times once warmed up,
-    # its loss, and the memory peak
+    # after a step that began at t0 (forward + backward done at t1): its times once warmed up
+    # (less the sample after backward), its loss, and the memory peak
     global peak
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0 - sampling
     losses.append(float(loss))
     if step >= cfg["warmup"]:
         times.append(dt)
         fb_times.append(t1 - t0)
     peak = max(peak, uss())
+
+sampling = 0.0
 """
 """The workers' measures: unique (private) pages in bytes, and one step's figures."""
 
@@ -95,7 +109,7 @@ if cfg["variant"] != "plain":
     from tierstore.client.torch import offload_optimizer
     client = Client.connect(socket=cfg["socket"], namespace="bench/rank0")
     opt = offload_optimizer(opt, client, tier=cfg["tier"], prefix="adam", crash_consistent=cfg["crash_consistent"],
-                            update_in_backward=cfg["in_backward"])
+                            update_in_backward=cfg["in_backward"], drop_grads=cfg["drop_grads"])
 times, fb_times, peak, sums, losses = [], [], uss(), [], []
 io0 = None
 x = torch.randn(cfg["batch"], cfg["width"], generator=torch.Generator().manual_seed(1))
@@ -111,6 +125,7 @@ for step in range(cfg["warmup"] + cfg["steps"]):
     loss = model(x).square().mean()
     loss.backward()
     t1 = time.perf_counter()
+    after_backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     record(step, t0, t1, loss)
@@ -176,6 +191,7 @@ for step in range(cfg["warmup"] + cfg["steps"]):
     loss = engine(x).square().mean()
     engine.backward(loss)
     t1 = time.perf_counter()
+    after_backward()
     engine.step()
     record(step, t0, t1, loss)
 io = [(b - a) / cfg["steps"] for a, b in zip(io0, disk_io())]
@@ -200,8 +216,8 @@ def divergence(a: dict, b: dict) -> tuple[int, int] | None:
     return None if a["digest"] == b["digest"] else (len(a["sums"]), -1)
 
 
-VARIANTS = ("plain", "host", "host-2v", "host+bwd", "nvme", "nvme+prefetch", "nvme+prefetch-1v", "nvme+prefetch+bwd",
-            "cache+prefetch", "deepspeed")
+VARIANTS = ("plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
+            "nvme+prefetch+bwd", "nvme+prefetch+bwd+drop", "cache+prefetch", "deepspeed")
 
 
 def deepspeed_missing(python: str) -> str | None:
@@ -234,7 +250,7 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
     daemon = ns = None
     host = 0
     try:
-        wcfg = dict(cfg, variant=variant, in_backward=variant.endswith("+bwd"),
+        wcfg = dict(cfg, variant=variant, in_backward="+bwd" in variant, drop_grads=variant.endswith("+drop"),
                     crash_consistent={"-1v": False, "-2v": True}.get(variant[-3:]))
         python, worker, env = sys.executable, WORKER, None
         if variant == "deepspeed":

@@ -83,14 +83,15 @@ def test_eviction_smoke(tmp_path):
     assert all(r["walk_ms"] > 0 and r["sort_ms"] > 0 for r in out["results"])
 
 
-OURS = ["plain", "host", "host-2v", "host+bwd", "nvme", "nvme+prefetch", "nvme+prefetch-1v", "nvme+prefetch+bwd",
-        "cache+prefetch"]
+OURS = ["plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
+        "nvme+prefetch+bwd", "nvme+prefetch+bwd+drop", "cache+prefetch"]
 
 
 @pytest.mark.parametrize("variants", [
     # one of each kind: host tier crash-consistent, NVMe without prefetch, NVMe with prefetch
-    # and the update in backward; every variant runs under the ``slow`` marker
-    pytest.param(["plain", "host-2v", "nvme", "nvme+prefetch+bwd"], id="one-of-each-kind"),
+    # and the update in backward, the host tier updating in backward and dropping gradients; every
+    # variant runs under the ``slow`` marker
+    pytest.param(["plain", "host-2v", "nvme", "nvme+prefetch+bwd", "host+bwd+drop"], id="one-of-each-kind"),
     pytest.param(OURS, marks=pytest.mark.slow, id="every-variant"),
 ])
 def test_train_offload_smoke(tmp_path, variants):
@@ -119,8 +120,8 @@ def test_train_offload_smoke(tmp_path, variants):
     by = {r["variant"]: r for r in out["results"]}
     assert all(by[v]["losses_close"] for v in peer)  # DeepSpeed's Adam kernel: close, not bit-identical
     # the pool holds the state once (single-version) or twice (crash-consistent), and a little more (progress)
-    for v, versions in (("host", 1), ("host-2v", 2), ("host+bwd", 1), ("nvme+prefetch", 2), ("nvme+prefetch-1v", 1),
-                        ("nvme+prefetch+bwd", 2)):
+    for v, versions in (("host", 1), ("host-2v", 2), ("host+bwd", 1), ("host+bwd+drop", 1), ("nvme+prefetch", 2),
+                        ("nvme+prefetch-1v", 1), ("nvme+prefetch+bwd", 2), ("nvme+prefetch+bwd+drop", 2)):
         if v in by:
             assert versions <= by[v]["pool_vs_state"] < versions + 0.01, (v, by[v]["pool_vs_state"])
     # states on the NVMe tier are read and written every step: the host tier cannot keep more than its

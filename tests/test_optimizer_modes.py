@@ -232,6 +232,42 @@ def test_update_in_backward_equals_plain_every_step(make_store, bucket_bytes, cr
     assert s.lookup("opt/_torn") is None
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_drop_grads_equals_plain_and_never_holds_every_gradient(make_store, tier):
+    """``drop_grads``: each gradient is set to ``None`` by its update in backward, so at no
+    point of a backward are all gradients alive (one parameter's at most, one at a time),
+    and the results equal plain AdamW's every step, with accumulation (the first
+    micro-batch deferred) and without."""
+    plain, off = _twin()
+    opt_p = torch.optim.AdamW(_groups(plain), lr=1e-3, weight_decay=0.1)
+    s = make_store(host_bytes="4MiB")
+    opt_o = offload_optimizer(torch.optim.AdamW(_groups(off), lr=1e-3, weight_decay=0.1), s, tier=tier,
+                              bucket_bytes=0, update_in_backward=True, drop_grads=True)
+    params = [p for p in off.parameters() if p.requires_grad]
+    alive: list[int] = []
+    for p in params:  # registered after the optimizer's: each sees what that update left
+        p.register_post_accumulate_grad_hook(lambda _p: alive.append(sum(q.grad is not None for q in params)))
+    for step in range(8):
+        xs = _batches(step) if step % 2 else _batches(step)[:1]
+        for model, opt in ((plain, opt_p), (off, opt_o)):
+            alive.clear()
+            for i, x in enumerate(xs):
+                last = i == len(xs) - 1
+                with opt_o.deferred() if opt is opt_o and not last else contextlib.nullcontext():
+                    _loss(model, x, len(xs)).backward()
+            if opt is opt_o:
+                assert all(p.grad is None for p in params), step  # every gradient used, and dropped
+                if len(xs) == 1:
+                    assert max(alive) <= 1, (step, alive)
+                _assert_equal(plain, off, f"after backward, step {step}")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _assert_equal(plain, off, step)
+    assert opt_o.completed_steps == 8 and s.stat()["leases"] == 0
+    with pytest.raises(ValueError, match="drop_grads needs update_in_backward"):
+        offload_optimizer(torch.optim.AdamW(_groups(off), lr=1e-3), s, tier=tier, prefix="other", drop_grads=True)
+
+
 def test_update_in_backward_skips_parameters_without_a_gradient(make_store):
     """Parameters without a gradient in some steps keep their state, across resumes by new
     optimizers over the same parameters."""

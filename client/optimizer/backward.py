@@ -210,7 +210,10 @@ class BackwardUpdates:
             opt.state_tensors.hint(nxt, opt.state_tensors.cur)
         opt.update_now(items)
         for gi, pi, p in items:
-            self._used[(gi, pi)] = (p.grad, p.grad._version, _sample(p.grad))
+            if opt.drop_grads:
+                p.grad = None  # used: nothing can change it after its update now
+            else:
+                self._used[(gi, pi)] = (p.grad, p.grad._version, _sample(p.grad))
 
     def _following(self, pos: int) -> list[_Item]:
         """Parameters after position ``pos`` of the last step's order, not updated yet in

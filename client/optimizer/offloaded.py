@@ -66,6 +66,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     ``update_in_backward=True``: each parameter is updated as soon as its gradient is
     final, from a post-accumulate-grad hook, while backward still runs (``backward``).
+    With ``drop_grads=True`` too, each gradient is set to ``None`` once its update has
+    used it, so a step never holds every gradient at once (the process's peak falls by
+    about the gradients' bytes); after such a backward the updated parameters have no
+    gradient to read.
 
     Parameters that are not fp32 (bf16/fp16 training) get an fp32 master copy in the
     pool; the update runs on the master and is copied (rounded) into the parameter.
@@ -81,7 +85,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __init__(self, inner: torch.optim.Optimizer, store: Pool, *, tier: str | None = "nvme",
                  prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
                  resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 crash_consistent: bool | None = None, update_in_backward: bool = False) -> None:
+                 crash_consistent: bool | None = None, update_in_backward: bool = False,
+                 drop_grads: bool = False) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
         if update not in ("auto", "cpu", "gpu"):
@@ -90,6 +95,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError("update='gpu' needs every parameter on a CUDA device; use 'cpu' or 'auto'")
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+        if drop_grads and not update_in_backward:
+            raise ValueError("drop_grads needs update_in_backward=True (only an update in backward is done "
+                             "with a gradient before backward ends)")
         closure = inspect.signature(inner.step).parameters.get("closure")
         if closure is not None and closure.default is inspect.Parameter.empty:
             raise TypeError(f"{type(inner).__name__} needs a closure for every step and keeps one state for all "
@@ -134,6 +142,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._clear_pool()
             if initial is not None:
                 self.load_state_dict(initial)
+        self.drop_grads = drop_grads
+        """Whether an update in backward sets its parameters' gradients to ``None``."""
         self.backward = BackwardUpdates(self) if update_in_backward else None
         """The update-in-backward hooks (``None`` without ``update_in_backward``)."""
 
@@ -327,7 +337,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Pool, *, tier: str | None = "nvme",
                       prefix: str = "opt", master_weights: bool | None = None, durable: bool = False,
                       resume: bool = False, update: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      crash_consistent: bool | None = None, update_in_backward: bool = False) -> OffloadedOptimizer:
+                      crash_consistent: bool | None = None, update_in_backward: bool = False,
+                      drop_grads: bool = False) -> OffloadedOptimizer:
     """Wrap ``optimizer`` so its state lives in the pool (see ``OffloadedOptimizer``).
 
     ``tier``: where new state goes (``"host"``, ``"nvme"``, or ``None``: the host tier
@@ -345,10 +356,13 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, client: Pool, *, tier: s
     mid-step raises ``TornState``). Default: one for ``tier="host"`` unless ``durable``,
     two otherwise. ``update_in_backward``: update each parameter as soon as its gradient
     is final, during backward (``BackwardUpdates``; docs/training.md says what composes).
+    ``drop_grads`` (with ``update_in_backward``): set each gradient to ``None`` once its
+    update has used it, so the step's peak memory does not hold every gradient.
     """
     return OffloadedOptimizer(optimizer, client, tier=tier, prefix=prefix, master_weights=master_weights,
                               durable=durable, resume=resume, update=update, bucket_bytes=bucket_bytes,
-                              crash_consistent=crash_consistent, update_in_backward=update_in_backward)
+                              crash_consistent=crash_consistent, update_in_backward=update_in_backward,
+                              drop_grads=drop_grads)
 
 
 def offloaded(optimizer_class: type[torch.optim.Optimizer], client: Pool, *, tier: str | None = "nvme",
