@@ -69,8 +69,8 @@ class ClientLease:
     def __init__(self, client: "Client", reply: dict[str, Any]) -> None:
         self._client = client
         self._lid: int | None = reply["lid"]
-        self.mode = reply.get("mode")
-        self._durable = reply.get("durable", True)
+        self.mode = reply["mode"]
+        self._durable = reply["durable"]
         self.handle = Handle.parse(reply["handle"])
         spec = _spec_of(reply)
         client._pin_view(reply["offset"], spec.nbytes, read_only=self.mode == "r")
@@ -391,7 +391,7 @@ class Client:
     def put_async(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False,
                   **kw: Any) -> Future:
         """``put`` without waiting; the future's result is the handle. A small CPU tensor (up
-        to 4 KiB) is copied and sent at once (up to 32 in flight on the connection, a 33rd
+        to 4 KiB) is copied and sent at once (up to 64 in flight on the connection, a 65th
         first waits for the oldest; the daemon serves them concurrently, so they may
         complete in any order); anything
         else is put on a background thread and must not change until the future completes.

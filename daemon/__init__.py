@@ -1,4 +1,5 @@
-"""The tierstore node daemon: socket server, sessions, auth, leases, systemd integration.
+"""The tierstore node daemon: socket server, sessions, admission, the ops' handlers, systemd
+integration (the leases themselves are the core's).
 
 Imports the core (``tierstore``), never the client. ``Server``, ``Session`` and ``run``
 are imported on first use, so ``python -m tierstore.daemon`` can refuse a bad setting

@@ -183,7 +183,7 @@ class Handlers:
         sess.joined = field(msg, "joined", bool, False)
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
-                "gpu_reason": self.store.gpu_reason,
+                "gpu_reason": self.store.daemon.gpu_reason,
                 "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any]) -> Any:

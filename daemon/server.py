@@ -5,7 +5,7 @@ One event-loop thread owns every socket. A request that can finish without waiti
 for anything that may wait or touch the disk the handler returns the rest of the
 request (``Later``), which goes to a worker pool, and its reply comes back through a
 queue plus a wake-up pipe. A durable put is handed to the store's group
-committer instead (its handler returns a future), and its reply comes back the same
+committer instead (its handler returns a ``Deferred``), and its reply comes back the same
 way once the batch it joined is durable. So the loop never blocks on disk I/O, a
 lock held across an fsync, or a slow client (replies that do not fit in the socket
 buffer wait in a per-connection outbox, bounded in bytes: a client that stops reading
@@ -110,7 +110,6 @@ class Session:
     """The client joins fragmented replies (said so in hello)."""
     joined: bool = False
     """The client takes several replies joined in one packet (said so in hello)."""
-    inflight: int = 0
     closed: bool = False
     requests: int = 0
     pinned: bool | None = None
@@ -538,11 +537,9 @@ class Server:
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
             return
         if isinstance(result, Later):  # the rest may wait or touch the disk: on an op worker
-            sess.inflight += 1
             self._pool.submit(self._run_blocking, sess, result.run, rid, op, t0)
             return
         if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
-            sess.inflight += 1
             result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
             return
         self.latency.observe(op, time.perf_counter() - t0)
@@ -632,7 +629,6 @@ class Server:
             except queue.Empty:
                 return
             self.latency.observe(op, seconds)
-            sess.inflight -= 1
             if op == "hello":
                 sess.hello_pending = False
             if code:
@@ -664,10 +660,6 @@ class Server:
             self._corked.discard(sess)
         if not sess.closed:
             self._flush(sess)
-
-    def _flush_and_close(self, sess: Session) -> None:
-        self._flush_queued(sess)
-        self._close(sess)
 
     def _half_closed(self, sess: Session) -> None:
         """EOF from the peer: it still reads the replies its burst earned, more of them than

@@ -441,10 +441,18 @@ def test_a_late_hit_is_counted_with_its_wait(make_store):
         s.prefetch([h], wait=False)
         _wait_queued(s.engine, 2)  # the prefetch read (one chunk) is queued
         assert s.info(h)["residency"] == ["nvme"]  # in flight, not there yet
-        got, reading = {}, threading.Event()
-        reader = threading.Thread(target=lambda: reading.set() or got.setdefault("t", s.get(h)))
+        got, parked = {}, threading.Event()
+        reader = threading.Thread(target=lambda: got.setdefault("t", s.get(h)))
+        cv_wait = s.index.cv.wait
+
+        def watched_wait(timeout=None):  # the reader parks on the index's lock: it waits for the read
+            if threading.current_thread() is reader:
+                parked.set()
+            return cv_wait(timeout)
+
+        s.index.cv.wait = watched_wait
         reader.start()
-        assert reading.wait(10)
+        assert parked.wait(10)
         time.sleep(0.3)  # not a synchronisation: the reader's wait, which must be counted
     finally:
         block.set()  # never leave the worker blocked (a failure would hang the teardown)

@@ -532,7 +532,7 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     junk = s.put(torch.full((mib,), -7.0))
     s.free(junk)
     held = s.checkout(hs[5], "rw")
-    version = s.index.objects[hs[0].id].version
+    before = s.info(hs[0])
     t0 = time.monotonic()
     with pytest.raises(Busy, match="object #2 of the batch.*no object was checked out"):
         s.checkout_many([hs[4], hs[0], hs[5]], ["w", "rw", "r"], timeout_s=0.3)
@@ -541,7 +541,7 @@ def test_checkout_many_takes_all_or_nothing(make_store):
     held.release()
     assert torch.equal(s.get(hs[4]), torch.full((mib,), 4.0))  # not the blank block's bytes
     assert torch.equal(s.get(hs[0]), torch.full((mib,), 0.0))
-    assert s.index.objects[hs[0].id].version == version  # the rw lease given back wrote nothing
+    assert s.info(hs[0]) == before  # the rw lease given back wrote nothing: not made dirty, not moved
 
     # one lease released on its own, then the group: each checked in once
     g = s.checkout_many(hs, "r")
@@ -688,9 +688,17 @@ def test_a_put_waits_for_the_space_a_replace_gave_up_instead_of_failing(make_sto
             result.append(e)
 
     t = threading.Thread(target=put_b)
+    waiting = threading.Event()
+    cv_wait = s.index.cv.wait
+
+    def watched_wait(timeout=None):  # the put's thread parks on the index's lock: it waits for the space
+        if threading.current_thread() is t:
+            waiting.set()
+        return cv_wait(timeout)
+
+    s.index.cv.wait = watched_wait
     t.start()
-    t.join(0.5)
-    assert t.is_alive() and not result, result  # waiting for the space, not failed
+    assert waiting.wait(10) and not result, result  # waiting for the space, not failed
     gate.set()
     t.join(10)
     assert not t.is_alive() and isinstance(result[0], Handle), result

@@ -100,15 +100,9 @@ class DaemonSurface:
     def try_acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo | Later:
         return self.leases.try_acquire_from(handle, source, **kw)
 
-    def acquire_many(self, handles: list[Handle | int | str], modes: list[str], **kw: Any) -> list[LeaseInfo]:
-        return self.batches.acquire_many(handles, modes, **kw)
-
     def try_acquire_many(self, handles: list[Handle | int | str], modes: list[str],
                          **kw: Any) -> list[LeaseInfo] | Later:
         return self.batches.try_acquire_many(handles, modes, **kw)
-
-    def acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo]:
-        return self.batches.acquire_each(requests, **kw)
 
     def try_acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo] | Later:
         return self.batches.try_acquire_each(requests, **kw)

@@ -24,7 +24,7 @@ from . import checkpoint
 from .allocator import ExtentAllocator
 from .errors import InvalidArgument, PermissionDenied, StorageError, TierstoreError
 from .hostindex import HostIndexLog
-from .index import KeyIndex, ObjectMeta, validate_namespace
+from .index import ObjectMeta, validate_namespace
 from .journal import Journal, ReplayResult, pack as pack_record
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
@@ -54,6 +54,12 @@ class Durability:
         cover it (the next start must find it again) until a compaction rewrites it."""
 
     # ------------------------------------------------------------------ journal
+    def record_write_back(self, meta: ObjectMeta) -> None:
+        """Journal ``meta``'s new NVMe copy (a durable object written down: demoted, or
+        checked in after a write) and sync it, under the journal lock."""
+        with self.lock:
+            self.journal_put(meta)
+
     def journal_put(self, meta: ObjectMeta, *, sync: bool = True) -> None:
         """Append meta's put record (caller holds ``lock``). ``sync=False``: the caller
         calls ``commit()`` once it has let go of the lock (group commit)."""
@@ -305,7 +311,7 @@ class Durability:
             n, off = int(r["nbytes"]), r["off"]
             if off is None or n <= 0 or off < 0 or off + n > self.host.capacity:
                 continue
-            meta = ix.objects.get(r["id"])
+            meta = ix.holder(r["id"])
             if r["durable"] and (meta is None or meta.gen != r["gen"]):
                 continue  # freed in the journal (the free's host record never made it): not revived
             try:
@@ -317,24 +323,20 @@ class Durability:
                 spec = TensorSpec(r["kind"], r["dtype"], tuple(r["shape"]), n)
                 meta = ObjectMeta(id=r["id"], gen=r["gen"], namespace=r["ns"], key=r["key"], spec=spec,
                                   durable=False, home=r.get("home"))
-                if meta.key is not None:
-                    k = (meta.namespace, meta.key)
-                    prev = ix.keys.get(k)
-                    if prev is not None and prev > meta.id:
-                        self.host.free(off, n)
-                        continue
-                    if prev is not None:  # replaced by this newer object just before the restart
-                        gone = ix.objects.pop(prev)
-                        if gone.nvme:
-                            self.nvme.free(gone.nvme)
-                        if gone.host_valid and gone.host_off is not None:  # adopted above: its block too
-                            self.host.free(gone.host_off, gone.spec.nbytes)
-                            gone.host_off, gone.host_valid = None, False
-                            adopted = [m for m in adopted if m is not gone]
-                    ix.keys[k] = meta.id
-                ix.objects[meta.id] = meta
+                prev = None if meta.key is None else ix.key_id(meta.namespace, meta.key)
+                if prev is not None and prev > meta.id:
+                    self.host.free(off, n)
+                    continue
+                gone = ix.adopt(meta)
+                if gone is not None:  # replaced by this newer object just before the restart
+                    if gone.nvme:
+                        self.nvme.free(gone.nvme)
+                    if gone.host_valid and gone.host_off is not None:  # adopted above: its block too
+                        self.host.free(gone.host_off, gone.spec.nbytes)
+                        gone.host_off, gone.host_valid = None, False
+                        adopted = [m for m in adopted if m is not gone]
             meta.host_off, meta.host_valid = off, True
-            ix.next_id = max(ix.next_id, meta.id + 1)
+            ix.note_id(meta.id)
             adopted.append(meta)
         self.hostlog.rewrite(self._host_live())
         self.hostlog_on = True  # whoever handed it back keeps it: go on recording
@@ -363,12 +365,9 @@ class Durability:
                               oid, e)
                     del live[oid]
                     dropped += 1
-        ix.objects.load(live)
+        ix.load(live, (rp.epoch % 0xFFFF) + 1, rp.next_id)
         rp.live = live = {}
-        ix.keys = KeyIndex({(m.namespace, m.key): m.id for m in ix.objects.values() if m.key is not None})
         self.owners.update(rp.owners)
-        ix.epoch = (rp.epoch % 0xFFFF) + 1
-        ix.next_id = rp.next_id
         info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
                 "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
                 "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,

@@ -110,8 +110,6 @@ class ObjectMeta:
     """``"nvme"``: the object lives on NVMe and goes back down after each use (put with tier="nvme")."""
     prefetching: bool = False
     """The move in flight is a prefetch (whoever waits for it is a 'late' hit)."""
-    version: int = 0
-    """Bumped by every check-in of new bytes (a write lease checked in, not given back)."""
     ephemeral: Any = None
     """The connection that put it with ``ephemeral=True``: the object goes when it does."""
     gpu_loc: int | None = None

@@ -244,11 +244,6 @@ class Journal:
         """An fdatasync failed: what the file holds since the last good one is unknown."""
         return self._sync_failed is not None
 
-    @property
-    def syncs(self) -> int:
-        """fdatasyncs run by ``commit`` (each covering every caller waiting at its start)."""
-        return self._group.rounds
-
     def _fdatasync(self) -> None:
         with self._fd_guard:
             if self._fd < 0:

@@ -415,7 +415,6 @@ class LeaseTable:
                 self.cv.notify_all()
                 drop = self.index.droppable(meta)
             else:
-                meta.version += 1
                 meta.nvme_valid = False
                 stale = meta.nvme
                 meta.nvme, meta.crcs = None, None
@@ -430,8 +429,7 @@ class LeaseTable:
                 try:
                     # durable: the new bytes reach NVMe and the journal before the check-in returns
                     self.placement.write_down(meta, sync=True)
-                    with self.durability.lock:
-                        self.durability.journal_put(meta)
+                    self.durability.record_write_back(meta)
                 except BaseException:
                     with self.cv:
                         if meta.nvme is None and stale:

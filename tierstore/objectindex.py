@@ -101,6 +101,40 @@ class ObjectIndex:
         self.objects[meta.id] = meta
         return old
 
+    # ------------------------------------------------------------ at start, before serving
+    def load(self, live: dict[int, ObjectMeta], epoch: int, next_id: int) -> None:
+        """The durable objects a replay found (``live``, by id): the table, the key index,
+        the generation epoch and the next id, all at once."""
+        self.objects.load(live)
+        self.keys = KeyIndex({(m.namespace, m.key): m.id for m in self.objects.values() if m.key is not None})
+        self.epoch, self.next_id = epoch, next_id
+
+    def holder(self, oid: int) -> ObjectMeta | None:
+        """The object with id ``oid``, if the index has it."""
+        return self.objects.get(oid)
+
+    def key_id(self, namespace: str, key: str) -> int | None:
+        """The id ``key`` names in ``namespace``, if any."""
+        return self.keys.get((namespace, key))
+
+    def adopt(self, meta: ObjectMeta) -> ObjectMeta | None:
+        """A volatile object found in an adopted arena joins the index by id and key;
+        returns the object its key named before, which leaves the index."""
+        gone = None
+        if meta.key is not None:
+            k = (meta.namespace, meta.key)
+            prev = self.keys.get(k)
+            if prev is not None:
+                gone = self.objects.pop(prev)
+            self.keys[k] = meta.id
+        self.objects[meta.id] = meta
+        self.note_id(meta.id)
+        return gone
+
+    def note_id(self, oid: int) -> None:
+        """Ids from here on are past ``oid``."""
+        self.next_id = max(self.next_id, oid + 1)
+
     def unbind(self, meta: ObjectMeta) -> None:
         """(under cv) ``meta``'s key no longer names it."""
         if meta.key is not None and self.keys.get((meta.namespace, meta.key)) == meta.id:
@@ -171,13 +205,6 @@ class ObjectIndex:
         ns = self.ns(namespace)
         with self.cv:
             return self.keys.scan_keys(ns, prefix, after, limit)
-
-    def key_page(self, prefix: str, after: str | None, limit: int | None,
-                 namespace: str | None) -> list[tuple[str, Handle]]:
-        _check_page(prefix, after)
-        ns = self.ns(namespace)
-        with self.cv:
-            return [(k, self.objects[oid].handle) for k, oid in self.keys.scan(ns, prefix, after, limit)]
 
     def ls_page(self, prefix: str, after: str | None, limit: int | None, namespace: str | None) -> list[dict[str, Any]]:
         _check_page(prefix, after)

@@ -38,6 +38,7 @@ from .objectindex import ObjectIndex
 from .policy import EvictionPolicy
 from .prefetch import Prefetcher
 from .durability import Durability
+from .engine.base import IOEngine
 from .tensors import aligned_empty
 from .units import PAGE, align_up
 
@@ -69,19 +70,21 @@ class Placement:
 
     def __init__(self, config: StoreConfig, index: ObjectIndex, durability: Durability, prefetcher: Prefetcher,
                  policy: EvictionPolicy, arena: Arena, host: ExtentAllocator, nvme: NvmeTier,
-                 gpu: GpuTier | None, engine: Any) -> None:
+                 gpu: GpuTier | None, engine: IOEngine, gpu_reason: str = "gpu_bytes is 0: no GPU tier") -> None:
         self.config, self.index, self.durability, self.prefetcher, self.policy = \
             config, index, durability, prefetcher, policy
         self.arena, self.host, self.nvme, self.gpu, self.engine = arena, host, nvme, gpu, engine
+        self.gpu_reason = gpu_reason
+        """Why there is no GPU tier (when ``gpu`` is None)."""
         self.counters = index.counters
         # kept for reading objects whose bytes are on NVMe when everything else is full
         self.read_reserve = min(READ_RESERVE_BYTES, host.capacity // 16) // PAGE * PAGE
         self.gpu_lru: OrderedDict[int, None] = OrderedDict()
         """GPU-tier objects, least recently used first."""
         self.staging: dict[Any, tuple[int, int]] = {}
+        """owner -> (offset, nbytes) of its staging area in the host arena."""
         self._staging_bytes = 0
         """The staging areas' bytes together (kept with ``staging``, under cv)."""
-        """owner -> (offset, nbytes) of its staging area in the host arena."""
         self._spill: list[int] = []  # home-NVMe objects released from use, to go back down
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
         self._discards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-discard")
@@ -140,9 +143,6 @@ class Placement:
         if tier == "gpu" and self.gpu is None:
             raise InvalidArgument(f"the gpu tier is not available in this store: {self.gpu_reason}")
         return tier
-
-    gpu_reason = "gpu_bytes is 0: no GPU tier"
-    """Why there is no GPU tier (set by the store when it opens the tiers)."""
 
     def check_fits(self, nbytes: int, tier: str | None) -> None:
         if tier == "gpu":
@@ -393,8 +393,7 @@ class Placement:
             if not meta.nvme_valid:
                 self.write_down(meta, sync=meta.durable, demoting=True)
                 if meta.durable:
-                    with self.durability.lock:
-                        self.durability.journal_put(meta)
+                    self.durability.record_write_back(meta)
             with ix.cv:
                 self.release_host(meta)
                 self.counters["demotions"] += 1
@@ -568,7 +567,7 @@ class Placement:
         u8 = out.reshape(-1).view(torch.uint8)
         with self.index.cv:
             nvme_only = meta.gpu_loc is None and not meta.host_valid and meta.nvme_valid
-        if nvme_only and getattr(self.engine, "gds", False):
+        if nvme_only and self.engine.gds:
             self.counters["nvme_reads"] += 1
             self.nvme.read_device(meta.nvme, u8, meta.crcs, lambda v: v.cpu().numpy())
             return False

@@ -190,8 +190,7 @@ class Store:
         self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.arena, self.host,
-                                   self.nvme, self.gpu, self.engine)
-        self.placement.gpu_reason = self.gpu_reason
+                                   self.nvme, self.gpu, self.engine, self.gpu_reason)
         self.leases = LeaseTable(ix, self.placement, self.durability, self.prefetcher, cfg.lease_wait_s)
         self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher)
@@ -357,15 +356,10 @@ class Store:
 
     def key_names(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
                   namespace: str | None = None) -> list[str]:
-        """As ``key_page``, the keys alone."""
+        """The namespace's keys starting with ``prefix``, in key order, after the key
+        ``after`` (exclusive), at most ``limit``: one page of a listing, in O(log n + limit)
+        of this namespace alone."""
         return self.index.key_names(prefix, after, limit, namespace)
-
-    def key_page(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
-                 namespace: str | None = None) -> list[tuple[str, Handle]]:
-        """``(key, handle)`` of the namespace's keys starting with ``prefix``, in key order,
-        after the key ``after`` (exclusive), at most ``limit``: one page of a listing, in
-        O(log n + limit) of this namespace alone."""
-        return self.index.key_page(prefix, after, limit, namespace)
 
     @staticmethod
     def _all_pages(page: Any, prefix: str, namespace: str | None, key_of: Any) -> list[Any]:
@@ -389,7 +383,7 @@ class Store:
 
     def ls_page(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
                 namespace: str | None = None) -> list[dict[str, Any]]:
-        """One page of ``ls``: as ``key_page``, with each object's ``info``."""
+        """One page of ``ls``: as ``key_names``, each object's ``info``."""
         return self.index.ls_page(prefix, after, limit, namespace)
 
     def ls_columns(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
@@ -475,7 +469,7 @@ class Store:
                     "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
                              "free_bytes": self.nvme.free_bytes, "objects": ix.objects.nvme_objects,
                              "engine": self.engine.name, "engine_reason": self.engine.reason,
-                             "device_io": getattr(self.engine, "device_reason", "posix engine: host buffers only"),
+                             "device_io": self.engine.device_reason,
                              "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "drives": self.nvme.describe()},

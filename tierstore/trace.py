@@ -128,14 +128,6 @@ class Trace:
         k = bisect.bisect_left(ps, self.cursor)
         return ps[k] if k < len(ps) else ps[0]
 
-    def upcoming(self, limit: int) -> Iterator[int]:
-        """The next ``limit`` accesses after the cursor, wrapping into the next step (lazily)."""
-        n = len(self.learned)
-        if self.state != "learned" or n == 0:
-            return iter(())
-        seq, start = self.learned, self.cursor + 1
-        return (seq[(start + i) % n] for i in range(min(limit, n)))
-
     def distance(self, oid: int) -> int | None:
         """Accesses until ``oid`` is next used (0 = the next one), or None if not in the trace."""
         ps = self.positions.get(oid)

@@ -35,6 +35,11 @@ class IOEngine(Protocol):
     reason: str
     """Why this engine was chosen (shown by ``tierstore stat``)."""
     threads: int
+    gds: bool
+    """Whether reads and writes can go straight between a file and GPU memory
+    (GPUDirect Storage, kvikio only)."""
+    device_reason: str
+    """Why device I/O is or is not available (shown by ``tierstore stat``)."""
 
     def open(self, path: str, *, direct: bool) -> EngineFile: ...
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Future:

@@ -114,6 +114,8 @@ class PooledEngine:
     def __init__(self, threads: int, reason: str, thread_name: str) -> None:
         self.threads = threads
         self.reason = reason
+        self.gds = False
+        self.device_reason = f"{self.name} engine: host buffers only"
         self._pool = PriorityPool(threads, thread_name)
         self._closed = threading.Event()
 
