@@ -472,7 +472,11 @@ class LeaseTable:
             move = owner is not LOCAL and info.mode != "r" and meta is not None and not meta.freeing \
                 and meta.nbytes > 0
         if move:
-            self.placement.move_off(meta, info, lambda: self.leases.get(info.lid) is info)
+            def moved(host_off: int | None, gpu_loc: Any) -> None:
+                info.host_off, info.gpu_loc = host_off, gpu_loc
+
+            self.placement.move_off(meta, lid, info.host_off, info.gpu_loc, lambda: self.leases.get(lid) is info,
+                                    moved)
         try:
             self.release(lid, owner=owner)
         except NotFound:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,9 +41,6 @@ from .durability import Durability
 from .engine.base import IOEngine
 from .tensors import aligned_empty
 from .units import PAGE, align_up
-
-if TYPE_CHECKING:
-    from .leases import LeaseInfo
 
 __all__ = ["Landing", "Placement", "TIERS"]
 
@@ -695,44 +692,48 @@ class Placement:
                     log.error("moving %s from the GPU tier to host failed: %s", victim.handle, e)
                     break
 
-    def move_off(self, meta: ObjectMeta, info: "LeaseInfo", held: Callable[[], bool]) -> None:
-        """Copy a revoked write lease's bytes into a new block and make that the object's
-        (the lease is exclusive: nobody else touches the object's block meanwhile). Without
-        room the object stays where it is, still exposed to the holder: logged. ``held()``
-        (under cv): the lease is still out (not checked in meanwhile)."""
+    def move_off(self, meta: ObjectMeta, lid: int, host_off: int | None, gpu_loc: Any,
+                 held: Callable[[], bool], moved: Callable[[int | None, Any], None]) -> None:
+        """Copy a revoked write lease's bytes (lease ``lid``, on the host block at ``host_off``
+        or the GPU-tier block ``gpu_loc``) into a new block and make that the object's (the
+        lease is exclusive: nobody else touches the object's block meanwhile). Without room
+        the object stays where it is, still exposed to the holder: logged. ``held()`` (under
+        cv): the lease is still out (not checked in meanwhile); ``moved(host_off, gpu_loc)``
+        (under cv): the lease table's record of where its bytes are now."""
         n = meta.nbytes
-        if info.gpu_loc is not None:
-            device = loc_device(info.gpu_loc)
+        if gpu_loc is not None:
+            device = loc_device(gpu_loc)
             with self.index.cv:
                 new = self.gpu.alloc(n, device)
             if new is None:
                 log.error("revoked lease %d: no GPU-tier room to move object %d off the holder's block",
-                          info.lid, meta.id)
+                          lid, meta.id)
                 return
-            self.gpu.backend.copy(device, self.gpu.ptr(new), self.gpu.ptr(info.gpu_loc), n)
+            self.gpu.backend.copy(device, self.gpu.ptr(new), self.gpu.ptr(gpu_loc), n)
             with self.index.cv:
-                if not held() or meta.gpu_loc != info.gpu_loc:
+                if not held() or meta.gpu_loc != gpu_loc:
                     self.gpu.free(new, n)  # checked in meanwhile: the object is not ours to move
                     return
-                old, meta.gpu_loc, info.gpu_loc = info.gpu_loc, new, new
-                self.gpu.free(old, n)  # fenced: held back until the holder's connection ends
+                meta.gpu_loc = new
+                moved(host_off, new)
+                self.gpu.free(gpu_loc, n)  # fenced: held back until the holder's connection ends
             return
         try:
             new = self.alloc_host(n, wait_s=self.config.lease_wait_s)
         except CapacityExceeded:
             log.error("revoked lease %d: no host room to move object %d off the holder's block; "
-                      "it stays there", info.lid, meta.id)
+                      "it stays there", lid, meta.id)
             return
-        self.arena.view(new, n)[:] = self.arena.view(info.host_off, n)
+        self.arena.view(new, n)[:] = self.arena.view(host_off, n)
         with self.index.cv:
-            if not held() or meta.host_off != info.host_off:
+            if not held() or meta.host_off != host_off:
                 self.host.free(new, n)  # checked in meanwhile: the object is not ours to move
                 self.index.cv.notify_all()
                 return
-            old = info.host_off
-            meta.host_off = info.host_off = new
+            meta.host_off = new
+            moved(new, gpu_loc)
             self.durability.log_host(meta)  # (not a durable one's: the revocation's check-in logs it)
-            self.host.free(old, n)  # fenced: held back until the holder's connection ends
+            self.host.free(host_off, n)  # fenced: held back until the holder's connection ends
 
     # ------------------------------------------------------------------ giving space back
     def free_space(self, meta: ObjectMeta) -> list:
