@@ -1124,6 +1124,22 @@ def test_a_lease_given_back_through_the_daemon_leaves_its_object_clean(daemon):
         assert torch.equal(c.get(kept), t)
 
 
+def test_every_get_through_the_daemon_is_counted_whichever_path_serves_it(daemon):
+    """``gets`` / ``get_bytes`` count a small get served from the host tier at once, one
+    read from NVMe through a pin (the staging area's slower path), and a larger one
+    through a check-out, as an in-process get counts each."""
+    with daemon.client("counted") as c:
+        small, big = torch.arange(64, dtype=torch.float32), torch.arange(1 << 18, dtype=torch.float32)
+        on_host, on_nvme, large = c.put(small), c.put(small, tier="nvme"), c.put(big, tier="nvme")
+        before = c.stat()["counters"]
+        for h, want in ((on_host, small), (on_nvme, small), (large, big)):
+            assert torch.equal(c.get(h), want)
+        after = c.stat()["counters"]
+        assert after["gets"] - before["gets"] == 2  # the two staged gets; the check-out is counted as one
+        assert after["checkouts"] - before["checkouts"] == 1
+        assert after["get_bytes"] - before["get_bytes"] == 2 * small.nbytes
+
+
 def test_small_puts_and_gets_work_when_the_host_tier_has_no_room_for_a_staging_area(daemon_factory):
     """A host tier smaller than a connection's staging area: small puts (plain and
     pipelined) and gets take the two-phase put and a lease instead, and every byte is right."""

@@ -92,6 +92,28 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.leases)
 
+    def free(self, h: Handle, ns: str, owner: Any) -> None:
+        """Free an object once nothing holds it (``wait_unheld``): its key is unbound at
+        once and placement discards it (the free journaled for a durable one). A discard
+        that fails leaves the object exactly as it was, key and all."""
+        ix = self.index
+        with self.cv:
+            meta = ix.get_meta(h, ns)
+            self.wait_unheld(meta, owner)
+            meta.freeing = True
+            ix.unbind(meta)
+        try:
+            self.placement.discard(meta)
+        except TierstoreError as e:
+            # the free was not journaled: the object stays exactly as it was (a restart would
+            # bring it back, so it must not vanish now)
+            with self.cv:
+                meta.freeing = False
+                ix.rebind(meta)
+                self.cv.notify_all()
+            raise type(e)(f"free of {h} failed, the object is unchanged: {e.message}") from None
+        self.counters["frees"] += 1
+
     def wait_unheld(self, meta: ObjectMeta, owner: Any) -> None:
         """(under cv) Wait until nothing holds ``meta`` (before a free): copies and moves in
         flight, and other owners' leases (up to ``lease_wait_s``; a check-in another

@@ -32,14 +32,14 @@ from .arena import Arena
 from .config import StoreConfig
 from .errors import CapacityExceeded, InvalidArgument, TierstoreError
 from .gpu import GpuTier, loc_device
-from .index import ObjectMeta
+from .index import Handle, ObjectMeta
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .policy import EvictionPolicy
 from .prefetch import Prefetcher
 from .durability import Durability
 from .engine.base import IOEngine
-from .tensors import aligned_empty
+from .tensors import TensorSpec, aligned_empty
 from .units import PAGE, align_up
 
 __all__ = ["Landing", "Placement", "TIERS"]
@@ -516,6 +516,34 @@ class Placement:
         return out
 
     # ------------------------------------------------------------------ reads
+    def read_pinned(self, h: Handle, ns: str, owner: Any, stream: str,
+                    into: Callable[[TensorSpec], tuple[Any, bool]]) -> TensorSpec:
+        """A get's read: pin the object (it cannot move or be freed meanwhile), copy its
+        bytes into ``into(spec)`` (a byte array, or with ``True`` a CUDA tensor, read
+        straight from NVMe where GPUDirect Storage is on), record the access with the
+        prefetcher and count it, unpin (discarding an object freed meanwhile). Returns its
+        spec."""
+        ix = self.index
+        t0 = time.monotonic()
+        meta, late = ix.pin(h, ns)
+        try:
+            spec = meta.spec
+            dst, device = into(spec)
+            if not spec.nbytes:
+                hit = True
+            elif device:
+                hit = self.read_to_device(meta, dst)
+            else:
+                hit = self.read(meta, dst)
+            with ix.cv:
+                self.prefetcher.access(owner, stream, meta, hit, late, t0)
+                self.counters["gets"] += 1
+                self.counters["get_bytes"] += spec.nbytes
+        finally:
+            if ix.unpin(meta):
+                self.discard(meta)
+        return spec
+
     def read(self, meta: ObjectMeta, dst: np.ndarray) -> bool:
         """Copy a pinned object's bytes into ``dst`` from the fastest tier holding them.
 

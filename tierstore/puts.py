@@ -359,16 +359,9 @@ class Puts:
             area = self.placement.staging_of(owner)  # (again: the connection may have gone meanwhile)
         if area is None:
             raise Closed("the connection that asked went away")
-        t0 = time.monotonic()
-        meta, late = self.index.pin(h, self.index.ns(namespace))
-        try:
-            hit = self.placement.read(meta, self.placement.arena.view(area[0], meta.nbytes))
-            with self.cv:
-                self.prefetcher.access(owner, stream, meta, hit, late, t0)
-        finally:
-            if self.index.unpin(meta):
-                self.placement.discard(meta)
-        return meta.spec
+        view = self.placement.arena.view
+        return self.placement.read_pinned(h, self.index.ns(namespace), owner, stream,
+                                          lambda spec: (view(area[0], spec.nbytes), False))
 
     def abort(self, rid: int, *, owner: Any = LOCAL) -> None:
         """Drop an open reservation; one a commit has taken up is left to it."""

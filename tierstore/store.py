@@ -37,7 +37,7 @@ from .arena import Arena
 from .batch import LeaseGroup
 from .config import Config, StoreConfig
 from .engine import select_engine
-from .errors import InvalidArgument, TierstoreError
+from .errors import InvalidArgument
 from .gpu import GpuTier, detect_backend
 from .hostindex import HostIndexLog, index_bytes_for
 from .index import Handle, validate_key
@@ -53,7 +53,7 @@ from .preflight import check_start
 from .puts import Puts, Reservation
 from .daemonsurface import DaemonSurface
 from .durability import Durability
-from .tensors import aligned_empty, cuda_out, from_bytes, out_bytes
+from .tensors import TensorSpec, aligned_empty, cuda_out, from_bytes, out_bytes
 from .units import format_size
 
 __all__ = ["Store", "Lease", "Reservation", "LeaseInfo"]
@@ -242,27 +242,16 @@ class Store:
         ``stream`` names the access sequence this get belongs to (e.g. "params",
         "optim"), so interleaved loops are learned separately.
         """
-        ix, placement = self.index, self.placement
-        t0 = time.monotonic()
-        meta, late = ix.pin(Handle.parse(handle), ix.ns(namespace))
-        try:
-            spec = meta.spec
+        made = []
+
+        def into(spec: TensorSpec) -> tuple[Any, bool]:
             if cuda_out(out, spec):  # a CUDA tensor: straight from NVMe where GPUDirect Storage is on
-                hit = placement.read_to_device(meta, out) if spec.nbytes else True
-                dst = None
-            else:
-                dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
-                hit = True
-            if spec.nbytes and dst is not None:
-                hit = placement.read(meta, dst)
-            with ix.cv:
-                self.prefetcher.access(owner, stream, meta, hit, late, t0)
-            self.counters["gets"] += 1
-            self.counters["get_bytes"] += spec.nbytes
-        finally:
-            if ix.unpin(meta):
-                placement.discard(meta)
-        return out if out is not None else from_bytes(dst, spec)
+                return out, True
+            made.append(out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes))
+            return made[0], False
+
+        spec = self.placement.read_pinned(Handle.parse(handle), self.index.ns(namespace), owner, stream, into)
+        return out if out is not None else from_bytes(made[0], spec)
 
     def free(self, handle: Handle | int | str, *, namespace: str | None = None, owner: Any = LOCAL) -> None:
         """Delete the object. Once this returns, the object is gone for good (also after a crash).
@@ -270,24 +259,7 @@ class Store:
         A lease ``owner`` (the caller: a daemon connection) holds on it is ``Busy`` at once;
         one another owner holds is waited for, up to ``lease_wait_s``, as a check-out waits.
         """
-        h = Handle.parse(handle)
-        ix = self.index
-        with ix.cv:
-            meta = ix.get_meta(h, ix.ns(namespace))
-            self.leases.wait_unheld(meta, owner)
-            meta.freeing = True
-            ix.unbind(meta)
-        try:
-            self.placement.discard(meta)
-        except TierstoreError as e:
-            # the free was not journaled: the object stays exactly as it was (a restart would
-            # bring it back, so it must not vanish now)
-            with ix.cv:
-                meta.freeing = False
-                ix.rebind(meta)
-                ix.cv.notify_all()
-            raise type(e)(f"free of {h} failed, the object is unchanged: {e.message}") from None
-        self.counters["frees"] += 1
+        self.leases.free(Handle.parse(handle), self.index.ns(namespace), owner)
 
     # ------------------------------------------------------------------ check-outs
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
