@@ -217,13 +217,15 @@ with Client.connect(socket=sys.argv[1]) as c:
     with c.checkout(h, "rw") as t:
         t += 1
     c.free(h)
-print(json.dumps([sorted(imported), sorted(core())]))
+print(json.dumps([sorted(imported), sorted(core()), "sortedcontainers" in sys.modules]))
 """
     r = run_py(code, daemon.socket, timeout=120)
     assert r.returncode == 0, r.stderr
-    imported, used = (set(names) for names in json.loads(r.stdout.splitlines()[-1]))
+    imported, used, sorted_maps = json.loads(r.stdout.splitlines()[-1])
+    imported, used = set(imported), set(used)
     heavy = {"tierstore.store", "tierstore.nvme", "tierstore.checksum", "tierstore.engine", "tierstore.config",
-             "tierstore.journal", "tierstore.allocator"}
+             "tierstore.journal", "tierstore.allocator", "tierstore.index"}
     assert not (imported | used) & heavy, sorted((imported | used) & heavy)
+    assert not sorted_maps  # the index's key maps (sortedcontainers) are the daemon's
     assert imported <= {"tierstore._version", "tierstore.errors", "tierstore.arena", "tierstore.batch",
-                        "tierstore.index", "tierstore.protocol", "tierstore.tensors", "tierstore.units"}
+                        "tierstore.names", "tierstore.protocol", "tierstore.tensors", "tierstore.units"}

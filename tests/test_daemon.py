@@ -846,6 +846,39 @@ sys.stdin.read()
 """
 
 
+def test_a_checkout_from_a_source_that_waits_counts_the_sources_read_once(daemon):
+    """A check-out from a source that must wait for another holder of its object is given
+    up by the op worker and run again on a wait thread: the source's read lease is taken
+    again, but the access is counted and recorded once, as it was made once."""
+    import threading
+
+    mib = 1 << 18
+    with daemon.client("src-wait") as c, daemon.client("src-wait") as other:
+        dst = c.put(torch.zeros(mib), key="dst", tier="nvme")
+        hot = c.put(torch.full((mib,), 3.0), key="hot", tier="host")  # dirty, in host only: copied
+        accesses = lambda st: sum(st["prefetch"][k] for k in ("hits", "late", "misses"))  # noqa: E731
+        held = other.checkout(dst, "r")
+        before = c.stat()
+        out = {}
+
+        def sourced():
+            with c.checkout(dst, "w", source=hot, timeout_s=30) as t:
+                out["t"] = t.clone()
+
+        t = threading.Thread(target=sourced)
+        t.start()
+        # the request read-leases the source (counted), then would wait for the held object: the
+        # op worker gives it up and its rest runs again on a wait thread (``waiting``), from the start
+        poll_until(lambda: other.stat()["waiting"] == 1, "the request moved to a wait thread")
+        held.release()
+        t.join(30)
+        assert torch.equal(out["t"], torch.full((mib,), 3.0))
+        after = c.stat()
+        assert accesses(after) == accesses(before) + 1
+        assert after["counters"]["checkouts"] - before["counters"]["checkouts"] == 1 + 1  # the source's, dst's w
+        assert after["counters"]["source_copies"] == before["counters"]["source_copies"] + 1
+
+
 def test_checkout_from_a_source_through_the_daemon(daemon):
     """A ``w`` check-out that starts with another object's bytes: the source stays as it
     was (also when the holder is SIGKILLed mid-update); bad requests are refused."""

@@ -20,7 +20,7 @@ from .errors import (Busy, CapacityExceeded, ChecksumMismatch, Closed, DaemonUna
 if TYPE_CHECKING:
     from .batch import LeaseGroup
     from .config import Config
-    from .index import Handle
+    from .names import Handle
     from .store import Lease, Store
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "DaemonUnavailable", "Closed", "ReadOnlyView",
 ]
 
-_LAZY = {"Config": ".config", "Store": ".store", "Lease": ".store", "LeaseGroup": ".batch", "Handle": ".index"}
+_LAZY = {"Config": ".config", "Store": ".store", "Lease": ".store", "LeaseGroup": ".batch", "Handle": ".names"}
 
 
 def __getattr__(name: str) -> Any:

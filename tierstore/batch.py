@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 from .errors import InvalidArgument
-from .index import Handle
+from .names import Handle
 
 __all__ = ["LeaseGroup", "check_each"]
 

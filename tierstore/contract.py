@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence, runtime_che
 
 if TYPE_CHECKING:
     from .batch import LeaseGroup
-    from .index import Handle
+    from .names import Handle
 
 __all__ = ["Objects", "Pool", "PoolLease", "ReportsActivations"]
 

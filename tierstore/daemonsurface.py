@@ -18,7 +18,7 @@ from typing import Any
 from .durability import Durability
 from .errors import InvalidArgument
 from .gpu import GpuTier
-from .index import Handle
+from .names import Handle
 from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
 from .objectindex import ObjectIndex

@@ -1,84 +1,24 @@
-"""Object index records: handles, per-object metadata, the key index and the object table. Bookkeeping only."""
+"""Object index records: per-object metadata, the key index and the object table (handles,
+keys and namespaces are ``names``'s, re-exported here). Bookkeeping only."""
 
 from __future__ import annotations
 
 import itertools
 import sys
-import unicodedata
 from collections import OrderedDict
 from dataclasses import InitVar, dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sortedcontainers import SortedDict
 
-from .errors import InvalidArgument, InvalidKey
+from .extent import Extent
+from .names import Handle, validate_key, validate_namespace
 from .tensors import TensorSpec
-
-if TYPE_CHECKING:
-    from .nvme import Extent
-
-_Extent: Any = None
-"""``nvme.Extent``, imported on the first journal record read: the client imports this
-module for ``Handle`` and must not load the NVMe tier (and its checksum library) with it."""
-
-
-def _extent() -> Any:
-    global _Extent
-    from .nvme import Extent
-
-    _Extent = Extent
-    return Extent
-
 
 __all__ = ["Handle", "ObjectMeta", "KeyIndex", "ObjectTable", "sorted_from", "validate_key", "validate_namespace"]
 
 _MISSING = object()
-
-_ID_BITS = 48
-_GEN_MASK = 0xFFFF
-
-
-@dataclass(slots=True, frozen=True, order=True)
-class Handle:
-    """Names one object: a 48-bit id plus a 16-bit generation.
-
-    A handle is a plain value: ``int(h)`` and ``str(h)`` round-trip through
-    ``Handle.parse``. After a free (or a restart that lost a volatile object) the
-    id's generation no longer matches and the handle is reported stale.
-    """
-
-    id: int
-    gen: int
-
-    def __int__(self) -> int:
-        return (self.gen << _ID_BITS) | self.id
-
-    def __index__(self) -> int:
-        return int(self)
-
-    def __str__(self) -> str:
-        return f"{self.id}.{self.gen}"
-
-    @classmethod
-    def parse(cls, value: "Handle | int | str") -> "Handle":
-        if isinstance(value, Handle):
-            return value
-        if isinstance(value, bool):
-            raise InvalidArgument("a handle is a Handle, an int or an 'id.gen' string, not a bool")
-        if isinstance(value, int):
-            if value < 0 or value >= 1 << 64:
-                raise InvalidArgument(f"handle {value} is out of range")
-            return cls(value & ((1 << _ID_BITS) - 1), (value >> _ID_BITS) & _GEN_MASK)
-        if isinstance(value, str):
-            parts = value.split(".")
-            if len(parts) == 2 and all(p.isdigit() for p in parts):
-                oid, gen = int(parts[0]), int(parts[1])
-                if oid < 1 << _ID_BITS and gen <= _GEN_MASK:
-                    return cls(oid, gen)
-            raise InvalidArgument(f"{value!r} is not a handle ('id.gen')")
-        raise InvalidArgument(f"a handle is a Handle, an int or an 'id.gen' string, not {type(value).__name__}")
-
 
 @dataclass(slots=True, eq=False)
 class ObjectMeta:
@@ -160,13 +100,8 @@ class ObjectMeta:
             if specs is not None:
                 specs[sk] = spec
         return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
-                   durable=True, nvme=[(_Extent or _extent()).from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
+                   durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
                    nvme_valid=True, home=r.get("home"))
-
-
-_BAD_KEY_CHARS = frozenset({"Cc", "Cs", "Zl", "Zp"})
-"""Controls (newline, tab, NUL, DEL, C1), lone surrogates (not UTF-8) and line/paragraph
-separators: characters that break a listing or cannot be encoded."""
 
 
 def _counted_flag(slot: str, counter: str, doc: str) -> property:
@@ -186,32 +121,6 @@ def _counted_flag(slot: str, counter: str, doc: str) -> property:
 # (set after the dataclass is made: its __init__ takes them as plain arguments)
 ObjectMeta.host_valid = _counted_flag("_hv", "host_objects", "The host block holds the current bytes.")
 ObjectMeta.nvme_valid = _counted_flag("_nv", "nvme_objects", "The NVMe extents hold the current bytes.")
-
-
-def validate_key(key: Any) -> str | None:
-    if key is None:
-        return None
-    if not isinstance(key, str):
-        raise InvalidKey(f"a key is a str, not {type(key).__name__}")
-    if not key or len(key.encode("utf-8", "surrogatepass")) > 1024:
-        raise InvalidKey("a key must be 1 to 1024 bytes long")
-    if not key.isprintable():  # fast path: most keys are printable
-        bad = next((ch for ch in key if unicodedata.category(ch) in _BAD_KEY_CHARS), None)
-        if bad is not None:
-            what = {"\0": "NUL", "\n": "a newline", "\r": "a carriage return", "\t": "a tab"}.get(bad) or \
-                ("a lone surrogate, not UTF-8" if unicodedata.category(bad) == "Cs" else
-                 unicodedata.name(bad, "a control character"))
-            raise InvalidKey(f"key {key[:80]!r} contains {what} (U+{ord(bad):04X}), "
-                             "which would break listings; use printable characters (e.g. '/' as a separator)")
-    return key
-
-
-def validate_namespace(ns: Any) -> str:
-    if not isinstance(ns, str) or not ns or len(ns) > 255:
-        raise InvalidArgument("a namespace is a non-empty str of at most 255 characters")
-    if "\0" in ns or any(p in ("", ".", "..") for p in ns.split("/")):
-        raise InvalidArgument(f"invalid namespace {ns!r}: use names like 'job-42' or 'job-42/rank3'")
-    return ns
 
 
 class KeyIndex:

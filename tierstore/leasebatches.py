@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from .batch import check_each
 from .errors import CapacityExceeded, InvalidArgument, NotFound, TierstoreError
-from .index import Handle
+from .names import Handle
 from .leases import LOCAL, MAX_BATCH, LeaseInfo, LeaseTable
 from .placement import Placement
 from .objectindex import ObjectIndex

@@ -135,7 +135,7 @@ class LeaseTable:
 
     def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
                 timeout_s: float | None = None, stream: str = "default", device: bool = False,
-                undoable: bool = False) -> LeaseInfo:
+                undoable: bool = False, counted: bool = True) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed).
 
         ``device=True`` (a CUDA caller): an object in the GPU tier is leased where it is
@@ -147,6 +147,8 @@ class LeaseTable:
 
         ``undoable``: the lease may be taken back by ``undo`` (a failed batch), so a
         ``w`` lease never discards the only other copy: a GPU-tier object is read up.
+        ``counted=False``: the access is not counted nor recorded with the prefetcher (it
+        was, by an earlier attempt of the same request).
         """
         h, ns = Handle.parse(handle), self.index.ns(namespace)
         _check_mode(mode)
@@ -156,7 +158,8 @@ class LeaseTable:
         while True:
             with self.cv:
                 meta = self.index.get_meta(h, ns)
-                info = self._take(meta, mode, owner, stream, device, t0, hit=not promoted, late=late, blank=blank)
+                info = self._take(meta, mode, owner, stream, device, t0, hit=not promoted, late=late, blank=blank,
+                                  counted=counted)
                 if info is not None:
                     return info
                 late = late or meta.prefetching
@@ -194,13 +197,13 @@ class LeaseTable:
                                           device=device, undoable=undoable))
 
     def _take(self, meta: ObjectMeta, mode: str, owner: Any, stream: str, device: bool, t0: float,
-              hit: bool, late: bool, blank: bool) -> LeaseInfo | None:
+              hit: bool, late: bool, blank: bool, counted: bool = True) -> LeaseInfo | None:
         """(under cv) The lease, if ``meta`` is in the tier it is wanted in, not moving, and
         no other lease is in the way; else None."""
         on_gpu = device and meta.gpu_loc is not None
         if not ((meta.host_valid or on_gpu) and not meta.moving and _lease_ok(meta, mode)):
             return None
-        if mode != "w":  # a blind overwrite is no read: nothing to learn or count
+        if mode != "w" and counted:  # a blind overwrite is no read: nothing to learn or count
             self.prefetcher.access(owner, stream, meta, hit, late, t0)
         if mode == "r":
             meta.readers += 1
@@ -208,8 +211,9 @@ class LeaseTable:
             meta.writer = True
             if meta.durable:  # its block stops being its durable bytes until the check-in
                 self.durability.log_drop(meta)
-        self.counters["checkouts"] += 1
-        self.counters["gpu_hits" if on_gpu else "host_hits"] += 1
+        if counted:
+            self.counters["checkouts"] += 1
+            self.counters["gpu_hits" if on_gpu else "host_hits"] += 1
         self.placement.touch(meta)
         return self._add(LeaseInfo(0, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
                                    time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable, blank))
@@ -226,7 +230,7 @@ class LeaseTable:
         bytes are copied into ``handle``'s own block."""
         dst_h, src_h, ns = Handle.parse(handle), Handle.parse(source), self.index.ns(namespace)
         info = self._hand_over_now(dst_h, src_h, ns, owner, stream)
-        return info if info is not None else self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream)
+        return info if info is not None else self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream, [])
 
     def try_acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
                          namespace: str | None = None, timeout_s: float | None = None,
@@ -238,7 +242,8 @@ class LeaseTable:
         info = self._hand_over_now(dst_h, src_h, ns, owner, stream)
         if info is not None:
             return info
-        return Later(lambda: self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream))
+        attempts: list[bool] = []  # the rest may run again (after WouldWait): its read is counted once
+        return Later(lambda: self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream, attempts))
 
     def _hand_over_now(self, dst_h: Handle, src_h: Handle, ns: str, owner: Any, stream: str) -> LeaseInfo | None:
         """The check-out from a source when ``source``'s block can be handed over at once; else None."""
@@ -258,12 +263,16 @@ class LeaseTable:
         return None
 
     def _copy_from(self, dst_h: Handle, src_h: Handle, ns: str, owner: Any, timeout_s: float | None,
-                   stream: str) -> LeaseInfo:
+                   stream: str, attempts: list[bool]) -> LeaseInfo:
         """``acquire_from`` once no hand-over could be done at once: ``source`` read-leased
-        (brought up if needed), then handed over after all, or copied."""
+        (brought up if needed), then handed over after all, or copied. ``attempts``: one
+        entry per earlier run of this request that read-leased the source (a daemon's op
+        worker gives up a run that would wait, and a wait thread runs it again): the
+        source's read is counted and recorded by the first only."""
         deadline = time.monotonic() + (self.lease_wait_s if timeout_s is None else timeout_s)
         rd: LeaseInfo | None = self.acquire(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
-                                            stream=stream)
+                                            stream=stream, counted=not attempts)
+        attempts.append(True)
         try:
             with self.cv:
                 while True:

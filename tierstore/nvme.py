@@ -25,13 +25,13 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 
 from .allocator import ExtentAllocator
 from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, probe_direct_io
+from .extent import Extent
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
 from .groupsync import GroupSync
 from .units import PAGE, align_up
@@ -46,23 +46,6 @@ _FALLBACK_GROW_BYTES = 256 << 20
 """Growth step of a data file that could not be reserved whole."""
 _BOUNCE_BUFFERS = 8
 """Most staging buffers (of one chunk each) for transfers of memory that is not 4 KiB aligned."""
-
-
-@dataclass(slots=True, frozen=True)
-class Extent:
-    """``nbytes`` of an object starting at ``obj_offset``, stored on drive ``dev`` at ``file_offset``."""
-
-    dev: int
-    file_offset: int
-    obj_offset: int
-    nbytes: int
-
-    def to_wire(self) -> list[int]:
-        return [self.dev, self.file_offset, self.obj_offset, self.nbytes]
-
-    @classmethod
-    def from_wire(cls, v: list[int]) -> "Extent":
-        return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]))
 
 
 class _Drive:
