@@ -261,8 +261,8 @@ class Handlers:
                 return _staged_reply(staged)
             if staged is not None:  # (not None: too big for the staging area, so a lease)
                 return _answer(staged, _staged_reply)
-        return _answer(d.try_acquire(h, "r", owner=sess, namespace=sess.namespace, stream=stream,
-                                     device=field(msg, "device", bool, False)), _lease_reply)
+        return _answer(d.try_checkout(h, "r", owner=sess, namespace=sess.namespace, stream=stream,
+                                      device=field(msg, "device", bool, False)), _lease_reply)
 
     def checkout(self, sess: "Session", msg: dict[str, Any]) -> Any:
         mode = field(msg, "mode", str, "r")
@@ -271,11 +271,11 @@ class Handlers:
         if msg.get("source") is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
-            return _answer(d.try_acquire_from(_handle(msg), _handle(msg, "source"), owner=sess,
-                                              namespace=sess.namespace, timeout_s=timeout_s, stream=_stream(msg)),
+            return _answer(d.try_checkout_from(_handle(msg), _handle(msg, "source"), owner=sess,
+                                               namespace=sess.namespace, timeout_s=timeout_s, stream=_stream(msg)),
                            _lease_reply)
-        return _answer(d.try_acquire(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
-                                     stream=_stream(msg), device=field(msg, "device", bool, False)), _lease_reply)
+        return _answer(d.try_checkout(_handle(msg), mode, owner=sess, namespace=sess.namespace, timeout_s=timeout_s,
+                                      stream=_stream(msg), device=field(msg, "device", bool, False)), _lease_reply)
 
     def checkout_many(self, sess: "Session", msg: dict[str, Any]) -> Any:
         hs = field(msg, "handles", list)
@@ -287,9 +287,9 @@ class Handlers:
         if not all(isinstance(m, str) for m in modes):
             raise InvalidArgument("field 'modes' must be a str or a list of str")
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        return _answer(self.store.daemon.try_acquire_many([Handle.parse(h) for h in hs], modes, owner=sess,
-                                                          namespace=sess.namespace, timeout_s=timeout_s,
-                                                          stream=_stream(msg)), _leases_reply)
+        return _answer(self.store.daemon.try_checkout_many([Handle.parse(h) for h in hs], modes, owner=sess,
+                                                           namespace=sess.namespace, timeout_s=timeout_s,
+                                                           stream=_stream(msg)), _leases_reply)
 
     def checkout_each(self, sess: "Session", msg: dict[str, Any]) -> Any:
         reqs = field(msg, "requests", list)
@@ -303,8 +303,8 @@ class Handlers:
                 raise InvalidArgument(f"check-out #{i}: expected [handle, mode, source or nil]")
             parsed.append((Handle.parse(r[0]), r[1], None if r[2] is None else Handle.parse(r[2])))
         timeout_s = field(msg, "timeout_s", (int, float), None, min_value=0, max_value=86400)
-        return _answer(self.store.daemon.try_acquire_each(parsed, owner=sess, namespace=sess.namespace,
-                                                          timeout_s=timeout_s, stream=_stream(msg)), _leases_reply)
+        return _answer(self.store.daemon.try_checkout_each(parsed, owner=sess, namespace=sess.namespace,
+                                                           timeout_s=timeout_s, stream=_stream(msg)), _leases_reply)
 
     def release(self, sess: "Session", msg: dict[str, Any]) -> Any:
         lid = field(msg, "lid", int, min_value=0)

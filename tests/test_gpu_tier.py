@@ -153,7 +153,7 @@ def test_gpu_tier_put_get_checkout_free(gpu_store):
     assert s.info(h)["residency"] == ["gpu"] and s.info(h)["dirty"]
     np.testing.assert_array_equal(s.get(h), x)  # copied out without leaving the GPU tier
     assert s.counters["gpu_hits"] == 1 and s.stat()["tiers"]["gpu"]["objects"] == 1
-    lease = s.daemon.acquire(h, "r", owner="c", device=True)  # a CUDA caller leases it where it is
+    lease = s.daemon.checkout(h, "r", owner="c", device=True)  # a CUDA caller leases it where it is
     assert lease.gpu_loc is not None and s.gpu.used() > 0
     s.release(lease.lid, owner="c")
     with s.checkout(h, "rw") as v:  # a host check-out moves it down to the host tier
@@ -200,7 +200,7 @@ def full_store(tmp_path):
 def test_leased_gpu_objects_never_move(full_store):
     s = full_store
     hs = [s.put(np.full(1 << 20, i, np.uint8), tier="gpu") for i in range(4)]  # the tier is full
-    leases = [s.daemon.acquire(h, "r", owner="c", device=True) for h in hs]
+    leases = [s.daemon.checkout(h, "r", owner="c", device=True) for h in hs]
     with pytest.raises(CapacityExceeded, match="GPU tier full"):
         s.put(np.zeros(1 << 20, np.uint8), tier="gpu", wait_s=0.1)
     assert all(s.index.objects[h.id].gpu_loc is not None for h in hs)
@@ -239,7 +239,7 @@ def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_st
     s, _ = gpu_store
     x = np.arange(300_000, dtype=np.float32)  # 1.2 MiB
     h = s.put(x, key="w", tier="gpu")
-    lease = s.daemon.acquire(h, "rw", owner="c", device=True)
+    lease = s.daemon.checkout(h, "rw", owner="c", device=True)
     old = s.gpu.ptr(lease.gpu_loc)
     ctypes.memset(old, 0, 4000)  # the holder writes part of it, then stops answering
     assert s.daemon.revoke(lease.lid, owner="c") and not s.daemon.revoke(lease.lid, owner="c")
@@ -264,7 +264,7 @@ def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_st
 def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(full_store):
     s = full_store  # "full but for the held block" is then a function of the puts alone
     h = s.put(np.full(1 << 20, 5, np.uint8), key="r", tier="host")
-    lease = s.daemon.acquire(h, "r", owner="c")
+    lease = s.daemon.checkout(h, "r", owner="c")
     assert s.daemon.revoke(lease.lid, owner="c")
     assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0  # still the object's block
     s.free(h)

@@ -261,11 +261,11 @@ def test_unanswered_check_ins_never_leave_the_event_loop(make_store):
     s = make_store()
     for tier, durable, mode in [(None, False, "r"), (None, False, "rw"), ("nvme", False, "w"), (None, True, "r")]:
         h = s.put(torch.ones(1 << 16), tier=tier, durable=durable)
-        info = s.daemon.acquire(h, mode, owner="conn")
+        info = s.daemon.checkout(h, mode, owner="conn")
         assert s.daemon.try_release(info.lid, owner="conn") is None  # done now, not Later
         assert s.stat()["leases"] == 0
     h = s.put(torch.ones(10), durable=True)
-    info = s.daemon.acquire(h, "w", owner="conn")
+    info = s.daemon.checkout(h, "w", owner="conn")
     rest = s.daemon.try_release(info.lid, owner="conn")  # a durable write-back syncs: the client waits for it
     assert isinstance(rest, Later) and s.stat()["leases"] == 1
     rest.run()
@@ -744,13 +744,13 @@ def test_a_sourced_durable_lease_given_back_on_the_event_loop_path_writes_back_l
     s = make_store()
     src = s.put(torch.full((4096,), 3.0), durable=True)
     dst = s.put(torch.zeros(4096), durable=True)
-    info = s.daemon.acquire_from(dst, src, owner="c")
+    info = s.daemon.checkout_from(dst, src, owner="c")
     rest = s.daemon.try_give_back(info.lid, owner="c")
     assert isinstance(rest, Later)
     assert s.info(dst)["writer"]  # not checked in yet: the write-back is the rest's
     rest.run()
     assert not s.info(dst)["writer"] and not s.info(dst)["dirty"]
     assert torch.equal(s.get(dst), torch.full((4096,), 3.0))
-    plain = s.daemon.acquire(dst, "rw", owner="c")
+    plain = s.daemon.checkout(dst, "rw", owner="c")
     assert s.daemon.try_give_back(plain.lid, owner="c") is None and not s.info(dst)["writer"]
     s.daemon.release_owner("c")

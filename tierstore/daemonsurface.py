@@ -47,8 +47,8 @@ class DaemonSurface:
         """``Puts.try_put_staged``: a small put from ``owner``'s staging area."""
         self.try_get_staged = puts.try_get_staged
         """``Puts.try_get_staged``: a small object copied into ``owner``'s staging area."""
-        self.try_acquire = leases.try_acquire
-        """``LeaseTable.try_acquire``: a check-out for ``owner``."""
+        self.try_checkout = leases.try_checkout
+        """``LeaseTable.try_checkout``: a check-out for ``owner``."""
         self.try_release = leases.try_release
         """``LeaseTable.try_release``: a check-in for ``owner``."""
         self.try_give_back = leases.try_give_back
@@ -89,23 +89,23 @@ class DaemonSurface:
         return self.puts.put_staged(owner, src, spec, **kw)
 
 
-    def acquire(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
-        """A check-out for ``owner`` (``LeaseTable.acquire``)."""
-        return self.leases.acquire(handle, mode, **kw)
+    def checkout(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
+        """A check-out for ``owner`` (``LeaseTable.checkout``)."""
+        return self.leases.checkout(handle, mode, **kw)
 
 
-    def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
-        return self.leases.acquire_from(handle, source, **kw)
+    def checkout_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
+        return self.leases.checkout_from(handle, source, **kw)
 
-    def try_acquire_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo | Later:
-        return self.leases.try_acquire_from(handle, source, **kw)
+    def try_checkout_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo | Later:
+        return self.leases.try_checkout_from(handle, source, **kw)
 
-    def try_acquire_many(self, handles: list[Handle | int | str], modes: list[str],
-                         **kw: Any) -> list[LeaseInfo] | Later:
-        return self.batches.try_acquire_many(handles, modes, **kw)
+    def try_checkout_many(self, handles: list[Handle | int | str], modes: list[str],
+                          **kw: Any) -> list[LeaseInfo] | Later:
+        return self.batches.try_checkout_many(handles, modes, **kw)
 
-    def try_acquire_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo] | Later:
-        return self.batches.try_acquire_each(requests, **kw)
+    def try_checkout_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo] | Later:
+        return self.batches.try_checkout_each(requests, **kw)
 
 
     def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:

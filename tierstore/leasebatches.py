@@ -1,7 +1,7 @@
 """Batch check-outs and check-ins over the lease table.
 
 ``LeaseBatches`` takes several leases in one call: all of a batch or none
-(``acquire_many``), or a list of independent check-outs (``acquire_each``), and checks
+(``checkout_many``), or a list of independent check-outs (``checkout_each``), and checks
 several in (``release_many``). It owns no state: it is given the lease table (every
 lease is taken and ended there), the object index and placement (a batch that could
 never fit in the host tier is refused before anything is taken).
@@ -34,23 +34,23 @@ class LeaseBatches:
         self.leases, self.index, self.placement = leases, index, placement
         self.cv = index.cv
 
-    def acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
-                     namespace: str | None = None, timeout_s: float | None = None,
-                     stream: str = "default") -> list[LeaseInfo]:
+    def checkout_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
+                      namespace: str | None = None, timeout_s: float | None = None,
+                      stream: str = "default") -> list[LeaseInfo]:
         """Lease several objects at once, in order (accesses recorded in that order): all of
         them, or, on any error, none (those already leased are given back unchanged and the
         error names the object that failed). ``timeout_s`` bounds the whole batch."""
         hs = self._check_many(handles, modes, namespace)
-        return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.acquire)
+        return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.checkout)
 
-    def try_acquire_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
-                         namespace: str | None = None, timeout_s: float | None = None,
-                         stream: str = "default") -> list[LeaseInfo] | Later:
-        """``acquire_many`` for a caller that must not wait: the leases that need no wait are
+    def try_checkout_many(self, handles: list[Handle | int | str], modes: list[str], *, owner: Any,
+                          namespace: str | None = None, timeout_s: float | None = None,
+                          stream: str = "default") -> list[LeaseInfo] | Later:
+        """``checkout_many`` for a caller that must not wait: the leases that need no wait are
         taken now, in order, up to the first that does; the rest of the batch, from there,
         is ``Later`` (the daemon's event loop takes what is resident, an op worker the rest)."""
         hs = self._check_many(handles, modes, namespace)
-        return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.try_acquire)
+        return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.try_checkout)
 
     def _check_many(self, handles: list[Handle | int | str], modes: list[str], namespace: str | None) -> list[Handle]:
         if not 1 <= len(handles) <= MAX_BATCH:
@@ -66,19 +66,19 @@ class LeaseBatches:
 
     def _take_many(self, hs: list[Handle], modes: list[str], done: list[LeaseInfo], owner: Any,
                    namespace: str | None, timeout_s: float | None, stream: str,
-                   acquire: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
-        """The batch from lease ``len(done)`` on, each taken by ``acquire`` (``done``: those
-        taken so far). When ``acquire`` answers ``Later``, so does this: the rest, from that
-        lease, by ``LeaseTable.acquire``."""
+                   checkout: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
+        """The batch from lease ``len(done)`` on, each taken by ``checkout`` (``done``: those
+        taken so far). When ``checkout`` answers ``Later``, so does this: the rest, from that
+        lease, by ``LeaseTable.checkout``."""
         deadline = time.monotonic() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
             while i < len(hs):
-                info = acquire(hs[i], modes[i], owner=owner, namespace=namespace,
-                               timeout_s=max(0.0, deadline - time.monotonic()), stream=stream, undoable=True)
+                info = checkout(hs[i], modes[i], owner=owner, namespace=namespace,
+                                timeout_s=max(0.0, deadline - time.monotonic()), stream=stream, undoable=True)
                 if isinstance(info, Later):
                     return Later(lambda: self._take_many(hs, modes, done, owner, namespace, timeout_s, stream,
-                                                         self.leases.acquire))
+                                                         self.leases.checkout))
                 done.append(info)
                 i += 1
         except WouldWait:
@@ -93,24 +93,24 @@ class LeaseBatches:
             raise
         return list(done)
 
-    def acquire_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
-                     timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo]:
+    def checkout_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
+                      timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo]:
         """Several independent check-outs, ``(handle, mode, source)`` each (``source`` None
-        for none; with one, an ``acquire_from``), taken in order (accesses recorded in that
-        order). Unlike ``acquire_many`` each stands alone: a check-out from a source may
+        for none; with one, an ``checkout_from``), taken in order (accesses recorded in that
+        order). Unlike ``checkout_many`` each stands alone: a check-out from a source may
         hand a block over, which cannot be undone. If one fails, those taken are given back
         unused (``give_back``) and its error is raised. ``timeout_s`` bounds the whole list."""
         ns = self._check_each(requests, namespace)
-        return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.acquire,
-                               self.leases.acquire_from)
+        return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.checkout,
+                               self.leases.checkout_from)
 
-    def try_acquire_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
-                         timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo] | Later:
-        """``acquire_each`` for a caller that must not wait: as ``try_acquire_many`` (what
+    def try_checkout_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
+                          timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo] | Later:
+        """``checkout_each`` for a caller that must not wait: as ``try_checkout_many`` (what
         needs no wait now, the rest ``Later``, from where this stopped)."""
         ns = self._check_each(requests, namespace)
-        return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.try_acquire,
-                               self.leases.try_acquire_from)
+        return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.try_checkout,
+                               self.leases.try_checkout_from)
 
     def _check_each(self, requests: list[tuple[Any, str, Any]], namespace: str | None) -> str:
         ns = self.index.ns(namespace)
@@ -125,8 +125,8 @@ class LeaseBatches:
         return ns
 
     def _take_each(self, requests: list[tuple[Any, str, Any]], done: list[LeaseInfo], owner: Any, ns: str,
-                   timeout_s: float | None, stream: str, acquire: Callable[..., LeaseInfo | Later],
-                   acquire_from: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
+                   timeout_s: float | None, stream: str, checkout: Callable[..., LeaseInfo | Later],
+                   checkout_from: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
         """The list from check-out ``len(done)`` on (see ``_take_many``)."""
         deadline = time.monotonic() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
@@ -135,12 +135,12 @@ class LeaseBatches:
                 h, mode, source = requests[i]
                 left = max(0.0, deadline - time.monotonic())
                 if source is None:
-                    info = acquire(h, mode, owner=owner, namespace=ns, timeout_s=left, stream=stream, undoable=True)
+                    info = checkout(h, mode, owner=owner, namespace=ns, timeout_s=left, stream=stream, undoable=True)
                 else:
-                    info = acquire_from(h, source, owner=owner, namespace=ns, timeout_s=left, stream=stream)
+                    info = checkout_from(h, source, owner=owner, namespace=ns, timeout_s=left, stream=stream)
                 if isinstance(info, Later):
                     return Later(lambda: self._take_each(requests, done, owner, ns, timeout_s, stream,
-                                                         self.leases.acquire, self.leases.acquire_from))
+                                                         self.leases.checkout, self.leases.checkout_from))
                 done.append(info)
                 i += 1
         except WouldWait:

@@ -51,7 +51,7 @@ class LeaseInfo:
     spec: TensorSpec
     since: float
     gpu_loc: int | None = None
-    """Set for a lease on a GPU-tier object (``acquire(device=True)``): the bytes are there."""
+    """Set for a lease on a GPU-tier object (``checkout(device=True)``): the bytes are there."""
     durable: bool = False
     blank: bool = False
     """A ``w`` lease given host memory without a read: until check-in, the host bytes are
@@ -59,12 +59,12 @@ class LeaseInfo:
     revoked: bool = False
     """Being revoked (``revoke``): a second revocation leaves it alone."""
     sourced: bool = False
-    """A ``w`` lease from a source (``acquire_from``): its bytes are the source's, not the
+    """A ``w`` lease from a source (``checkout_from``): its bytes are the source's, not the
     object's own, so giving it back unwritten still changes the object (``give_back``)."""
 
 
 MAX_BATCH = 4096
-"""Most objects one ``acquire_many`` / ``release_many`` takes."""
+"""Most objects one ``checkout_many`` / ``release_many`` takes."""
 
 
 class LeaseTable:
@@ -133,9 +133,9 @@ class LeaseTable:
             if meta.freeing:
                 raise StaleHandle(f"handle {meta.handle} names a freed object")
 
-    def acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                timeout_s: float | None = None, stream: str = "default", device: bool = False,
-                undoable: bool = False, counted: bool = True) -> LeaseInfo:
+    def checkout(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
+                 timeout_s: float | None = None, stream: str = "default", device: bool = False,
+                 undoable: bool = False, counted: bool = True) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed).
 
         ``device=True`` (a CUDA caller): an object in the GPU tier is leased where it is
@@ -180,12 +180,12 @@ class LeaseTable:
                 self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
                 self.placement.to_host(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
 
-    def try_acquire(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                    timeout_s: float | None = None, stream: str = "default", device: bool = False,
-                    undoable: bool = False) -> LeaseInfo | Later:
-        """``acquire`` for a caller that must not wait (the daemon's event loop): the lease
+    def try_checkout(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
+                     timeout_s: float | None = None, stream: str = "default", device: bool = False,
+                     undoable: bool = False) -> LeaseInfo | Later:
+        """``checkout`` for a caller that must not wait (the daemon's event loop): the lease
         when the object is where it is wanted and no holder is in the way; otherwise
-        ``Later`` of ``acquire`` (nothing taken or recorded)."""
+        ``Later`` of ``checkout`` (nothing taken or recorded)."""
         h, ns = Handle.parse(handle), self.index.ns(namespace)
         _check_mode(mode)
         with self.cv:
@@ -193,8 +193,8 @@ class LeaseTable:
                               True, False, False)  # (hit, late, blank)
         if info is not None:
             return info
-        return Later(lambda: self.acquire(h, mode, owner=owner, namespace=ns, timeout_s=timeout_s, stream=stream,
-                                          device=device, undoable=undoable))
+        return Later(lambda: self.checkout(h, mode, owner=owner, namespace=ns, timeout_s=timeout_s, stream=stream,
+                                           device=device, undoable=undoable))
 
     def _take(self, meta: ObjectMeta, mode: str, owner: Any, stream: str, device: bool, t0: float,
               hit: bool, late: bool, blank: bool, counted: bool = True) -> LeaseInfo | None:
@@ -218,9 +218,9 @@ class LeaseTable:
         return self._add(LeaseInfo(0, owner, meta.id, meta.gen, mode, meta.host_off or 0, meta.spec,
                                    time.monotonic(), meta.gpu_loc if on_gpu else None, meta.durable, blank))
 
-    def acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
-                     namespace: str | None = None, timeout_s: float | None = None,
-                     stream: str = "default") -> LeaseInfo:
+    def checkout_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
+                      namespace: str | None = None, timeout_s: float | None = None,
+                      stream: str = "default") -> LeaseInfo:
         """A ``w`` lease on ``handle`` whose host bytes start as ``source``'s (same size, same
         namespace): a read-modify-write into another object, as a double-buffered update
         makes, without the caller copying. ``source`` is read as by an ``r`` check-out (its
@@ -232,10 +232,10 @@ class LeaseTable:
         info = self._hand_over_now(dst_h, src_h, ns, owner, stream)
         return info if info is not None else self._copy_from(dst_h, src_h, ns, owner, timeout_s, stream, [])
 
-    def try_acquire_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
-                         namespace: str | None = None, timeout_s: float | None = None,
-                         stream: str = "default") -> LeaseInfo | Later:
-        """``acquire_from`` for a caller that must not wait: only a hand-over of a resident
+    def try_checkout_from(self, handle: Handle | int | str, source: Handle | int | str, *, owner: Any,
+                          namespace: str | None = None, timeout_s: float | None = None,
+                          stream: str = "default") -> LeaseInfo | Later:
+        """``checkout_from`` for a caller that must not wait: only a hand-over of a resident
         ``source`` is done now; anything else (a read, a wait, a copy of the bytes) is
         ``Later``, with nothing taken or recorded."""
         dst_h, src_h, ns = Handle.parse(handle), Handle.parse(source), self.index.ns(namespace)
@@ -264,14 +264,14 @@ class LeaseTable:
 
     def _copy_from(self, dst_h: Handle, src_h: Handle, ns: str, owner: Any, timeout_s: float | None,
                    stream: str, attempts: list[bool]) -> LeaseInfo:
-        """``acquire_from`` once no hand-over could be done at once: ``source`` read-leased
+        """``checkout_from`` once no hand-over could be done at once: ``source`` read-leased
         (brought up if needed), then handed over after all, or copied. ``attempts``: one
         entry per earlier run of this request that read-leased the source (a daemon's op
         worker gives up a run that would wait, and a wait thread runs it again): the
         source's read is counted and recorded by the first only."""
         deadline = time.monotonic() + (self.lease_wait_s if timeout_s is None else timeout_s)
-        rd: LeaseInfo | None = self.acquire(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
-                                            stream=stream, counted=not attempts)
+        rd: LeaseInfo | None = self.checkout(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
+                                             stream=stream, counted=not attempts)
         attempts.append(True)
         try:
             with self.cv:
@@ -288,8 +288,8 @@ class LeaseTable:
                     if remaining <= 0:
                         break  # the copy below waits (or says Busy) as a plain check-out does
                     self.index.wait(remaining)
-            info = self.acquire(dst_h, "w", owner=owner, namespace=ns,
-                                timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
+            info = self.checkout(dst_h, "w", owner=owner, namespace=ns,
+                                 timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
             try:
                 n = src.nbytes
                 if n:

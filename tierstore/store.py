@@ -269,14 +269,14 @@ class Store:
 
         ``source`` (with mode ``"w"``): the lease starts with that object's bytes instead of
         its own (same size), and ``source`` is unchanged: a double-buffered update that
-        reads one version and writes the other, without copying (``acquire_from``)."""
+        reads one version and writes the other, without copying (``checkout_from``)."""
         if source is not None:
             if mode != "w":
                 raise InvalidArgument(f"a check-out from a source is a 'w' check-out, got mode {mode!r}")
-            return self._lease(self.leases.acquire_from(handle, source, owner=LOCAL, namespace=namespace,
-                                                        timeout_s=timeout_s, stream=stream))
-        return self._lease(self.leases.acquire(handle, mode, owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
-                                               stream=stream))
+            return self._lease(self.leases.checkout_from(handle, source, owner=LOCAL, namespace=namespace,
+                                                         timeout_s=timeout_s, stream=stream))
+        return self._lease(self.leases.checkout(handle, mode, owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
+                                                stream=stream))
 
     def _lease(self, info: LeaseInfo) -> "Lease":
         view = self.arena.view(info.host_off, info.spec.nbytes) if info.spec.nbytes else np.empty(0, np.uint8)
@@ -291,8 +291,8 @@ class Store:
         source's bytes) and its error is raised. Returns a ``LeaseGroup`` (one ``Lease``
         per request; ``release()`` checks in all still held at once). Through a daemon
         the list is one message."""
-        infos = self.batches.acquire_each(list(requests), owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
-                                         stream=stream)
+        infos = self.batches.checkout_each(list(requests), owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
+                                           stream=stream)
         return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
     def checkout_many(self, handles: Sequence[Handle | int | str], mode: str | Sequence[str] = "r", *,
@@ -303,8 +303,8 @@ class Store:
         handle, in order; ``release()`` checks in all that are still held)."""
         hs = list(handles)
         modes = [mode] * len(hs) if isinstance(mode, str) else list(mode)
-        infos = self.batches.acquire_many(hs, modes, owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
-                                         stream=stream)
+        infos = self.batches.checkout_many(hs, modes, owner=LOCAL, namespace=namespace, timeout_s=timeout_s,
+                                           stream=stream)
         return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
     def release(self, lid: int, *, owner: Any = LOCAL) -> None:
