@@ -27,7 +27,7 @@ __all__ = ["ObjectIndex", "COUNTERS"]
 
 COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
             "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
-            "prefetches", "prefetched_bytes", "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
+            "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
             "source_handovers", "source_copies", "leases_revoked", "reservations_expired")
 """The store's counters (``stat()["counters"]``)."""
 

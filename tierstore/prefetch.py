@@ -71,7 +71,7 @@ class Prefetcher:
             w.start()
 
     # ------------------------------------------------------------------ under the store lock
-    def record(self, owner: Any, stream: str, oid: int, nbytes: int, outcome: str, stall_s: float) -> None:
+    def record(self, owner: Any, stream: str, oid: int, outcome: str, stall_s: float) -> None:
         """An access by ``owner``: count it, learn from it, schedule what comes next."""
         c = self.counters
         c[_COUNTER[outcome]] += 1
@@ -92,9 +92,9 @@ class Prefetcher:
         """A read of ``meta`` that began at ``t0`` (``time.monotonic()``): from a memory tier
         (``hit``), after waiting for a prefetch in flight (``late``), or neither (a miss)."""
         if hit and not late:
-            self.record(owner, stream, meta.id, meta.nbytes, "hit", 0.0)
+            self.record(owner, stream, meta.id, "hit", 0.0)
         else:
-            self.record(owner, stream, meta.id, meta.nbytes, "late" if hit else "miss", time.monotonic() - t0)
+            self.record(owner, stream, meta.id, "late" if hit else "miss", time.monotonic() - t0)
 
     def hint(self, owner: Any, oids: list[int]) -> int:
         """Explicit prefetch() hints: the same queue and budget as predictions. What the

@@ -346,7 +346,7 @@ class Puts:
                 view = self.placement.arena.view
                 view(area[0], meta.nbytes)[:] = view(meta.host_off, meta.nbytes)
                 self.placement.touch(meta)
-                self.prefetcher.record(owner, stream, meta.id, meta.nbytes, "hit", 0.0)
+                self.prefetcher.record(owner, stream, meta.id, "hit", 0.0)
                 self.counters["gets"] += 1
                 self.counters["host_hits"] += 1
                 self.counters["get_bytes"] += meta.nbytes
