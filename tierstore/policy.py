@@ -12,11 +12,24 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Container, Iterator, Protocol
 
-from .trace import HORIZON, Trace, TraceBook
+from .trace import HORIZON, Trace
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "TracePolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "LearnedOrder", "LRUPolicy", "TracePolicy", "make_policy"]
+
+
+class LearnedOrder(Protocol):
+    """What the trace policy reads of the access orders the prefetcher learns
+    (``Prefetcher.learned_order``): never written through."""
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a learned order does."""
+        ...
+
+    def learned_traces(self) -> list[Trace]: ...
+    def distance(self, oid: int) -> int | None: ...
 
 
 class EvictionPolicy(Protocol):
@@ -34,9 +47,11 @@ class LRUPolicy:
 
     name = "lru"
 
-    def __init__(self, protected: dict[int, object] | None = None) -> None:
+    def __init__(self, protected: Container[int] = ()) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
-        self.protected = protected if protected is not None else {}
+        self.protected = protected
+        """Objects prefetched and not yet used (``Prefetcher.protected_ids``, read-only):
+        offered last."""
 
     def insert(self, oid: int) -> None:
         self._order[oid] = None
@@ -102,7 +117,7 @@ class TracePolicy(LRUPolicy):
 
     name = "trace"
 
-    def __init__(self, book: TraceBook, protected: dict[int, object] | None = None,
+    def __init__(self, book: LearnedOrder, protected: Container[int] = (),
                  reach: Callable[[Trace], int] | None = None, size: Callable[[int], int] | None = None,
                  budget_bytes: int = 0) -> None:
         super().__init__(protected)
@@ -341,7 +356,7 @@ class TracePolicy(LRUPolicy):
         return self.book.distance(oid)
 
 
-def make_policy(name: str, book: TraceBook, protected: dict[int, object],
+def make_policy(name: str, book: LearnedOrder, protected: Container[int],
                 reach: Callable[[Trace], int] | None = None, size: Callable[[int], int] | None = None,
                 budget_bytes: int = 0) -> EvictionPolicy:
     if name == "lru":

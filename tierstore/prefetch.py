@@ -17,13 +17,15 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable
 
 from .trace import HORIZON, Trace, TraceBook
 
 if TYPE_CHECKING:
     from .config import StoreConfig
     from .index import ObjectMeta
+    from .policy import LearnedOrder
 
 __all__ = ["Prefetcher"]
 
@@ -49,6 +51,10 @@ class Prefetcher:
         self.book = TraceBook()
         self.protected: dict[int, tuple[Any, int]] = {}
         """Prefetched and not yet used: oid -> (owner, nbytes). Not evicted before use."""
+        self.protected_ids: Container[int] = MappingProxyType(self.protected)
+        """A live, read-only view of ``protected``'s ids, for the eviction policy."""
+        self.learned_order: LearnedOrder = self.book
+        """The learned access orders, read-only, for the eviction policy."""
         self.protected_bytes = 0
         self.queued: dict[int, tuple[Any, int]] = {}
         """Queued or in flight: oid -> (owner, nbytes)."""

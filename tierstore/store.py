@@ -187,7 +187,7 @@ class Store:
         self.journal = Journal(cfg.nvme_dirs[0])
         self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes)
         self.prefetcher = Prefetcher(cfg, ix.objects.get, lambda oid: self.placement.fetch(oid))
-        self.policy = make_policy(cfg.policy, self.prefetcher.book, self.prefetcher.protected,
+        self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.arena, self.host,
                                    self.nvme, self.gpu, self.engine, self.gpu_reason)
