@@ -69,7 +69,9 @@ def zero1(client):
             f"ZeRO-1 differs at step {step}"
 
 
-def fsdp2(client):
+def fsdp2(client, drop=False):
+    """FSDP2 against plain AdamW step by step, updating in backward (``drop``: dropping each
+    sharded gradient once its update used it)."""
     from torch.distributed.fsdp import fully_shard
 
     models, opts = [], []
@@ -80,7 +82,8 @@ def fsdp2(client):
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         if off:
-            opt = offload_optimizer(opt, client, tier="nvme", prefix="fsdp-bwd", update_in_backward=True)
+            opt = offload_optimizer(opt, client, tier="nvme", prefix="fsdp-bwd-drop" if drop else "fsdp-bwd",
+                                    update_in_backward=True, drop_grads=drop)
         models.append(model)
         opts.append(opt)
     in_backward = 0
@@ -89,6 +92,8 @@ def fsdp2(client):
             train(model, opt, step)
             if opt is opts[1]:
                 in_backward += len(opt._in_step.updated)  # updated before step() is called
+                if drop:
+                    assert all(p.grad is None for p in model.parameters()), "a used gradient was kept"
             opt.step()
             opt.zero_grad(set_to_none=True)
         full = [[p.full_tensor() for p in m.parameters()] for m in models]
@@ -106,6 +111,8 @@ def main():
     print(f"rank {rank} zero1 ok (updates in step)", flush=True)
     fsdp2(client)
     print(f"rank {rank} fsdp2 ok (updates in backward)", flush=True)
+    fsdp2(client, drop=True)
+    print(f"rank {rank} fsdp2 ok (updates in backward, gradients dropped)", flush=True)
     client.close()
     dist.destroy_process_group()
 
