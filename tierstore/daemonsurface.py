@@ -136,16 +136,10 @@ class DaemonSurface:
     def _free_ephemeral(self, owner: Any) -> None:
         """``owner`` went away: its ephemeral objects go too — now, or at the end of the
         last lease another connection holds on one (its key is unbound at once)."""
-        ix = self.index
-        with ix.cv:
-            mine = [m for m in ix.objects.ephemeral_of(owner) if not m.freeing]
-            for m in mine:
-                m.freeing = True
-                ix.unbind(m)
+        mine = self.index.unbind_ephemeral(owner)
         for m in mine:
             self.placement.discard_replaced(m)  # waits out copies and moves; a leased one goes at its check-in
         if mine:
-            ix.counters["frees"] += len(mine)
             log.debug("freed %d ephemeral objects of a closed connection", len(mine))
 
     def cancel_waits(self) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from operator import attrgetter
 from typing import Any, Callable
 
 from . import checkpoint
@@ -232,11 +231,8 @@ class Durability:
         ix = self.index
         with ix.cv:
             owners = [{"op": "ns", "name": n, "uid": u} for n, u in self.owners.items()]
-            records = [{"op": "open", "epoch": ix.epoch, "next_id": ix.next_id}, *owners]
-            # in id order (the index checkpoint's columns are): objects are published in
-            # the order their puts commit, not the order their ids were given
-            records += [m.record for m in sorted(ix.objects.values(), key=_by_id)
-                        if m.durable and m.record is not None]
+            epoch, next_id, recs = ix.durable_records()
+            records = [{"op": "open", "epoch": epoch, "next_id": next_id}, *owners, *recs]
         return records + owners
 
     # ------------------------------------------------------------------ namespaces
@@ -371,7 +367,7 @@ class Durability:
         info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
                 "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
                 "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,
-                "kept_aside": None, "objects": len(ix.objects), **ck}
+                "kept_aside": None, "objects": ix.object_count(), **ck}
         damaged = res.torn_bytes or res.corrupt_records or rp.malformed or dropped or rp.owner_conflicts
         if damaged:
             # nothing recovery decided is final: the journal as found stays beside the new one
@@ -380,7 +376,7 @@ class Durability:
                         "torn tail of %d bytes dropped, %d objects superseded by later records, %d dropped; "
                         "%d durable objects recovered; the journal as found is kept at %s",
                         res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes, rp.superseded,
-                        dropped, len(ix.objects), info["kept_aside"])
+                        dropped, ix.object_count(), info["kept_aside"])
             if info["kept_aside"] is None:  # (logged) then nothing is decided for good: appended to as it is
                 self.damage_kept = True
                 self.journal.open_for_append()
@@ -436,5 +432,3 @@ class Durability:
             n += 1
         return n
 
-
-_by_id = attrgetter("id")

@@ -339,7 +339,7 @@ class LeaseTable:
         with self.cv:
             if self.leases.pop(info.lid, None) is None:
                 return
-            meta = self.index.objects.get(info.oid)
+            meta = self.index.holder(info.oid)
             if meta is None:
                 return
             if info.mode == "r":
@@ -430,7 +430,7 @@ class LeaseTable:
                 raise NotFound(f"no lease {lid} held by this connection")
             if now and _writes_back(info):
                 return _WRITES_BACK
-            meta = self.index.objects.get(info.oid)
+            meta = self.index.holder(info.oid)
             del self.leases[lid]
             if meta is None:
                 return None
@@ -493,7 +493,7 @@ class LeaseTable:
             if info is None or info.owner != owner or info.revoked:
                 return False
             info.revoked = True
-            meta = self.index.objects.get(info.oid)
+            meta = self.index.holder(info.oid)
             if owner is not LOCAL:  # in-process, the holder is this process: nothing to fence
                 if info.gpu_loc is not None:
                     self.placement.gpu.fence(owner, info.gpu_loc, info.spec.nbytes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from operator import attrgetter
 from typing import Any
 
 from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, StaleHandle
@@ -24,6 +25,8 @@ from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, valid
 from .waits import wait_for_others
 
 __all__ = ["ObjectIndex", "COUNTERS"]
+
+_by_id = attrgetter("id")
 
 COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
             "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
@@ -109,6 +112,17 @@ class ObjectIndex:
         self.keys = KeyIndex({(m.namespace, m.key): m.id for m in self.objects.values() if m.key is not None})
         self.epoch, self.next_id = epoch, next_id
 
+    def durable_records(self) -> tuple[int, int, list[bytes]]:
+        """(under cv) The epoch, the next id and the journal records of the durable objects,
+        in id order (the index checkpoint's columns are; objects are published in the order
+        their puts commit, not the order their ids were given)."""
+        recs = [m.record for m in sorted(self.objects.values(), key=_by_id) if m.durable and m.record is not None]
+        return self.epoch, self.next_id, recs
+
+    def object_count(self) -> int:
+        """Objects in the index."""
+        return len(self.objects)
+
     def holder(self, oid: int) -> ObjectMeta | None:
         """The object with id ``oid``, if the index has it."""
         return self.objects.get(oid)
@@ -134,6 +148,17 @@ class ObjectIndex:
     def note_id(self, oid: int) -> None:
         """Ids from here on are past ``oid``."""
         self.next_id = max(self.next_id, oid + 1)
+
+    def unbind_ephemeral(self, owner: Any) -> list[ObjectMeta]:
+        """``owner``'s ephemeral objects not already being freed, now ``freeing`` and with
+        their keys unbound (the caller discards them); their frees are counted."""
+        with self.cv:
+            mine = [m for m in self.objects.ephemeral_of(owner) if not m.freeing]
+            for m in mine:
+                m.freeing = True
+                self.unbind(m)
+            self.counters["frees"] += len(mine)
+        return mine
 
     def unbind(self, meta: ObjectMeta) -> None:
         """(under cv) ``meta``'s key no longer names it."""

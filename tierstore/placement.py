@@ -652,7 +652,7 @@ class Placement:
         """The prefetcher's worker side of a queued fetch: promote ``oid`` at prefetch priority."""
         ix = self.index
         with ix.cv:
-            meta = ix.objects.get(oid)
+            meta = ix.holder(oid)
             if not self.prefetcher.wanted(oid):
                 return
             if (meta is None or meta.freeing or meta.host_valid or meta.moving or ix.closed
@@ -858,7 +858,7 @@ class Placement:
             spill, self._spill = self._spill, []
         for oid in spill:
             with ix.cv:
-                m = ix.objects.get(oid)
+                m = ix.holder(oid)
                 if (m is None or not m.host_valid or m.host_off is None or m.moving or m.pins or m.readers
                         or m.writer or m.freeing or self.prefetcher.is_protected(oid)):
                     continue

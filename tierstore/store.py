@@ -186,7 +186,7 @@ class Store:
             raise
         self.journal = Journal(cfg.nvme_dirs[0])
         self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes)
-        self.prefetcher = Prefetcher(cfg, ix.objects.get, lambda oid: self.placement.fetch(oid))
+        self.prefetcher = Prefetcher(cfg, ix.holder, lambda oid: self.placement.fetch(oid))
         self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.arena, self.host,
@@ -213,7 +213,7 @@ class Store:
 
     def _nbytes_of(self, oid: int) -> int:
         """Bytes of object ``oid`` (0 once freed), for the eviction policy (under the index's lock)."""
-        meta = self.index.objects.get(oid)
+        meta = self.index.holder(oid)
         return meta.nbytes if meta is not None else 0
 
     # ------------------------------------------------------------------ puts and gets
