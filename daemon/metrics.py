@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from typing import Any, Callable, Iterator
 
 __all__ = ["LatencyHistogram", "serve_metrics", "BUCKETS_S"]
@@ -24,12 +25,7 @@ class LatencyHistogram:
         row = self.ops.get(op)
         if row is None:
             row = self.ops[op] = [0.0] * (len(BUCKETS_S) + 2)
-        for i, b in enumerate(BUCKETS_S):
-            if seconds <= b:
-                row[i] += 1
-                break
-        else:
-            row[len(BUCKETS_S)] += 1
+        row[bisect_left(BUCKETS_S, seconds)] += 1  # the first bucket with seconds <= its bound, else +Inf
         row[-1] += seconds
 
     def snapshot(self) -> dict[str, dict[str, Any]]:

@@ -510,7 +510,8 @@ class Server:
             self._fatal(sess, ProtocolError("every request needs an integer 'id' in [0, 2**63)"))
             return
         op = msg.get("op")
-        if not isinstance(op, str) or op not in self.handlers.table:
+        fn = self.handlers.table.get(op) if type(op) is str else None
+        if fn is None:
             self._reply_error(sess, rid, ProtocolError(f"unknown op {str(op)[:40]!r}"))
             return
         if sess.namespace is None and op != "hello":
@@ -522,7 +523,6 @@ class Server:
                 return
             sess.hello_pending = True
         sess.requests += 1
-        fn = self.handlers.table[op]
         t0 = time.perf_counter()
         try:
             result = fn(sess, msg)
