@@ -23,6 +23,7 @@ from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
 from .objectindex import ObjectIndex
 from .placement import Placement
+from .staging import StagingAreas
 from .groupcommit import Pending
 from .puts import Puts, Reservation
 from .tensors import TensorSpec
@@ -37,10 +38,12 @@ class DaemonSurface:
     """The calls the daemon makes on the store for its connections; see the module docstring."""
 
     def __init__(self, index: ObjectIndex, durability: Durability, placement: Placement, leases: LeaseTable,
-                 batches: LeaseBatches, puts: Puts, gpu: GpuTier | None, gpu_reason: str) -> None:
+                 batches: LeaseBatches, puts: Puts, staging: StagingAreas, gpu: GpuTier | None,
+                 gpu_reason: str) -> None:
         self.index, self.durability, self.placement = index, durability, placement
         self.leases, self.batches, self.puts = leases, batches, puts
         self.gpu, self.gpu_reason = gpu, gpu_reason
+        self.staging = staging
         # the event loop's most frequent calls are the components' own methods, bound here:
         # no frame of this class (nor a keyword dict passed through) on every small op
         self.try_put_staged = puts.try_put_staged
@@ -82,7 +85,7 @@ class DaemonSurface:
     def staging_area(self, owner: Any, nbytes: int) -> tuple[int, int]:
         """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets
         through the daemon pass through it in one round trip."""
-        return self.placement.staging_area(owner, nbytes)
+        return self.staging.area(owner, nbytes)
 
     def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""

@@ -1,12 +1,15 @@
 """Placement: where each object's bytes are, and moving them between tiers.
 
 ``Placement`` owns the tiers' space (the host arena and its allocator, the NVMe tier,
-the GPU tier where present, the connections' staging areas) and the eviction order
-(the policy): it allocates blocks, demoting cold objects to make room, promotes and
-demotes objects, reads an object from the fastest tier holding it, runs the background
-demoter and the prefetch fetches, and gives an object's space back when it goes
-(``discard``). Which object to move comes from the policy; what is durable is
-journaled through ``Durability``; its only lock is the object index's ``cv``.
+the GPU tier where present) and the eviction order (the policy, and the GPU tier's
+LRU): it allocates blocks, demoting cold objects to make room, promotes and demotes
+objects, reads an object from the fastest tier holding it, runs the prefetch fetches
+and the demoter's passes, and gives an object's space back when it goes (``discard``).
+Its two background workers are components of their own that it makes: the demoter's
+thread (``Demoter``) and the discard thread (``DiscardQueue``); the connections'
+staging areas (``StagingAreas``) are host space it is told about. Which object to move
+comes from the policy; what is durable is journaled through ``Durability``; its only
+lock is the object index's ``cv``.
 
 Words: *promote* moves bytes up (NVMe -> host), *demote* down (host -> NVMe, GPU ->
 host); ``to_host`` brings an object into the host tier from whichever tier holds it.
@@ -19,7 +22,6 @@ would spread one set of space invariants over several files.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +30,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .allocator import ExtentAllocator
+from .demoter import Demoter
+from .discards import DiscardQueue
 from .arena import Arena
 from .config import StoreConfig
 from .errors import CapacityExceeded, InvalidArgument, TierstoreError
@@ -37,6 +41,7 @@ from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .policy import EvictionPolicy
 from .prefetch import Prefetcher
+from .staging import StagingAreas
 from .durability import Durability
 from .engine.base import IOEngine
 from .tensors import TensorSpec, aligned_empty
@@ -67,7 +72,8 @@ class Placement:
 
     def __init__(self, config: StoreConfig, index: ObjectIndex, durability: Durability, prefetcher: Prefetcher,
                  policy: EvictionPolicy, arena: Arena, host: ExtentAllocator, nvme: NvmeTier,
-                 gpu: GpuTier | None, engine: IOEngine, gpu_reason: str = "gpu_bytes is 0: no GPU tier") -> None:
+                 gpu: GpuTier | None, engine: IOEngine, staging: StagingAreas,
+                 gpu_reason: str = "gpu_bytes is 0: no GPU tier") -> None:
         self.config, self.index, self.durability, self.prefetcher, self.policy = \
             config, index, durability, prefetcher, policy
         self.arena, self.host, self.nvme, self.gpu, self.engine = arena, host, nvme, gpu, engine
@@ -78,60 +84,30 @@ class Placement:
         self.read_reserve = min(READ_RESERVE_BYTES, host.capacity // 16) // PAGE * PAGE
         self.gpu_lru: OrderedDict[int, None] = OrderedDict()
         """GPU-tier objects, least recently used first."""
-        self.staging: dict[Any, tuple[int, int]] = {}
-        """owner -> (offset, nbytes) of its staging area in the host arena."""
-        self._staging_bytes = 0
-        """The staging areas' bytes together (kept with ``staging``, under cv)."""
-        self._spill: list[int] = []  # home-NVMe objects released from use, to go back down
+        self.staging = staging
+        """The connections' staging areas: host space no object can use, freed at a connection's end."""
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
-        self._discards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-discard")
-        """Discards handed off the caller's path: a pool of their own, so no fetch waiting
-        for the space they give back can stand in front of them."""
-        self.discards_queued = 0
-        """Discards handed to ``_discards`` and not yet done (under the index's cv)."""
-        self._wake = threading.Event()
-        self._demoter = threading.Thread(target=self._demote_loop, name="tierstore-demoter", daemon=True)
+        self.discards = DiscardQueue(index)
+        self.demoter = Demoter(self, lambda: index.closed)
 
     def start(self) -> None:
         """Start the background demoter (once the index is recovered)."""
-        self._demoter.start()
+        self.demoter.start()
 
     def close(self) -> None:
         """Stop the demoter and the background work (the index is already closed)."""
-        self._wake.set()
-        self._demoter.join()
+        self.demoter.close()
         self._pool.shutdown(wait=True)
-        self._discards.shutdown(wait=True)
+        self.discards.close()
 
     def later(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the background pool (off the caller's path)."""
         return self._pool.submit(fn, *args)
 
     def discard_later(self, meta: ObjectMeta) -> None:
-        """(no lock held) ``discard`` on the discard thread; see ``_queue_discard``."""
+        """(no lock held) ``discard`` on the discard thread (``DiscardQueue``)."""
         with self.index.cv:
-            self._queue_discard(meta, self.discard)
-
-    def _queue_discard(self, meta: ObjectMeta, discard: Callable[[ObjectMeta], None]) -> None:
-        """(under cv) ``discard(meta)`` on the discard thread, off the caller's path. Until it
-        has run, a host allocation that finds no room waits for it instead of failing: the
-        space is already given up, only not yet back."""
-        ix = self.index
-
-        def run() -> None:
-            try:
-                discard(meta)
-            finally:
-                with ix.cv:
-                    self.discards_queued -= 1
-                    ix.cv.notify_all()
-
-        try:
-            self._discards.submit(run)
-        except RuntimeError:  # (the store is closing: a durable object's record is superseded at the next start)
-            log.warning("discard of %s not run: the store is closing", meta.handle)
-            return
-        self.discards_queued += 1
+            self.discards.submit(meta, self.discard)
 
     # ------------------------------------------------------------------ checks
     def check_tier(self, tier: str | None) -> str | None:
@@ -169,7 +145,7 @@ class Placement:
     def host_usable(self) -> int:
         """Host bytes one object can ever get: the tier less the connections' staging areas."""
         with self.index.cv:
-            return self.host.capacity - self._staging_bytes
+            return self.host.capacity - self.staging.total_bytes
 
     def host_take(self, nbytes: int, *, reading: bool = False) -> int | None:
         """(under cv) A host block now, or None.
@@ -259,7 +235,7 @@ class Placement:
                 if got is not None:
                     return got
                 victim = pick()
-                if victim is None and self.discards_queued and time.monotonic() < discard_deadline:
+                if victim is None and self.discards.pending and time.monotonic() < discard_deadline:
                     ix.wait(min(1.0, discard_deadline - time.monotonic()))
                     continue
                 if victim is None:
@@ -350,31 +326,11 @@ class Placement:
         else:
             self.policy.touch(meta.id)
 
-    # ------------------------------------------------------------------ staging areas
-    def staging_area(self, owner: Any, nbytes: int) -> tuple[int, int]:
-        """A host block private to ``owner`` (a connection's staging area); (offset, nbytes).
-        Freed by ``drop_owner``."""
-        with self.index.cv:
-            if owner in self.staging:
-                return self.staging[owner]
-            off = self.host.alloc(nbytes)
-            if off is None:
-                raise CapacityExceeded("host tier full: no room for a staging area; use the two-phase put")
-            self.staging[owner] = (off, nbytes)
-            self._staging_bytes += nbytes
-            return off, nbytes
-
-    def staging_of(self, owner: Any) -> tuple[int, int] | None:
-        """(under cv) ``owner``'s staging area, (offset, nbytes), or None."""
-        return self.staging.get(owner)
-
+    # ------------------------------------------------------------------ a connection's end
     def drop_owner(self, owner: Any) -> None:
         """``owner`` went away: its staging area, its GPU-slab mappings and the blocks fenced for it go."""
         with self.index.cv:
-            area = self.staging.pop(owner, None)
-            if area is not None:
-                self._staging_bytes -= area[1]
-                self.host.free(*area)
+            if self.staging.drop(owner):
                 self.index.cv.notify_all()
             if self.gpu is not None:
                 self.gpu.detach(owner)  # its mappings of the slabs died with it
@@ -705,9 +661,11 @@ class Placement:
             return m
         return None
 
-    def _demote_gpu(self) -> None:
-        """Bring every device's GPU tier under the low watermark (moving objects to host)."""
+    def demote_gpu_tiers(self) -> None:
+        """Bring every device's GPU tier under the low watermark, moving objects to host (a demoter pass)."""
         ix = self.index
+        if self.gpu is None:
+            return
         for device in self.gpu.over(self.config.high_watermark):
             while not ix.closed and self.gpu.used(device) > self.config.low_watermark * self.gpu.capacity(device):
                 with ix.cv:
@@ -821,7 +779,7 @@ class Placement:
         if old.readers or old.writer:
             return
         if old.durable or old.pins or old.moving:
-            self._queue_discard(old, self.discard_replaced)
+            self.discards.submit(old, self.discard_replaced)
             return
         old.dropped = True
         extents = self._forget(old)
@@ -840,23 +798,22 @@ class Placement:
         self.discard(old)
 
     # ------------------------------------------------------------------ background demotion
+    # (the demoter's thread is ``Demoter``; the passes it runs are these)
     def maybe_demote(self) -> None:
+        """Wake the demoter if a memory tier is over its high watermark."""
         if self.host.used_bytes > self.config.high_watermark * self.host.capacity or (
                 self.gpu is not None and self.gpu.over(self.config.high_watermark)):
-            self._wake.set()
+            self.demoter.wake()
 
     def spill_if_home_nvme(self, meta: ObjectMeta) -> None:
         """(under cv) An object that lives on NVMe goes back down once nobody uses it."""
         if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid and not meta.freeing:
-            self._spill.append(meta.id)
-            self._wake.set()
+            self.demoter.spill(meta.id)
 
-    def drain_spill(self) -> None:
-        """Move the home-NVMe objects nobody uses any more back down (the demoter does this)."""
+    def return_to_nvme(self, oids: list[int]) -> None:
+        """Move these home-NVMe objects back down where nobody uses them now (a demoter pass)."""
         ix = self.index
-        with ix.cv:
-            spill, self._spill = self._spill, []
-        for oid in spill:
+        for oid in oids:
             with ix.cv:
                 m = ix.holder(oid)
                 if (m is None or not m.host_valid or m.host_off is None or m.moving or m.pins or m.readers
@@ -869,32 +826,23 @@ class Placement:
             except TierstoreError as e:
                 log.error("returning %s to NVMe failed: %s", m.handle, e)
 
-    def _demote_loop(self) -> None:
+    def demote_host_tier(self) -> None:
+        """Past the high watermark, bring the host tier under the low one (a demoter pass)."""
         ix = self.index
-        log.debug("demoter started")
-        while True:
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-            if ix.closed:
+        low = self.config.low_watermark * self.host.capacity
+        if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
+            return
+        while not ix.closed and self.host.used_bytes > low:
+            with ix.cv:
+                victims = self._pick_victims(int(self.host.used_bytes - low))
+            if not victims:
                 break
-            self.drain_spill()
-            if self.gpu is not None:
-                self._demote_gpu()
-            low = self.config.low_watermark * self.host.capacity
-            if self.host.used_bytes <= self.config.high_watermark * self.host.capacity:
-                continue
-            while not ix.closed and self.host.used_bytes > low:
-                with ix.cv:
-                    victims = self._pick_victims(int(self.host.used_bytes - low))
-                if not victims:
-                    break
-                try:
-                    self.demote_many(victims)
-                except TierstoreError as e:
-                    # one failed object (NVMe full, I/O error) must not stop the worker
-                    log.error("background demotion of %d objects failed: %s", len(victims), e)
-                    break
-        log.info("demoter stopped")
+            try:
+                self.demote_many(victims)
+            except TierstoreError as e:
+                # one failed object (NVMe full, I/O error) must not stop the worker
+                log.error("background demotion of %d objects failed: %s", len(victims), e)
+                break
 
 
 def _may_move(m: ObjectMeta | None) -> bool:

@@ -36,6 +36,7 @@ from .leases import LOCAL
 from .placement import Landing, Placement
 from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
+from .staging import StagingAreas
 from .durability import Durability
 from .groupcommit import GroupCommit, Pending
 from .tensors import TensorSpec, cuda_source, to_bytes
@@ -68,8 +69,9 @@ class Puts:
     """Two-phase and one-call puts, and staging-area transfers; see the module docstring."""
 
     def __init__(self, index: ObjectIndex, placement: Placement, durability: Durability,
-                 prefetcher: Prefetcher) -> None:
+                 prefetcher: Prefetcher, staging: StagingAreas) -> None:
         self.index, self.placement, self.durability, self.prefetcher = index, placement, durability, prefetcher
+        self.staging = staging
         self.cv = index.cv
         self.counters = index.counters
         self.reservations: dict[int, Reservation] = {}
@@ -301,7 +303,7 @@ class Puts:
 
     def _staged_bytes(self, owner: Any, src: int, spec: TensorSpec) -> tuple[int, int]:
         with self.cv:
-            area = self.placement.staging_of(owner)
+            area = self.staging.of(owner)
         if area is None or src < 0 or src + spec.nbytes > area[1]:
             raise InvalidArgument("staged bytes lie outside this connection's staging area")
         return area
@@ -335,7 +337,7 @@ class Puts:
         """
         h = Handle.parse(handle)
         with self.cv:
-            area = self.placement.staging_of(owner)
+            area = self.staging.of(owner)
             meta = self.index.get_meta(h, self.index.ns(namespace))
             if area is None or meta.nbytes > area[1]:
                 return None
@@ -356,7 +358,7 @@ class Puts:
     def _get_pinned(self, owner: Any, h: Handle, namespace: str | None, stream: str) -> TensorSpec:
         """The copy of ``try_get_staged`` through a pin, from whichever tier holds the object."""
         with self.cv:
-            area = self.placement.staging_of(owner)  # (again: the connection may have gone meanwhile)
+            area = self.staging.of(owner)  # (again: the connection may have gone meanwhile)
         if area is None:
             raise Closed("the connection that asked went away")
         view = self.placement.arena.view

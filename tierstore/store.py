@@ -49,6 +49,7 @@ from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .policy import make_policy
 from .prefetch import Prefetcher
+from .staging import StagingAreas
 from .preflight import check_start
 from .puts import Puts, Reservation
 from .daemonsurface import DaemonSurface
@@ -189,13 +190,14 @@ class Store:
         self.prefetcher = Prefetcher(cfg, ix.holder, lambda oid: self.placement.fetch(oid))
         self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
+        self.staging = StagingAreas(ix, self.host)
         self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.arena, self.host,
-                                   self.nvme, self.gpu, self.engine, self.gpu_reason)
+                                   self.nvme, self.gpu, self.engine, self.staging, self.gpu_reason)
         self.leases = LeaseTable(ix, self.placement, self.durability, self.prefetcher, cfg.lease_wait_s)
         self.batches = LeaseBatches(self.leases, ix, self.placement)
-        self.puts = Puts(ix, self.placement, self.durability, self.prefetcher)
+        self.puts = Puts(ix, self.placement, self.durability, self.prefetcher, self.staging)
         self.daemon = DaemonSurface(ix, self.durability, self.placement, self.leases, self.batches, self.puts,
-                                    self.gpu, self.gpu_reason)
+                                    self.staging, self.gpu, self.gpu_reason)
         """The calls only the daemon makes, for its connections (``tierstore.daemonsurface``)."""
         self.replay_info = self.durability.replay()
         self.replay_info["adopted"] = 0
