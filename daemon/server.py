@@ -18,10 +18,10 @@ Three pools, so that no one's wait holds up anyone else's work:
 - op workers run requests that touch the disk. One that finds it must wait for
   another holder (a lease, host room, an object in flight) does not wait there: the
   store raises ``WouldWait`` and the request moves to
-- wait threads, which may block for as long as the request's ``timeout_s`` (at
-  most ``_WAITS_PER_SESSION`` of them per connection; its further waits queue behind
-  its own). A wait ends when it is satisfied, times out, its connection goes, or the
-  daemon stops (``DaemonSurface.cancel_waits``).
+- wait threads (``waitthreads``), which may block for as long as the request's
+  ``timeout_s``, shared fairly among connections, namespaces and uids (what is over a
+  share queues, its ``timeout_s`` running). A wait ends when it is satisfied, times
+  out, its connection goes, or the daemon stops (``DaemonSurface.cancel_waits``).
 - control threads run what releases memory and leases: a closed connection's
   clean-up, lease revocation and reservation expiry. They never queue behind requests.
 
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import Config
-from tierstore.errors import Busy, Closed, PermissionDenied, ProtocolError, TierstoreError
+from tierstore.errors import PermissionDenied, ProtocolError, TierstoreError
 from tierstore.waits import Later, WouldWait, wait_context
 from tierstore.preflight import check_dir
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
@@ -62,6 +62,7 @@ from .gcpolicy import FreezeAfterFullCollections
 from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
+from .waitthreads import WaitJob, WaitThreads
 
 __all__ = ["Server", "Session", "DaemonAlreadyRunning"]
 
@@ -75,12 +76,6 @@ _OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
 """Bytes of replies one connection may leave unread before it is disconnected."""
 _READ_BUDGET_S = 0.002
 """Time one connection's requests may hold the event loop before the others get their turn."""
-_WAIT_THREADS = 128
-"""Requests waiting for another holder at once, all connections together."""
-_WAITS_PER_SESSION = 16
-"""... and per connection: one connection's waits cannot take every wait thread."""
-_WAIT_BACKLOG = 1024
-"""A connection's further waits queued behind those; one more is refused (``Busy``)."""
 _MAX_REQUEST_ID = (1 << 63) - 1
 
 
@@ -117,10 +112,6 @@ class Session:
     pinned_reason: str = ""
     activations: dict[str, float] | None = None
     """The client's activation-offload counters, as it last reported them (None: never)."""
-    waiting: int = 0
-    """Its requests on wait threads now (at most ``_WAITS_PER_SESSION``)."""
-    wait_backlog: deque = field(default_factory=deque)
-    """Its further requests that must wait, queued behind those."""
 
 
 class Server:
@@ -136,8 +127,7 @@ class Server:
         self._cids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.store.io_threads),
                                         thread_name_prefix="tierstore-op")
-        self._waits = ThreadPoolExecutor(max_workers=_WAIT_THREADS, thread_name_prefix="tierstore-wait")
-        self._wait_lock = threading.Lock()  # guards every session's waiting / wait_backlog
+        self._waits = WaitThreads(self._wait, self._wait_refused)
         self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-ctl")
         self._expiring: Any = None  # the expiry run in progress, if any (one at a time)
         self._corked: set[Session] | None = None
@@ -282,12 +272,12 @@ class Server:
         self._wake()
 
     def serve_forever(self) -> None:
-        last_tick = time.monotonic()
+        last_tick = last_expiry = time.monotonic()
         watchdog = self.notifier.watchdog_interval_s
         last_watchdog = 0.0
         try:
             while not self._stop.is_set():
-                for key, events in self._sel.select(timeout=0.5):
+                for key, events in self._sel.select(timeout=0.1 if self._waits.queued else 0.5):
                     kind, sess = key.data
                     if kind == "listen":
                         self._accept()
@@ -302,6 +292,9 @@ class Server:
                             self._flush(sess)
                 self._drain_done()
                 now = time.monotonic()
+                if self._waits.queued and now - last_expiry >= 0.1:  # a queued wait's timeout_s runs too
+                    last_expiry = now
+                    self._waits.expire(now)
                 if now - last_tick >= 1.0:
                     last_tick = now
                     self._tick(now)
@@ -354,7 +347,7 @@ class Server:
         if self.store is not None:
             self.store.daemon.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
         self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
-        self._waits.shutdown(wait=True)
+        self._waits.close()
         if self.store is not None:
             self.store.daemon.finish_commits()  # durable puts handed to the group committer are answered too
         self._drain_done()
@@ -537,7 +530,7 @@ class Server:
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
             return
         if isinstance(result, Later):  # the rest may wait or touch the disk: on an op worker
-            self._pool.submit(self._run_blocking, sess, result.run, rid, op, t0)
+            self._pool.submit(self._run_blocking, sess, result.run, rid, op, t0, self._wait_budget(msg))
             return
         if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
             result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
@@ -549,16 +542,41 @@ class Server:
             return
         self._send(sess, reply_ok(rid, result), rid=rid)
 
-    def _run_blocking(self, sess: Session, rest, rid: int, op: str, t0: float, park: bool = True) -> None:
-        """Run the rest of a request (``rest()``, its reply) off the loop: on an op worker
-        (``park``: a wait for another holder moves it to a wait thread) or on a wait thread."""
+    def _run_blocking(self, sess: Session, rest, rid: int, op: str, t0: float, wait_s: float) -> None:
+        """(an op worker) Run the rest of a request (``rest()``, its reply) off the loop;
+        a wait for another holder moves it to the wait threads, its ``wait_s`` from now."""
         try:
-            with wait_context(park=park, abandoned=lambda: sess.closed):
+            with wait_context(park=True):
                 out = _outcome(rest, rid, op)
         except WouldWait:
-            self._to_wait(sess, (rest, rid, op, t0))
+            now = time.monotonic()
+            self._waits.submit(WaitJob(sess, rest, rid, op, t0, now, now + wait_s))
             return
         self._finish(sess, rid, *out, time.perf_counter() - t0)
+
+    def _wait_budget(self, msg: dict) -> float:
+        """How long a request may wait for a thread, queued: its ``timeout_s`` if it has
+        one; else the longer of its ``wait_s`` and ``lease_wait_s`` (the longest its
+        waits may take). (The handler checked a given field's range.)"""
+        given = msg.get("timeout_s")
+        if type(given) in (int, float):
+            return given
+        given = msg.get("wait_s")
+        default = self.config.store.lease_wait_s
+        return max(given, default) if type(given) in (int, float) else default
+
+    def _wait(self, job: WaitJob) -> None:
+        """(a wait thread) Run the rest of a request that must wait; its timeouts count
+        from when it first had to."""
+        sess = job.sess
+        with wait_context(park=False, abandoned=lambda: sess.closed, since=job.since):
+            out = _outcome(job.rest, job.rid, job.op)
+        self._finish(sess, job.rid, *out, time.perf_counter() - job.t0)
+
+    def _wait_refused(self, job: WaitJob, error: TierstoreError) -> None:
+        """A request that must wait ends without running (refused, out of time, stopping)."""
+        self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
+                     time.perf_counter() - job.t0)
 
     def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
         """(on the group committer's thread) A durable put's commit is done: its reply
@@ -576,36 +594,6 @@ class Server:
             self.store.daemon.release_owner(sess)
         self._done.put((sess, rid, (blob, op, code), seconds))
         self._wake()
-
-    def _to_wait(self, sess: Session, job: tuple) -> None:
-        """Give a request that must wait to a wait thread (behind its connection's other
-        waits once it has ``_WAITS_PER_SESSION`` of them)."""
-        with self._wait_lock:
-            if self._stop.is_set():
-                refusal: TierstoreError = Closed("the daemon is stopping; reconnect once it is back")
-            elif sess.waiting < _WAITS_PER_SESSION:
-                sess.waiting += 1
-                self._waits.submit(self._wait, sess, job)
-                return
-            elif len(sess.wait_backlog) < _WAIT_BACKLOG:
-                sess.wait_backlog.append(job)
-                return
-            else:
-                refusal = Busy(f"this connection already has {_WAITS_PER_SESSION + _WAIT_BACKLOG} requests "
-                               "waiting for other holders; wait for some of them to finish")
-        # answered now rather than waiting
-        _rest, rid, op, t0 = job
-        self._finish(sess, rid, reply_err(rid, refusal), op, refusal.code, time.perf_counter() - t0)
-
-    def _wait(self, sess: Session, job: tuple) -> None:
-        try:
-            self._run_blocking(sess, *job, park=False)
-        finally:
-            with self._wait_lock:
-                sess.waiting -= 1
-                if sess.wait_backlog and not self._stop.is_set():
-                    sess.waiting += 1
-                    self._waits.submit(self._wait, sess, sess.wait_backlog.popleft())
 
     def _drain_done(self) -> None:
         if self._done.empty():
@@ -748,8 +736,7 @@ class Server:
         except (KeyError, ValueError):
             pass
         sess.sock.close()
-        with self._wait_lock:
-            sess.wait_backlog.clear()  # nobody to answer; what they hold goes with the rest below
+        self._waits.drop(sess)  # nobody to answer; what they hold goes with the rest below
         log.debug("session %d closed after %d requests", sess.cid, sess.requests)
         # every lease and unfinished put of the connection ends with it, however it ended;
         # a durable rw write-back may touch the disk, so not on the loop thread
@@ -804,7 +791,7 @@ class Server:
                      "pinned_reason": s.pinned_reason,
                      **({"activations": s.activations} if s.activations is not None else {})}
                     for s in list(self._sessions.values())]
-        waiting = sum(s.waiting + len(s.wait_backlog) for s in list(self._sessions.values()))
+        waiting = self._waits.waiting()
         return {"clients": len(self._sessions), "sessions": sessions, "activations": _sum_activations(sessions),
                 "waiting": waiting, "pid": os.getpid(), "socket": self.config.daemon.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),

@@ -380,8 +380,9 @@ def test_a_wake_up_written_while_the_loop_empties_the_pipe_is_not_lost(tmp_path,
     finally:
         os.close(srv._wake_r)
         os.close(srv._wake_w)
-        for pool in (srv._pool, srv._waits, srv._control):
+        for pool in (srv._pool, srv._control):
             pool.shutdown(wait=False)
+        srv._waits.close()
 
 
 def test_sigterm_under_pipelined_durable_puts_answers_or_fails_each_and_keeps_every_acknowledged(daemon):

@@ -202,23 +202,25 @@ def _start(code: str, *args: str):
 
 
 @contextlib.contextmanager
-def _parked(daemon, n: int = 16, waiting: int | None = None):
-    """A holder of an rw lease and a client with ``n`` check-outs waiting for it (1 h
-    timeouts), both real processes; yields them once the daemon has ``waiting`` (all)
-    of them waiting, kills what is left of them at the end."""
-    waiting = n if waiting is None else waiting
+def _parked(daemon, n: int = 16, waiting: int | None = None, clients: int = 1):
+    """A holder of an rw lease and ``clients`` clients with ``n`` check-outs each waiting
+    for it (1 h timeouts), all real processes; yields the holder and the (first) waiter
+    once the daemon has ``waiting`` (all) of them waiting, kills what is left of them at
+    the end."""
+    waiting = n * clients if waiting is None else waiting
     holder = _start(_HOLDER, daemon.socket)
-    waiters = None
+    waiters = []
     try:
         assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
-        waiters = _start(_WAITERS, daemon.socket, str(n))
-        assert waiters.stdout.readline().strip() == "waiting", waiters.stderr.read()
+        for _ in range(clients):
+            waiters.append(_start(_WAITERS, daemon.socket, str(n)))
+            assert waiters[-1].stdout.readline().strip() == "waiting", waiters[-1].stderr.read()
         with daemon.client("watch") as w:
             poll_until(lambda: w.stat()["waiting"] >= waiting, f"{waiting} check-outs waiting in the daemon")
-        yield holder, waiters
+        yield holder, waiters[0]
     finally:
-        for p in (holder, waiters):
-            if p is not None and p.poll() is None:
+        for p in (holder, *waiters):
+            if p.poll() is None:
                 p.kill()
                 p.communicate()
 
@@ -293,6 +295,46 @@ except Busy:
         with daemon.client("watch") as w:
             st = poll_until(lambda: (lambda st: st if not st["waiting"] else None)(w.stat()), "no wait left", 10)
             assert st["leases"] == 1  # the holder's; none of the waiters'
+
+
+def test_one_namespaces_waits_leave_wait_threads_to_the_others_and_every_timeout_holds(daemon):
+    """8 connections of one namespace with 16 check-outs each waiting (1 h timeouts) for
+    a lease: enough to take every wait thread were they not shared. Another namespace's
+    check-out still waits on a thread of its own (it gets its lease as soon as it is
+    released there, and its 2 s timeout holds), and a further wait in the crowded
+    namespace, queued behind its share, ends at its 1 s timeout, not after the hour."""
+    with _parked(daemon, n=16, clients=8):
+        r = run_py(f"""
+import threading, time
+import numpy as np
+from tierstore import Busy
+from tierstore.client import Client
+a = Client.connect(socket={daemon.socket!r}, namespace="other")
+b = Client.connect(socket={daemon.socket!r}, namespace="other")
+h = a.put(np.zeros(1024, np.float32), key="x")
+lease = a.checkout(h, "rw")
+t0 = time.monotonic()
+try:
+    b.checkout(h, "r", timeout_s=2.0)
+except Busy:
+    print("timed out after", time.monotonic() - t0)
+threading.Timer(1.0, lease.release).start()
+t0 = time.monotonic()
+with b.checkout(h, "r", timeout_s=60.0):
+    print("leased after", time.monotonic() - t0)
+c = Client.connect(socket={daemon.socket!r}, namespace="held")
+t0 = time.monotonic()
+try:
+    c.checkout(c.lookup("held"), "r", timeout_s=1.0)
+except Busy as e:
+    print("queued timed out after", time.monotonic() - t0, e)
+print("waiting", c.stat()["waiting"])
+""", timeout=40)  # before the fix: queued behind the hour-long waits
+        assert r.returncode == 0, r.stderr[-2000:]
+        said = {line.split(" after ")[0]: float(line.split(" after ")[1].split()[0])
+                for line in r.stdout.splitlines() if " after " in line}
+        assert 1.9 < said["timed out"] < 5 and said["leased"] < 5 and said["queued timed out"] < 4, r.stdout
+        assert int(r.stdout.split("waiting ")[-1]) >= 128, r.stdout  # the crowd is still waiting
 
 
 def test_an_abandoned_reservation_expires_and_others_proceed(daemon_factory):

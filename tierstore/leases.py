@@ -30,7 +30,7 @@ from .objectindex import ObjectIndex
 from .prefetch import Prefetcher
 from .durability import Durability
 from .tensors import TensorSpec
-from .waits import Later
+from .waits import Later, waits_since
 
 __all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH"]
 
@@ -119,7 +119,7 @@ class LeaseTable:
         flight, and other owners' leases (up to ``lease_wait_s``; a check-in another
         connection sent without waiting may still be on its way). The caller's own lease:
         Busy at once."""
-        deadline = time.monotonic() + self.lease_wait_s
+        deadline = waits_since() + self.lease_wait_s
         while True:
             if meta.readers or meta.writer:
                 remaining = deadline - time.monotonic()
@@ -153,7 +153,7 @@ class LeaseTable:
         h, ns = Handle.parse(handle), self.index.ns(namespace)
         _check_mode(mode)
         t0 = time.monotonic()
-        deadline = t0 + (self.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = waits_since() + (self.lease_wait_s if timeout_s is None else timeout_s)
         late = promoted = blank = False
         while True:
             with self.cv:
@@ -269,7 +269,7 @@ class LeaseTable:
         entry per earlier run of this request that read-leased the source (a daemon's op
         worker gives up a run that would wait, and a wait thread runs it again): the
         source's read is counted and recorded by the first only."""
-        deadline = time.monotonic() + (self.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = waits_since() + (self.lease_wait_s if timeout_s is None else timeout_s)
         rd: LeaseInfo | None = self.checkout(src_h, "r", owner=owner, namespace=ns, timeout_s=timeout_s,
                                              stream=stream, counted=not attempts)
         attempts.append(True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, StaleHandle
 from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
-from .waits import wait_for_others
+from .waits import wait_for_others, waits_since
 
 __all__ = ["ObjectIndex", "COUNTERS"]
 
@@ -189,7 +189,7 @@ class ObjectIndex:
     def pin(self, h: Handle, ns: str) -> tuple[ObjectMeta, bool]:
         """Hold the object against moves and writers; (meta, waited for a prefetch)."""
         late = False
-        deadline = time.monotonic() + self.lease_wait_s
+        deadline = waits_since() + self.lease_wait_s
         with self.cv:
             while True:
                 meta = self.get_meta(h, ns)

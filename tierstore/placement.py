@@ -39,6 +39,7 @@ from .gpu import GpuTier, loc_device
 from .index import Handle, ObjectMeta
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
+from .waits import waits_since
 from .policy import EvictionPolicy
 from .prefetch import Prefetcher
 from .staging import StagingAreas
@@ -222,7 +223,7 @@ class Placement:
         """``alloc()`` (under cv) until it succeeds, moving ``pick()``'s victims out of the
         way with ``move`` (outside the lock); waiting up to ``wait_s`` while nothing can move."""
         ix = self.index
-        now = time.monotonic()
+        now = waits_since()
         deadline = now + wait_s
         # space a replace or a check-in has given up is waited for even past ``wait_s`` (a
         # put right after a replace must not fail for want of it), but not for ever: a

@@ -15,13 +15,14 @@ the daemon moves the rest to a wait thread. Both are internal: they never reach 
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .errors import Closed
 
-__all__ = ["Later", "WouldWait", "wait_context", "wait_for_others"]
+__all__ = ["Later", "WouldWait", "wait_context", "wait_for_others", "waits_since"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +47,39 @@ class WaitContext:
 
     park: bool
     abandoned: Callable[[], bool] | None
+    since: float | None
+    """``time.monotonic()`` when the request first had to wait (its timeouts count from
+    then, however long it was queued for a thread); None: from each call's start."""
 
 
 _waiting = threading.local()
 
 
 @contextmanager
-def wait_context(*, park: bool, abandoned: Callable[[], bool] | None = None) -> Iterator[WaitContext]:
+def wait_context(*, park: bool, abandoned: Callable[[], bool] | None = None,
+                 since: float | None = None) -> Iterator[WaitContext]:
     """(the daemon) The store calls this thread makes inside wait this way: ``park``: a
     wait for another holder raises ``WouldWait`` instead (the thread is one other
     requests need; the rest of the request runs again on a thread that may wait, its
     timeouts counted from then); ``abandoned``: polled while waiting — once true (the requester
-    went away) the wait ends in ``Closed``."""
+    went away) the wait ends in ``Closed``; ``since``: when the request first had to
+    wait (``waits_since``)."""
     prev = getattr(_waiting, "ctx", None)
-    ctx = _waiting.ctx = WaitContext(park, abandoned)
+    ctx = _waiting.ctx = WaitContext(park, abandoned, since)
     try:
         yield ctx
     finally:
         _waiting.ctx = prev
+
+
+def waits_since() -> float:
+    """When a call's timeout starts: now, or, for a daemon request that already had to
+    wait (run again on a wait thread, perhaps after a queue), when it first did. A call
+    that waits computes its deadline as ``waits_since() + timeout``."""
+    ctx = getattr(_waiting, "ctx", None)
+    if ctx is not None and ctx.since is not None:
+        return ctx.since
+    return time.monotonic()
 
 
 def wait_for_others(cv: threading.Condition, remaining: float, cancelled: bool) -> None:
