@@ -388,8 +388,7 @@ class Handlers:
         return {}
 
     def step(self, sess: "Session", msg: dict[str, Any]) -> Any:
-        self.store.step(owner=sess)
-        return {}
+        return _answer(self.store.try_step(owner=sess), lambda _: {})
 
     def stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
         st = self.store.stat(namespace_limit=PAGE_NAMESPACES + 1)

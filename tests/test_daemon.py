@@ -1184,3 +1184,23 @@ def test_small_puts_and_gets_work_when_the_host_tier_has_no_room_for_a_staging_a
         for h, x in zip(hs, xs + [torch.full((256,), 99.0)]):
             assert torch.equal(c.get(h), x)
         assert c.lookup("async") == hs[-1]
+
+
+def test_long_steps_and_large_batches_through_the_daemon_learn_the_order(daemon):
+    """Batches larger than the event loop takes itself and a step longer than it compares
+    itself both run on op workers; the order is learned all the same (its length is every
+    access of the step) and prefetching follows it."""
+    from tierstore.leasebatches import INLINE_BATCH
+    from tierstore.store import _INLINE_STEP
+
+    with daemon.client("long") as c:
+        hs = [f.result() for f in [c.put_async(np.zeros(4, np.float32)) for _ in range(3000)]]
+        passes = _INLINE_STEP // len(hs) + 1
+        batch = 4 * INLINE_BATCH
+        for _step in range(3):
+            for _ in range(passes):
+                for i in range(0, len(hs), batch):
+                    c.checkout_many(hs[i:i + batch], "r").release()
+            c.step()
+        traces = [t for t in c.stat()["prefetch"]["traces"] if t["client"] != "local"]
+        assert [(t["state"], t["length"]) for t in traces] == [("learned", passes * len(hs))], traces

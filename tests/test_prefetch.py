@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from conftest import poll_until
 
@@ -159,11 +160,16 @@ def test_the_heads_of_two_interleaved_loops_stay_resident(make_store):
     assert not missing, missing
 
 
-def test_reach_is_the_budgets_worth_of_accesses(make_store):
-    """The prefetcher's reach (a binary search in running byte sums) equals walking the
-    upcoming accesses until their bytes exceed the budget, at every cursor position."""
+@pytest.mark.parametrize("chunk", [4096, 7])
+def test_reach_is_the_budgets_worth_of_accesses(make_store, monkeypatch, chunk):
+    """The prefetcher's reach (a binary search in running byte sums, built a chunk at a
+    time) equals walking the upcoming accesses until their bytes exceed the budget, at
+    every cursor position, across chunk boundaries too."""
     import random
 
+    from tierstore import prefetch
+
+    monkeypatch.setattr(prefetch, "_CHUNK", chunk)
     rng = random.Random(3)
     s = make_store(host_bytes="64MiB", policy="trace", prefetch=True, prefetch_budget_bytes="300KiB")
     hs = [s.put(torch.zeros(rng.choice([1, 1000, 20000, 40000, 90000]))) for _ in range(40)]
@@ -184,6 +190,81 @@ def test_reach_is_the_budgets_worth_of_accesses(make_store):
                 want = max(k, 1)
                 break
         assert s.prefetcher.reach(trace) == want
+    built = s.prefetcher._sums[id(trace)][2]
+    assert len(built) <= 2 * len(order) // chunk + 1
+
+
+def test_an_owners_step_records_a_bounded_number_of_accesses(monkeypatch):
+    """However many accesses one owner makes in a step, over however many streams, its
+    traces record at most ``MAX_STEP_ACCESSES`` of them (the rest only move the cursor);
+    another owner's budget is its own, and a step starts a fresh one."""
+    from tierstore import trace as tmod
+
+    monkeypatch.setattr(tmod, "MAX_STEP_ACCESSES", 100)
+    book = tmod.TraceBook()
+    for i in range(300):
+        book.record("a", f"s{i % 3}", i)
+        book.record("b", "s", i % 50)
+    assert sum(len(t.current) for t in book.of("a")) == 100 and book.pending("b") == 100
+    book.step("a")
+    assert book.pending("a") == 100  # the step just closed, kept to compare the next with
+    for i in range(100):
+        book.record("a", "s0", i)
+    assert len(book.get("a", "s0").current) == 100
+
+
+def test_learned_orders_are_bounded_all_owners_together():
+    """An order that would take every learned order past ``max_learned`` positions is not
+    learned (counted in ``over_budget``); an owner going away gives its positions back."""
+    from tierstore.trace import TraceBook
+
+    book = TraceBook(max_learned=150)
+    for owner in ("a", "b"):
+        for _step in range(2):
+            for i in range(100):
+                book.record(owner, "s", i)
+            book.step(owner)
+    assert book.get("a", "s").state == "learned" and book.get("b", "s").state == "learning"
+    assert book.learned_total == 100 and book.over_budget == 1
+    book.drop("a")
+    assert book.learned_total == 0
+    for i in range(100):
+        book.record("b", "s", i)
+    book.step("b")
+    assert book.get("b", "s").state == "learned" and book.learned_total == 100
+
+
+def test_a_long_step_is_compared_off_the_daemons_event_loop(make_store):
+    """The daemon's loop steps a short trace itself; a step whose comparison covers more
+    than ``_INLINE_STEP`` accesses is ``Later`` (an op worker compares it, without the
+    store's lock held) and learns the same order."""
+    from tierstore import store as smod
+    from tierstore.waits import Later
+
+    s = make_store(host_bytes="64MiB", policy="trace", prefetch=True)
+    hs = [s.put(torch.zeros(4)) for _ in range(100)]
+
+    def access(owner, h):
+        with s.index.cv:
+            s.prefetcher.record(owner, "default", h.id, "hit", 0.0)
+    owner = object()
+    for _ in range(2):
+        for h in hs:
+            access(owner, h)
+        assert s.try_step(owner=owner) is None
+    small = s.prefetcher.book.get(owner, "default")
+    assert small.state == "learned" and len(small.learned) == 100
+    big = object()
+    n = smod._INLINE_STEP // len(hs) + 1
+    for step in range(2):
+        for _ in range(n):
+            for h in hs:
+                access(big, h)
+        later = s.try_step(owner=big)
+        assert isinstance(later, Later)
+        later.run()
+    t = s.prefetcher.book.get(big, "default")
+    assert t.state == "learned" and len(t.learned) == n * len(hs) and s.counters["steps"] == 4
 
 
 def test_an_object_evicted_after_the_scan_passed_it_is_fetched_again(make_store):

@@ -754,3 +754,27 @@ def test_a_sourced_durable_lease_given_back_on_the_event_loop_path_writes_back_l
     plain = s.daemon.checkout(dst, "rw", owner="c")
     assert s.daemon.try_give_back(plain.lid, owner="c") is None and not s.info(dst)["writer"]
     s.daemon.release_owner("c")
+
+
+def test_a_large_batch_is_taken_off_the_event_loop_whole(make_store):
+    """The daemon's loop takes a batch of up to ``INLINE_BATCH`` resident objects itself;
+    a larger one, and a larger check-in, are ``Later`` whole (an op worker takes them, so
+    thousands of leases hold no other client up), with the same leases in the end."""
+    from tierstore.leasebatches import INLINE_BATCH
+    from tierstore.waits import Later
+
+    s = make_store(host_bytes="64MiB")
+    hs = [s.put(np.zeros(4, np.float32)) for _ in range(INLINE_BATCH + 1)]
+    owner = object()
+    small = s.daemon.try_checkout_many(hs[:INLINE_BATCH], ["r"] * INLINE_BATCH, owner=owner)
+    assert len(small) == INLINE_BATCH and s.daemon.try_release_many([i.lid for i in small], owner=owner) is None
+    big = s.daemon.try_checkout_many(hs, ["r"] * len(hs), owner=owner)
+    assert isinstance(big, Later)
+    leases = big.run()
+    assert [i.oid for i in leases] == [h.id for h in hs]
+    each = s.daemon.try_checkout_each([(h, "r", None) for h in hs], owner=owner)
+    assert isinstance(each, Later) and len(each.run()) == len(hs)
+    back = s.daemon.try_release_many([i.lid for i in leases], owner=owner)
+    assert isinstance(back, Later)
+    back.run()
+    assert s.stat()["leases"] == len(hs)  # the check_each ones are still out

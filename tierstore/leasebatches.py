@@ -20,9 +20,13 @@ from .leases import LOCAL, MAX_BATCH, LeaseInfo, LeaseTable
 from .placement import Placement
 from .objectindex import ObjectIndex
 from .units import PAGE, align_up
-from .waits import Later, WouldWait
+from .waits import Later, WouldWait, waits_since
 
-__all__ = ["LeaseBatches"]
+__all__ = ["INLINE_BATCH", "LeaseBatches"]
+
+INLINE_BATCH = 256
+"""The most objects a batch the daemon's event loop takes or checks in itself; a larger
+one runs on an op worker (its thousands of leases would hold every other client up)."""
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,11 @@ class LeaseBatches:
                           stream: str = "default") -> list[LeaseInfo] | Later:
         """``checkout_many`` for a caller that must not wait: the leases that need no wait are
         taken now, in order, up to the first that does; the rest of the batch, from there,
-        is ``Later`` (the daemon's event loop takes what is resident, an op worker the rest)."""
+        is ``Later`` (the daemon's event loop takes what is resident, an op worker the rest).
+        A batch of more than ``INLINE_BATCH`` is ``Later`` whole (the loop is not held up)."""
+        if len(handles) > INLINE_BATCH:
+            return Later(lambda: self.checkout_many(handles, modes, owner=owner, namespace=namespace,
+                                                    timeout_s=timeout_s, stream=stream))
         hs = self._check_many(handles, modes, namespace)
         return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.try_checkout)
 
@@ -70,7 +78,7 @@ class LeaseBatches:
         """The batch from lease ``len(done)`` on, each taken by ``checkout`` (``done``: those
         taken so far). When ``checkout`` answers ``Later``, so does this: the rest, from that
         lease, by ``LeaseTable.checkout``."""
-        deadline = time.monotonic() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = waits_since() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
             while i < len(hs):
@@ -107,7 +115,11 @@ class LeaseBatches:
     def try_checkout_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
                           timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo] | Later:
         """``checkout_each`` for a caller that must not wait: as ``try_checkout_many`` (what
-        needs no wait now, the rest ``Later``, from where this stopped)."""
+        needs no wait now, the rest ``Later``, from where this stopped; more than
+        ``INLINE_BATCH``, ``Later`` whole)."""
+        if len(requests) > INLINE_BATCH:
+            return Later(lambda: self.checkout_each(requests, owner=owner, namespace=namespace, timeout_s=timeout_s,
+                                                    stream=stream))
         ns = self._check_each(requests, namespace)
         return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.try_checkout,
                                self.leases.try_checkout_from)
@@ -128,7 +140,7 @@ class LeaseBatches:
                    timeout_s: float | None, stream: str, checkout: Callable[..., LeaseInfo | Later],
                    checkout_from: Callable[..., LeaseInfo | Later]) -> list[LeaseInfo] | Later:
         """The list from check-out ``len(done)`` on (see ``_take_many``)."""
-        deadline = time.monotonic() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
+        deadline = waits_since() + (self.leases.lease_wait_s if timeout_s is None else timeout_s)
         i = len(done)
         try:
             while i < len(requests):
@@ -186,10 +198,10 @@ class LeaseBatches:
 
     def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:
         """``release_many`` for a caller that must not wait: a batch with a durable object's
-        write lease in it (a write-back syncs) is ``Later``, whole; any other is checked in
-        now (``LeaseTable.try_release``)."""
+        write lease in it (a write-back syncs) or more than ``INLINE_BATCH`` leases is
+        ``Later``, whole; any other is checked in now (``LeaseTable.try_release``)."""
         self._check_count(lids)
-        if self.leases.writes_back_any(lids, owner):
+        if len(lids) > INLINE_BATCH or self.leases.writes_back_any(lids, owner):
             return Later(lambda: self.release_many(lids, owner=owner))
         self._release_each(lids, owner, self.leases.check_in_now)
         return None

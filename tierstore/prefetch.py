@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+from array import array
 import logging
 import queue
 import threading
@@ -20,7 +21,7 @@ import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Container, Iterable
 
-from .trace import HORIZON, Trace, TraceBook
+from .trace import HORIZON, StepWork, Trace, TraceBook
 
 if TYPE_CHECKING:
     from .config import StoreConfig
@@ -37,6 +38,8 @@ MAX_HINTED = 65536
 log = logging.getLogger(__name__)
 
 
+_CHUNK = 4096
+"""Positions of a learned order whose running byte sums ``reach`` builds at a time."""
 _COUNTER = {"hit": "hits", "late": "late", "miss": "misses"}
 """The counter an access's outcome adds to."""
 
@@ -69,8 +72,9 @@ class Prefetcher:
         them back); offered as fetches finish and prefetched objects are used."""
         self._scanned: dict[int, tuple[Trace, int, int]] = {}
         """Per trace: (trace, version, ticks of the last access the scan has passed)."""
-        self._sums: dict[int, tuple[Trace, int, list[int]]] = {}
-        """Per trace: (trace, version, running byte sums over two rounds of its order)."""
+        self._sums: dict[int, tuple[Trace, int, dict[int, array]]] = {}
+        """Per trace: (trace, version, chunk -> running byte sums over that chunk of two
+        rounds of its order)."""
         self._workers = [threading.Thread(target=self._run, name=f"tierstore-prefetch-{i}", daemon=True)
                          for i in range(self.max_inflight)]
         for w in self._workers:
@@ -89,8 +93,7 @@ class Prefetcher:
             self.protected_bytes -= used[1]
             if owner in self._hints:  # budget came free
                 self._drain_hints(owner)
-        trace = self.book.get(owner, stream)
-        trace.record(oid)
+        trace = self.book.record(owner, stream, oid)
         if self.enabled and trace.state == "learned":
             self._advance(owner, trace)
 
@@ -137,6 +140,18 @@ class Prefetcher:
     def step(self, owner: Any) -> None:
         self.book.step(owner)
 
+    def close_step(self, owner: Any) -> list[StepWork]:
+        """``owner``'s step ends (``TraceBook.close``): decide the work without the lock,
+        then ``apply_step`` it."""
+        return self.book.close(owner)
+
+    def apply_step(self, owner: Any, works: list[StepWork]) -> None:
+        self.book.apply(owner, works)
+
+    def step_cost(self, owner: Any) -> int:
+        """Accesses a step of ``owner``'s compares (``TraceBook.pending``)."""
+        return self.book.pending(owner)
+
     def drop_owner(self, owner: Any) -> None:
         """A client went away: forget its traces, queued fetches and protections."""
         self.book.drop(owner)
@@ -166,22 +181,42 @@ class Prefetcher:
         ones whose bytes, resident or not, fit in the budget (at least one, at most
         ``HORIZON``). Fetching further ahead would only make room by evicting objects
         needed sooner than the ones fetched; the eviction policy uses the same reach.
-        O(log n): a binary search in the trace's running byte sums."""
+        O(log n) amortized: a binary search in running byte sums over the trace's order,
+        built a chunk at a time as the cursor reaches it (never the whole order at once,
+        so a long order costs the lock no long pause)."""
         n = len(trace.learned)
         if n == 0:
             return 0
-        sums = self._sums.get(id(trace))
-        if sums is None or sums[0] is not trace or sums[1] != trace.version:
-            lookup, acc, run = self._lookup, 0, [0]
-            for j in range(2 * n):
-                meta = lookup(trace.learned[j % n])
+        budget = self.budget_bytes if self.enabled else 0
+        limit = min(HORIZON, n)
+        s = trace.cursor + 1  # positions s .. s + limit - 1 (mod n) are the candidates
+        c, j = divmod(s, _CHUNK)
+        run = self._chunk(trace, c)
+        k = bisect.bisect_right(run, run[j] + budget, j, min(len(run), j + limit + 1)) - 1 - j
+        if k == len(run) - 1 - j and k < limit:  # it fits to the end of the chunk: go on in the next
+            left = budget - (run[-1] - run[j])
+            nxt = self._chunk(trace, c + 1)
+            k += bisect.bisect_right(nxt, left, 0, min(len(nxt), limit - k + 1)) - 1
+        return max(1, k)
+
+    def _chunk(self, trace: Trace, c: int) -> array:
+        """Running byte sums over positions ``c * _CHUNK`` .. of the order read twice round
+        (the first 0): built once per learned order, a chunk at a time."""
+        n = len(trace.learned)
+        got = self._sums.get(id(trace))
+        if got is None or got[0] is not trace or got[1] != trace.version:
+            got = self._sums[id(trace)] = (trace, trace.version, {})
+        chunks = got[2]
+        run = chunks.get(c)
+        if run is None:
+            lookup, seq, acc = self._lookup, trace.learned, 0
+            run = array("q", [0])
+            for p in range(c * _CHUNK, min((c + 1) * _CHUNK, 2 * n)):
+                meta = lookup(seq[p % n])
                 acc += meta.nbytes if meta is not None else 0
                 run.append(acc)
-            sums = self._sums[id(trace)] = (trace, trace.version, run)
-        run, s = sums[2], trace.cursor + 1
-        limit = min(HORIZON, n)
-        k = bisect.bisect_right(run, run[s] + (self.budget_bytes if self.enabled else 0), s, s + limit + 1) - 1 - s
-        return max(1, k)
+            chunks[c] = run
+        return run
 
     def _advance(self, owner: Any, trace: Trace) -> None:
         """Queue what the trace predicts within reach, looking only at accesses not seen by
@@ -288,7 +323,8 @@ class Prefetcher:
                 "wasted_bytes": int(c["wasted_bytes"]), "issued": int(c["issued"]), "dropped": int(c["dropped"]),
                 "queued": len(self.queued), "hinted": sum(len(q) for q in self._hints.values()),
                 "protected_bytes": self.protected_bytes,
-                "budget_bytes": self.budget_bytes, "enabled": self.enabled, "traces": self.book.describe()}
+                "budget_bytes": self.budget_bytes, "enabled": self.enabled, "traces": self.book.describe(),
+                "learned_positions": self.book.learned_total, "over_budget": self.book.over_budget}
 
     # ------------------------------------------------------------------ worker threads
     def _run(self) -> None:

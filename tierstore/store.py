@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Iterable, Literal, Sequence
@@ -56,6 +57,7 @@ from .daemonsurface import DaemonSurface
 from .durability import Durability
 from .tensors import TensorSpec, aligned_empty, cuda_out, from_bytes, out_bytes
 from .units import format_size
+from .waits import Later
 
 __all__ = ["Store", "Lease", "Reservation", "LeaseInfo"]
 
@@ -64,6 +66,8 @@ log = logging.getLogger(__name__)
 SMALL_BLOCK_BYTES = 1 << 20
 """Host blocks below this size are placed apart from larger ones (less fragmentation)."""
 
+_INLINE_STEP = 8192
+"""Accesses a step's comparison may cover and still run on the daemon's event loop."""
 _LIST_PAGE = 4096
 """Entries a whole-namespace listing takes under the lock at a time."""
 
@@ -188,6 +192,7 @@ class Store:
         self.journal = Journal(cfg.nvme_dirs[0])
         self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes)
         self.prefetcher = Prefetcher(cfg, ix.holder, lambda oid: self.placement.fetch(oid))
+        self._step_lock = threading.Lock()
         self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.staging = StagingAreas(ix, self.host)
@@ -417,10 +422,31 @@ class Store:
             return ix.cv.wait_for(lambda: self.prefetcher.idle() or ix.closed, timeout=timeout_s)
 
     def step(self, *, owner: Any = LOCAL) -> None:
-        """Iteration boundary of ``owner``'s loop: the prefetcher compares it with the last."""
-        with self.index.cv:
-            self.counters["steps"] += 1
-            self.prefetcher.step(owner)
+        """Iteration boundary of ``owner``'s loop: the prefetcher compares it with the last
+        (without the store's lock: a long step's comparison holds up no other call)."""
+        with self._step_lock:  # one step at a time: a trace's steps apply in order
+            with self.index.cv:
+                self.counters["steps"] += 1
+                works = self.prefetcher.close_step(owner)
+            for w in works:
+                w.decide()
+            with self.index.cv:
+                self.prefetcher.apply_step(owner, works)
+
+    def try_step(self, *, owner: Any) -> None | Later:
+        """``step`` for a caller that must not wait (the daemon's event loop): done at once
+        when the comparison is short (at most ``_INLINE_STEP`` accesses) and no other step
+        is under way; otherwise ``Later`` of ``step``."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                with self.index.cv:
+                    if self.prefetcher.step_cost(owner) <= _INLINE_STEP:
+                        self.counters["steps"] += 1
+                        self.prefetcher.step(owner)
+                        return None
+            finally:
+                self._step_lock.release()
+        return Later(lambda: self.step(owner=owner))
 
     # ------------------------------------------------------------------ state
     def stat_namespaces(self, after: str | None = None, limit: int | None = None) -> dict[str, dict[str, int]]:

@@ -14,11 +14,17 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["HORIZON", "MAX_STREAMS", "OVERFLOW_STREAM", "Trace", "TraceBook", "similarity"]
+__all__ = ["HORIZON", "MAX_LEARNED", "MAX_STEP_ACCESSES", "MAX_STREAMS", "OVERFLOW_STREAM", "StepWork", "Trace",
+           "TraceBook", "similarity"]
 
 _SIMILAR = 0.8
 """Fraction of accesses that must keep their relative order for a step to 'repeat'."""
-_MAX_STEP_ACCESSES = 1 << 20
+MAX_STEP_ACCESSES = 1 << 17
+"""Accesses one owner's traces record per step, all its streams together; the rest of
+a longer step is not learned (its first part still is)."""
+MAX_LEARNED = 1 << 21
+"""Positions every learned order holds, all owners together: an order that would take
+the total past it is not learned (that trace predicts nothing; ``over_budget`` counts it)."""
 HORIZON = 64
 """Accesses ahead the prefetcher looks (its byte budget usually stops it earlier)."""
 MAX_STREAMS = 64
@@ -52,7 +58,45 @@ def similarity(a: list[int], b: list[int]) -> float:
     return len(tails) / max(len(dict.fromkeys(a)), len(dict.fromkeys(b)))
 
 
-@dataclass
+@dataclass(eq=False)
+class StepWork:
+    """One trace's closed step, to be decided without the store's lock (``decide``: the
+    comparisons and the index of a new order, O(n log n) in the step's length) and then
+    applied under it (``Trace.apply``)."""
+
+    trace: "Trace"
+    cur: list[int]
+    previous: list[int]
+    before: list[int]
+    learned: list[int]
+    outcome: str = ""
+    """``empty`` (no access), ``same`` (the learned order repeats), ``learn`` (a new
+    order: ``seq``, indexed in ``positions``) or ``forget`` (no order repeats)."""
+    seq: list[int] | None = None
+    positions: dict[int, list[int]] | None = None
+
+    def decide(self) -> "StepWork":
+        cur, previous, before = self.cur, self.previous, self.before
+        seq = None
+        if not cur:
+            self.outcome = "empty"
+            return self
+        if previous and similarity(cur, previous) >= _SIMILAR:
+            seq = cur
+        elif before and previous and similarity(cur, before) >= _SIMILAR:
+            seq = previous + cur
+        if seq is None:
+            self.outcome = "forget"
+        elif seq == self.learned:
+            self.outcome = "same"  # the usual case in a training loop: nothing to rebuild
+        else:
+            self.outcome, self.seq, self.positions = "learn", seq, {}
+            for i, x in enumerate(seq):
+                self.positions.setdefault(x, []).append(i)
+        return self
+
+
+@dataclass(eq=False)
 class Trace:
     """The learned order of one client's (stream's) accesses."""
 
@@ -72,8 +116,10 @@ class Trace:
     ticks: int = 0
     """Positions the cursor has moved forward in total (a clock along the repeating order)."""
 
-    def record(self, oid: int) -> None:
-        if len(self.current) < _MAX_STEP_ACCESSES:
+    def record(self, oid: int, keep: bool = True) -> None:
+        """An access; ``keep``: it is recorded for learning (within its owner's
+        ``MAX_STEP_ACCESSES``), else it only moves the cursor."""
+        if keep:
             self.current.append(oid)
         if self.state == "learned":
             self._move(self._locate(oid))
@@ -86,15 +132,26 @@ class Trace:
         alternate between two sets of objects, such as double-buffered optimizer
         state, are predicted too.
         """
+        self.apply(self.close().decide())
+
+    def close(self) -> StepWork:
+        """(under the lock) The step ends here: its accesses, for ``StepWork.decide``;
+        those from now on belong to the next step."""
         cur, self.current = self.current, []
         self.steps += 1
-        if not cur:
+        return StepWork(self, cur, self.previous, self.before, self.learned)
+
+    def apply(self, work: StepWork, room: bool = True) -> None:
+        """(under the lock) What ``work`` decided; ``room``: a new order fits in the
+        learned positions' budget (else it is not learned)."""
+        if work.outcome == "empty":
             return
         was = self.state
-        if self.previous and similarity(cur, self.previous) >= _SIMILAR:
-            self._learn(cur)
-        elif self.before and self.previous and similarity(cur, self.before) >= _SIMILAR:
-            self._learn(self.previous + cur)
+        if work.outcome == "same" or (work.outcome == "learn" and room):
+            self.state = "learned"
+            if work.outcome == "learn":
+                self.learned, self.positions = work.seq, work.positions
+                self.version += 1
         else:
             self.state = "learning"
             if self.learned:
@@ -102,23 +159,13 @@ class Trace:
                 self.version += 1
             if was == "learned":
                 self.relearned += 1
-        self.before, self.previous = self.previous, cur
+        self.before, self.previous = self.previous, work.cur
         self._move(len(self.learned) - 1 if self.learned else 0)
 
     def _move(self, cursor: int) -> None:
         if self.learned:
             self.ticks += (cursor - self.cursor) % len(self.learned)
         self.cursor = cursor
-
-    def _learn(self, seq: list[int]) -> None:
-        self.state = "learned"
-        if seq == self.learned:
-            return  # the usual case in a training loop: nothing to rebuild
-        self.learned = list(seq)
-        self.positions = {}
-        for i, x in enumerate(seq):
-            self.positions.setdefault(x, []).append(i)
-        self.version += 1
 
     def _locate(self, oid: int) -> int:
         """The position of ``oid`` at or after the cursor (wrapping); cursor if unknown."""
@@ -145,12 +192,38 @@ class TraceBook:
     An owner has at most ``MAX_STREAMS`` traces: accesses on further stream names are
     recorded in one shared trace of that owner (``OVERFLOW_STREAM``), so a client that
     invents a name per access cannot grow the book without bound; ``step`` costs the
-    owner's own traces, not everyone's."""
+    owner's own traces, not everyone's. An owner's traces record at most
+    ``MAX_STEP_ACCESSES`` accesses a step, and the learned orders of all owners hold at
+    most ``MAX_LEARNED`` positions."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_learned: int = MAX_LEARNED) -> None:
         self._owners: dict[object, dict[str, Trace]] = {}
+        self._recorded: dict[object, int] = {}
+        """Owner -> accesses its traces recorded in this step."""
+        self.max_learned = max_learned
+        self.learned_total = 0
+        """Positions in every learned order together."""
+        self.over_budget = 0
+        """Orders not learned for want of room in ``max_learned``."""
         self.version = 0
         """Bumped whenever some trace's learned order changes or a trace goes away."""
+
+    def record(self, owner: object, stream: str, oid: int) -> Trace:
+        """An access by ``owner`` on ``stream``: recorded in its trace (within the owner's
+        ``MAX_STEP_ACCESSES``), which it returns."""
+        t = self.get(owner, stream)
+        n = self._recorded.get(owner, 0)
+        if n < MAX_STEP_ACCESSES:
+            self._recorded[owner] = n + 1
+            t.record(oid)
+        else:
+            t.record(oid, keep=False)
+        return t
+
+    def pending(self, owner: object) -> int:
+        """What a step of ``owner``'s would compare: its traces' accesses this step and
+        the two before."""
+        return sum(len(t.current) + len(t.previous) + len(t.before) for t in self._owners.get(owner, {}).values())
 
     @property
     def traces(self) -> dict[tuple[object, str], Trace]:
@@ -170,13 +243,35 @@ class TraceBook:
         return t
 
     def step(self, owner: object) -> None:
-        for t in self._owners.get(owner, {}).values():
-            before = t.version
-            t.step()
+        self.apply(owner, [w.decide() for w in self.close(owner)])
+
+    def close(self, owner: object) -> list[StepWork]:
+        """(under the lock) ``owner``'s step ends: its traces' work, to ``decide`` without
+        the lock and ``apply`` under it (one step of an owner at a time)."""
+        self._recorded.pop(owner, None)
+        return [t.close() for t in self._owners.get(owner, {}).values()]
+
+    def apply(self, owner: object, works: list[StepWork]) -> None:
+        """(under the lock) What ``owner``'s decided ``works`` say (none, if it went away
+        meanwhile)."""
+        streams = self._owners.get(owner)
+        live = {id(t) for t in streams.values()} if streams else set()
+        for w in works:
+            t = w.trace
+            if id(t) not in live:
+                continue
+            before, old = t.version, len(t.learned)
+            room = w.outcome != "learn" or self.learned_total - old + len(w.seq) <= self.max_learned
+            self.over_budget += not room
+            t.apply(w, room)
+            self.learned_total += len(t.learned) - old
             self.version += t.version != before
 
     def drop(self, owner: object) -> None:
-        if self._owners.pop(owner, None) is not None:
+        self._recorded.pop(owner, None)
+        streams = self._owners.pop(owner, None)
+        if streams is not None:
+            self.learned_total -= sum(len(t.learned) for t in streams.values())
             self.version += 1
 
     def of(self, owner: object) -> list[Trace]:
