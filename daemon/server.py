@@ -58,7 +58,7 @@ from tierstore.store import Store
 from tierstore.units import format_size
 
 from .auth import PeerCred, admitted, peer_cred, resolve_groups
-from .gcpolicy import FreezeAfterFullCollections
+from .gcpolicy import FreezeAfterFullCollections, release_free_heap
 from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
@@ -190,6 +190,7 @@ class Server:
             gc.freeze()
             if gc_was_on:
                 gc.enable()
+            release_free_heap()  # what the replay's decoded records took goes back to the system
         # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
         # crash) gets them back and adopts every host-resident object
         if self.notifier.store_fd("arena", self.store.arena.fd) and \
