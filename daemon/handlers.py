@@ -18,6 +18,7 @@ from tierstore.errors import InvalidArgument, ProtocolError
 from tierstore.groupcommit import Pending
 from tierstore.index import Handle, validate_key, validate_namespace
 from tierstore.batch import MAX_EACH
+from tierstore.leasebatches import INLINE_BATCH
 from tierstore.leases import MAX_BATCH
 from tierstore.objectindex import INFO_FIELDS
 from tierstore.protocol import PAGE_BYTES, PROTOCOL_VERSION, field
@@ -113,7 +114,7 @@ def _answer(result: Any, reply: Callable[[Any], Any]) -> Any:
     now; a ``Deferred`` of it for a durable commit's ``Pending``; for ``Later``, the rest,
     replying with ``reply`` of what it returns."""
     if isinstance(result, Later):
-        return Later(lambda: reply(result.run()))
+        return Later(lambda: reply(result.run()), result.undo)
     if isinstance(result, Pending):
         return Deferred(result, reply)
     return reply(result)
@@ -384,8 +385,12 @@ class Handlers:
         hs = field(msg, "handles", list)
         if len(hs) > 65536:
             raise InvalidArgument("at most 65536 handles per prefetch")
-        self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess, wait=False)
-        return {}
+
+        def hint() -> dict:
+            self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess, wait=False)
+            return {}
+        # a long hint is looked up on an op worker: tens of thousands of handles would hold the loop up
+        return Later(hint) if len(hs) > INLINE_BATCH else hint()
 
     def step(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return _answer(self.store.try_step(owner=sess), lambda _: {})

@@ -18,10 +18,11 @@ Three pools, so that no one's wait holds up anyone else's work:
 - op workers run requests that touch the disk. One that finds it must wait for
   another holder (a lease, host room, an object in flight) does not wait there: the
   store raises ``WouldWait`` and the request moves to
-- wait threads (``waitthreads``), which may block for as long as the request's
-  ``timeout_s``, shared fairly among connections, namespaces and uids (what is over a
-  share queues, its ``timeout_s`` running). A wait ends when it is satisfied, times
-  out, its connection goes, or the daemon stops (``DaemonSurface.cancel_waits``).
+- wait threads, which may block for as long as the request's ``timeout_s``. A wait
+  ends when it is satisfied, times out, its connection goes, or the daemon stops
+  (``DaemonSurface.cancel_waits``). Both are ``FairPool``s: shared per connection,
+  namespace and uid, with bounded queues whose requests' timeouts run; a request
+  that ends unrun gives back what it took (``Later.undo``).
 - control threads run what releases memory and leases: a closed connection's
   clean-up, lease revocation and reservation expiry. They never queue behind requests.
 
@@ -62,7 +63,7 @@ from .gcpolicy import FreezeAfterFullCollections, release_free_heap
 from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
-from .waitthreads import WaitJob, WaitThreads
+from .fairpool import FairPool, Job
 
 __all__ = ["Server", "Session", "DaemonAlreadyRunning"]
 
@@ -76,6 +77,8 @@ _OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
 """Bytes of replies one connection may leave unread before it is disconnected."""
 _READ_BUDGET_S = 0.002
 """Time one connection's requests may hold the event loop before the others get their turn."""
+_WAIT_THREADS = 128
+"""Requests waiting for another holder at once, all connections together."""
 _MAX_REQUEST_ID = (1 << 63) - 1
 
 
@@ -125,9 +128,13 @@ class Server:
         self._sessions: dict[int, Session] = {}
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
-        self._pool = ThreadPoolExecutor(max_workers=max(8, self.config.store.io_threads),
-                                        thread_name_prefix="tierstore-op")
-        self._waits = WaitThreads(self._wait, self._wait_refused)
+        ops = max(8, self.config.store.io_threads)
+        # one connection or namespace runs at most half the op workers, a uid all but one:
+        # the others' requests find a free worker, not one busy for a long batch
+        self._pool = FairPool("op", self._op, self._unrun, threads=ops, per_session=ops // 2, per_namespace=ops // 2,
+                              per_uid=ops - 1)
+        self._waits = FairPool("wait", self._wait, self._unrun, threads=_WAIT_THREADS, per_session=16,
+                               per_namespace=32, per_uid=64)
         self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-ctl")
         self._expiring: Any = None  # the expiry run in progress, if any (one at a time)
         self._corked: set[Session] | None = None
@@ -278,7 +285,8 @@ class Server:
         last_watchdog = 0.0
         try:
             while not self._stop.is_set():
-                for key, events in self._sel.select(timeout=0.1 if self._waits.queued else 0.5):
+                queued = self._waits.queued or self._pool.queued
+                for key, events in self._sel.select(timeout=0.1 if queued else 0.5):
                     kind, sess = key.data
                     if kind == "listen":
                         self._accept()
@@ -293,8 +301,9 @@ class Server:
                             self._flush(sess)
                 self._drain_done()
                 now = time.monotonic()
-                if self._waits.queued and now - last_expiry >= 0.1:  # a queued wait's timeout_s runs too
+                if queued and now - last_expiry >= 0.1:  # a queued request's timeout_s runs too
                     last_expiry = now
+                    self._pool.expire(now)
                     self._waits.expire(now)
                 if now - last_tick >= 1.0:
                     last_tick = now
@@ -347,7 +356,7 @@ class Server:
             self.metrics_server.shutdown()
         if self.store is not None:
             self.store.daemon.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
-        self._pool.shutdown(wait=True)  # requests already running finish (their I/O drains)
+        self._pool.close()  # requests already running finish (their I/O drains); queued ones end
         self._waits.close()
         if self.store is not None:
             self.store.daemon.finish_commits()  # durable puts handed to the group committer are answered too
@@ -531,7 +540,8 @@ class Server:
             self._reply_error(sess, rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}"))
             return
         if isinstance(result, Later):  # the rest may wait or touch the disk: on an op worker
-            self._pool.submit(self._run_blocking, sess, result.run, rid, op, t0, self._wait_budget(msg))
+            now = time.monotonic()
+            self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.undo))
             return
         if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
             result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
@@ -543,17 +553,18 @@ class Server:
             return
         self._send(sess, reply_ok(rid, result), rid=rid)
 
-    def _run_blocking(self, sess: Session, rest, rid: int, op: str, t0: float, wait_s: float) -> None:
-        """(an op worker) Run the rest of a request (``rest()``, its reply) off the loop;
-        a wait for another holder moves it to the wait threads, its ``wait_s`` from now."""
+    def _op(self, job: Job) -> None:
+        """(an op worker) Run the rest of a request (``rest()``, its reply) off the loop; a
+        wait for another holder moves it to the wait threads, its timeouts counted from now."""
         try:
             with wait_context(park=True):
-                out = _outcome(rest, rid, op)
+                out = _outcome(job.rest, job.rid, job.op)
         except WouldWait:
             now = time.monotonic()
-            self._waits.submit(WaitJob(sess, rest, rid, op, t0, now, now + wait_s))
+            self._waits.submit(Job(job.sess, job.rest, job.rid, job.op, job.t0, now,
+                                   now + (job.deadline - job.since), job.undo))
             return
-        self._finish(sess, rid, *out, time.perf_counter() - t0)
+        self._finish(job.sess, job.rid, *out, time.perf_counter() - job.t0)
 
     def _wait_budget(self, msg: dict) -> float:
         """How long a request may wait for a thread, queued: its ``timeout_s`` if it has
@@ -566,7 +577,7 @@ class Server:
         default = self.config.store.lease_wait_s
         return max(given, default) if type(given) in (int, float) else default
 
-    def _wait(self, job: WaitJob) -> None:
+    def _wait(self, job: Job) -> None:
         """(a wait thread) Run the rest of a request that must wait; its timeouts count
         from when it first had to."""
         sess = job.sess
@@ -574,10 +585,19 @@ class Server:
             out = _outcome(job.rest, job.rid, job.op)
         self._finish(sess, job.rid, *out, time.perf_counter() - job.t0)
 
-    def _wait_refused(self, job: WaitJob, error: TierstoreError) -> None:
-        """A request that must wait ends without running (refused, out of time, stopping)."""
-        self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
-                     time.perf_counter() - job.t0)
+    def _unrun(self, job: Job, error: TierstoreError) -> None:
+        """A request ends without running its rest (refused, out of time, its connection
+        gone, the daemon stopping): what it took so far is given back, then it is answered
+        — on a control thread (a give-back may touch the disk)."""
+        self._control.submit(self._end_unrun, job, error)
+
+    def _end_unrun(self, job: Job, error: TierstoreError) -> None:
+        if job.undo is not None:
+            try:
+                job.undo()
+            except Exception:
+                log.exception("giving back what '%s' took before it ended", job.op)
+        self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code, time.perf_counter() - job.t0)
 
     def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
         """(on the group committer's thread) A durable put's commit is done: its reply
@@ -737,7 +757,8 @@ class Server:
         except (KeyError, ValueError):
             pass
         sess.sock.close()
-        self._waits.drop(sess)  # nobody to answer; what they hold goes with the rest below
+        self._pool.drop(sess)  # nobody to answer; what they took is given back
+        self._waits.drop(sess)
         log.debug("session %d closed after %d requests", sess.cid, sess.requests)
         # every lease and unfinished put of the connection ends with it, however it ended;
         # a durable rw write-back may touch the disk, so not on the loop thread
@@ -793,8 +814,9 @@ class Server:
                      **({"activations": s.activations} if s.activations is not None else {})}
                     for s in list(self._sessions.values())]
         waiting = self._waits.waiting()
+        op_queue = self._pool.waiting()
         return {"clients": len(self._sessions), "sessions": sessions, "activations": _sum_activations(sessions),
-                "waiting": waiting, "pid": os.getpid(), "socket": self.config.daemon.socket,
+                "waiting": waiting, "op_queue": op_queue, "pid": os.getpid(), "socket": self.config.daemon.socket,
                 "uptime_s": time.monotonic() - self._started, "errors": dict(self.errors_by_code),
                 "connections_accepted": self.accepted, "connections_refused": self.refused,
                 "ops": self.latency.snapshot(), "metrics_port": self.metrics_port}

@@ -380,8 +380,8 @@ def test_a_wake_up_written_while_the_loop_empties_the_pipe_is_not_lost(tmp_path,
     finally:
         os.close(srv._wake_r)
         os.close(srv._wake_w)
-        for pool in (srv._pool, srv._control):
-            pool.shutdown(wait=False)
+        srv._control.shutdown(wait=False)
+        srv._pool.close()
         srv._waits.close()
 
 

@@ -226,8 +226,12 @@ def test_learned_orders_are_bounded_all_owners_together():
             book.step(owner)
     assert book.get("a", "s").state == "learned" and book.get("b", "s").state == "learning"
     assert book.learned_total == 100 and book.over_budget == 1
+    v = book.version
+    book.record("c", "s", 1)
+    book.drop("c")  # learned nothing: no learned order changed (the eviction policy's index stands)
+    assert book.version == v
     book.drop("a")
-    assert book.learned_total == 0
+    assert book.learned_total == 0 and book.version == v + 1
     for i in range(100):
         book.record("b", "s", i)
     book.step("b")

@@ -778,3 +778,24 @@ def test_a_large_batch_is_taken_off_the_event_loop_whole(make_store):
     assert isinstance(back, Later)
     back.run()
     assert s.stat()["leases"] == len(hs)  # the check_each ones are still out
+
+
+def test_a_connection_holds_a_bounded_number_of_leases(make_store, monkeypatch):
+    """One owner (a connection) holds at most ``MAX_LEASES_PER_OWNER`` leases: one more is
+    ``CapacityExceeded``, nothing taken; others are unaffected; its leases are found by
+    owner when it goes away (no scan over everyone's)."""
+    from tierstore import leases as lmod
+    from tierstore.errors import CapacityExceeded
+
+    monkeypatch.setattr(lmod, "MAX_LEASES_PER_OWNER", 5)
+    s = make_store(host_bytes="64MiB")
+    h = s.put(np.zeros(4, np.float32))
+    a, b = object(), object()
+    got = [s.leases.checkout(h, "r", owner=a) for _ in range(5)]
+    with pytest.raises(CapacityExceeded, match="holds 5 leases"):
+        s.leases.checkout(h, "r", owner=a)
+    other = s.leases.checkout(h, "r", owner=b)
+    assert s.index.holder(h.id).readers == 6 and s.leases.leases.count(a) == 5
+    assert s.leases.drop_owner(a) == 5 and s.index.holder(h.id).readers == 1
+    s.leases.release(other.lid, owner=b)
+    assert not s.leases.leases and not s.leases.leases.by_owner and len(got) == 5

@@ -86,20 +86,34 @@ class LeaseBatches:
                                 timeout_s=max(0.0, deadline - time.monotonic()), stream=stream, undoable=True)
                 if isinstance(info, Later):
                     return Later(lambda: self._take_many(hs, modes, done, owner, namespace, timeout_s, stream,
-                                                         self.leases.checkout))
+                                                         self.leases.checkout), lambda: self._undo_many(done))
                 done.append(info)
                 i += 1
         except WouldWait:
             raise  # (the rest goes on, from ``done``, on a thread that may wait)
         except BaseException as e:
-            for info in reversed(done):
-                self.leases.undo(info)
-            done.clear()
+            self._undo_many(done)
             if isinstance(e, TierstoreError):
                 raise type(e)(f"object #{i} of the batch ({hs[i]}): {e.message}; no object was checked out") \
                     from None
             raise
         return list(done)
+
+    def _undo_many(self, done: list[LeaseInfo]) -> None:
+        """A batch's leases taken so far, given back as if never taken (``LeaseTable.undo``)."""
+        for info in reversed(done):
+            self.leases.undo(info)
+        done.clear()
+
+    def _give_back_each(self, done: list[LeaseInfo], owner: Any) -> None:
+        """A list's check-outs taken so far, never used: as if not taken (a sourced one
+        keeps the source's bytes)."""
+        for info in reversed(done):
+            try:
+                self.leases.give_back(info.lid, owner=owner)
+            except TierstoreError as e2:
+                log.warning("giving back check-out %d after another failed: %s", info.lid, e2)
+        done.clear()
 
     def checkout_each(self, requests: list[tuple[Any, str, Any]], *, owner: Any, namespace: str | None = None,
                       timeout_s: float | None = None, stream: str = "default") -> list[LeaseInfo]:
@@ -152,18 +166,14 @@ class LeaseBatches:
                     info = checkout_from(h, source, owner=owner, namespace=ns, timeout_s=left, stream=stream)
                 if isinstance(info, Later):
                     return Later(lambda: self._take_each(requests, done, owner, ns, timeout_s, stream,
-                                                         self.leases.checkout, self.leases.checkout_from))
+                                                         self.leases.checkout, self.leases.checkout_from),
+                                 lambda: self._give_back_each(done, owner))
                 done.append(info)
                 i += 1
         except WouldWait:
             raise  # (the rest goes on, from ``done``, on a thread that may wait)
         except BaseException as e:
-            for info in reversed(done):  # never used: as if not taken (a sourced one keeps the source's bytes)
-                try:
-                    self.leases.give_back(info.lid, owner=owner)
-                except TierstoreError as e2:
-                    log.warning("giving back check-out %d after another failed: %s", info.lid, e2)
-            done.clear()
+            self._give_back_each(done, owner)
             if isinstance(e, TierstoreError):
                 raise type(e)(f"check-out #{i} of the list ({requests[i][0]}): {e.message}; the others were given "
                               "back") from None

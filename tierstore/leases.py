@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import Busy, InvalidArgument, NotFound, StaleHandle, TierstoreError
+from .errors import Busy, CapacityExceeded, InvalidArgument, NotFound, StaleHandle, TierstoreError
 from .index import Handle, ObjectMeta
 from .placement import Placement
 from .objectindex import ObjectIndex
@@ -67,6 +67,51 @@ MAX_BATCH = 4096
 """Most objects one ``checkout_many`` / ``release_many`` takes."""
 
 
+MAX_LEASES_PER_OWNER = 1 << 17
+"""Leases one connection may hold at once (each costs the daemon memory and its
+connection's clean-up time); the in-process store's own are not counted."""
+
+_MISSING = object()
+
+
+class _Leases(dict):
+    """lid -> LeaseInfo, and each owner's lids: a closed connection's leases are found
+    without a scan over everyone's, and counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_owner: dict[Any, dict[int, None]] = {}
+
+    def __setitem__(self, lid: int, info: LeaseInfo) -> None:
+        super().__setitem__(lid, info)
+        self.by_owner.setdefault(info.owner, {})[lid] = None
+
+    def __delitem__(self, lid: int) -> None:
+        self._off(super().pop(lid))
+
+    def pop(self, lid: int, *default: Any) -> Any:
+        info = super().pop(lid, _MISSING)
+        if info is _MISSING:
+            if default:
+                return default[0]
+            raise KeyError(lid)
+        self._off(info)
+        return info
+
+    def _off(self, info: LeaseInfo) -> None:
+        mine = self.by_owner.get(info.owner)
+        if mine is not None:
+            mine.pop(info.lid, None)
+            if not mine:
+                del self.by_owner[info.owner]
+
+    def of(self, owner: Any) -> list[int]:
+        return list(self.by_owner.get(owner, ()))
+
+    def count(self, owner: Any) -> int:
+        return len(self.by_owner.get(owner, ()))
+
+
 class LeaseTable:
     """Who holds what: the leases, their ids, and the check-out and check-in paths."""
 
@@ -76,7 +121,7 @@ class LeaseTable:
         self.cv = index.cv
         self.counters = index.counters
         self.lease_wait_s = lease_wait_s
-        self.leases: dict[int, LeaseInfo] = {}
+        self.leases = _Leases()
         self._ids = itertools.count(1)
 
     def _add(self, info: LeaseInfo) -> LeaseInfo:
@@ -87,7 +132,8 @@ class LeaseTable:
 
     def holds(self, meta: ObjectMeta, owner: Any) -> bool:
         """(under cv) Whether ``owner`` holds a lease on ``meta``."""
-        return any(i.oid == meta.id and i.owner == owner for i in self.leases.values())
+        leases = self.leases
+        return any(leases[lid].oid == meta.id for lid in leases.by_owner.get(owner, ()))
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -203,6 +249,9 @@ class LeaseTable:
         on_gpu = device and meta.gpu_loc is not None
         if not ((meta.host_valid or on_gpu) and not meta.moving and _lease_ok(meta, mode)):
             return None
+        if owner is not LOCAL and self.leases.count(owner) >= MAX_LEASES_PER_OWNER:
+            raise CapacityExceeded(f"this connection holds {MAX_LEASES_PER_OWNER} leases, the most one may hold; "
+                                   "check some in first")
         if mode != "w" and counted:  # a blind overwrite is no read: nothing to learn or count
             self.prefetcher.access(owner, stream, meta, hit, late, t0)
         if mode == "r":
@@ -518,7 +567,7 @@ class LeaseTable:
         """End every lease of ``owner`` (a connection that went away) as check-ins; the
         prefetcher forgets it. Returns how many."""
         with self.cv:
-            lids = [lid for lid, i in self.leases.items() if i.owner == owner]
+            lids = self.leases.of(owner)
             if owner is not LOCAL:
                 self.prefetcher.drop_owner(owner)
         for lid in lids:

@@ -14,6 +14,8 @@ import heapq
 from collections import OrderedDict
 from typing import Callable, Container, Iterator, Protocol
 
+import numpy as np
+
 from .trace import HORIZON, Trace
 
 __all__ = ["EvictionPolicy", "LearnedOrder", "LRUPolicy", "TracePolicy", "make_policy"]
@@ -175,8 +177,12 @@ class TracePolicy(LRUPolicy):
         keys = [p / n - 1.0 for p in range(n)]
         spread = [p for p in range(head, n) if 2 * sizes[p] <= budget]
         bits = max(1, (len(spread) - 1).bit_length())
-        for r, p in enumerate(spread):
-            keys[p] = int(format(r, f"0{bits}b")[::-1], 2) / (1 << bits)
+        ranks = np.arange(len(spread), dtype=np.int64)
+        rev = np.zeros_like(ranks)
+        for b in range(bits):  # each rank's bits reversed, all ranks at once
+            rev |= ((ranks >> b) & 1) << (bits - 1 - b)
+        for p, key in zip(spread, (rev / (1 << bits)).tolist()):
+            keys[p] = key
         return keys
 
     def _entry(self, i: int, oid: int) -> tuple[float, int]:

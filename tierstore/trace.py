@@ -271,8 +271,9 @@ class TraceBook:
         self._recorded.pop(owner, None)
         streams = self._owners.pop(owner, None)
         if streams is not None:
-            self.learned_total -= sum(len(t.learned) for t in streams.values())
-            self.version += 1
+            gone = sum(len(t.learned) for t in streams.values())
+            self.learned_total -= gone
+            self.version += gone > 0  # (an owner that had learned nothing changes no learned order)
 
     def of(self, owner: object) -> list[Trace]:
         """The owner's traces."""
