@@ -588,8 +588,10 @@ class Server:
     def _unrun(self, job: Job, error: TierstoreError) -> None:
         """A request ends without running its rest (refused, out of time, its connection
         gone, the daemon stopping): what it took so far is given back, then it is answered
-        — on a control thread (a give-back may touch the disk)."""
-        self._control.submit(self._end_unrun, job, error)
+        — on a control thread (a give-back may touch the disk). A closed connection's
+        request that took nothing needs neither."""
+        if job.undo is not None or not job.sess.closed:
+            self._control.submit(self._end_unrun, job, error)
 
     def _end_unrun(self, job: Job, error: TierstoreError) -> None:
         if job.undo is not None:
@@ -597,7 +599,9 @@ class Server:
                 job.undo()
             except Exception:
                 log.exception("giving back what '%s' took before it ended", job.op)
-        self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code, time.perf_counter() - job.t0)
+        if not job.sess.closed:  # (a closed one's other leases went with it)
+            self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
+                         time.perf_counter() - job.t0)
 
     def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
         """(on the group committer's thread) A durable put's commit is done: its reply
