@@ -453,9 +453,9 @@ def _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, n
              ) -> dict[int, ObjectMeta]:
     """The ObjectMetas, in id order, as ``ObjectMeta.from_record`` makes them."""
     rows = [Extent(*row) for row in ext.tolist()]
-    exts = [[e] for e in rows] if (nxt == 1).all() else _split(rows, nxt)  # (one extent each: the usual)
+    exts = [(e,) for e in rows] if (nxt == 1).all() else _split(rows, nxt)  # (one extent each: the usual)
     crc_list = crcs.tolist()
-    crc_of = [[c] for c in crc_list] if (crcn == 1).all() else _split(crc_list, crcn)
+    crc_of = [(c,) for c in crc_list] if (crcn == 1).all() else _split(crc_list, crcn)
     ri = np.cumsum(recn, dtype=np.int64).tolist()
     rec_of = [rec[a:b] for a, b in zip([0, *ri], ri)]
     n = len(ids)
@@ -472,9 +472,9 @@ def _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, n
     return dict(zip(id_list, metas))
 
 
-def _split(items: list, counts: np.ndarray) -> list[list]:
+def _split(items: list, counts: np.ndarray) -> list[tuple]:
     ends = np.cumsum(counts, dtype=np.int64).tolist()
-    return [items[a:b] for a, b in zip([0, *ends], ends)]
+    return [tuple(items[a:b]) for a, b in zip([0, *ends], ends)]
 
 
 def _cross_check(live: dict[int, ObjectMeta], ids: np.ndarray) -> None:

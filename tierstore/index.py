@@ -8,7 +8,7 @@ import sys
 from collections import OrderedDict
 from dataclasses import InitVar, dataclass, field
 from operator import attrgetter
-from typing import Any
+from typing import Any, Sequence
 
 from sortedcontainers import SortedDict
 
@@ -32,8 +32,9 @@ class ObjectMeta:
     """Offset of the host-arena block, when one is allocated."""
     host_valid: InitVar[bool] = False
     """The host block holds the current bytes (a property: the object table counts them)."""
-    nvme: list[Extent] | None = None
-    crcs: list[int] | None = None
+    nvme: Sequence[Extent] | None = None
+    crcs: Sequence[int] | None = None
+    # (a replayed object's are tuples, which cost less than lists: they are never changed in place)
     nvme_valid: InitVar[bool] = False
     readers: int = 0
     """Shared leases (user check-outs in mode 'r')."""
@@ -100,7 +101,7 @@ class ObjectMeta:
             if specs is not None:
                 specs[sk] = spec
         return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
-                   durable=True, nvme=[Extent.from_wire(e) for e in r["ext"]], crcs=list(r["crc"]),
+                   durable=True, nvme=tuple([Extent.from_wire(e) for e in r["ext"]]), crcs=tuple(r["crc"]),
                    nvme_valid=True, home=r.get("home"))
 
 
