@@ -92,6 +92,8 @@ class FairPool:
         """Run ``job`` on a thread now or queue it within the shares; end it at once
         (``abandon``) if a queue is full, its connection is gone or the pool is closed."""
         error: TierstoreError | None = None
+        if not job.since <= job.deadline <= job.since + 86400:  # (a NaN would stop every expiry behind it)
+            job.deadline = job.since + 86400
         with self._lock:
             q = self._queued
             s, n, u = _keys(job)

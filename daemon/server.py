@@ -45,7 +45,7 @@ import socket
 import stat as stat_mod
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +75,10 @@ _BATCH_ITEM_BYTES = 4096
 """Replies up to this size are joined with their neighbours into one packet (clients that take joined replies)."""
 _OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
 """Bytes of replies one connection may leave unread before it is disconnected."""
+_UID_OUTBOX_BYTES = 128 << 20
+"""... one uid's connections together (the one whose reply passes it is disconnected)."""
+_ALL_OUTBOX_BYTES = 512 << 20
+"""... every connection together."""
 _READ_BUDGET_S = 0.002
 """Time one connection's requests may hold the event loop before the others get their turn."""
 _WAIT_THREADS = 128
@@ -126,6 +130,9 @@ class Server:
         self._sel = selectors.DefaultSelector()
         self._listen: socket.socket | None = None
         self._sessions: dict[int, Session] = {}
+        self._outbox_uid: Counter = Counter()
+        """uid -> bytes of replies its connections leave unread."""
+        self._outbox_all = 0
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
         ops = max(8, self.config.store.io_threads)
@@ -569,13 +576,14 @@ class Server:
     def _wait_budget(self, msg: dict) -> float:
         """How long a request may wait for a thread, queued: its ``timeout_s`` if it has
         one; else the longer of its ``wait_s`` and ``lease_wait_s`` (the longest its
-        waits may take). (The handler checked a given field's range.)"""
-        given = msg.get("timeout_s")
-        if type(given) in (int, float):
-            return given
-        given = msg.get("wait_s")
+        waits may take). A field that is not a number of seconds in [0, 86400] is not
+        one (an op that does not read it has not checked it)."""
         default = self.config.store.lease_wait_s
-        return max(given, default) if type(given) in (int, float) else default
+        given = _seconds(msg.get("timeout_s"))
+        if given is not None:
+            return given
+        given = _seconds(msg.get("wait_s"))
+        return default if given is None else max(given, default)
 
     def _wait(self, job: Job) -> None:
         """(a wait thread) Run the rest of a request that must wait; its timeouts count
@@ -699,24 +707,41 @@ class Server:
         if len(blob) > PACKET_BYTES and sess.fragments and not fds:
             for frag in fragments(blob):
                 sess.outbox.append((frag, None, rid, False))
-                sess.outbox_bytes += len(frag)
+                self._outbox_delta(sess, len(frag))
         else:
             sess.outbox.append((blob, fds, rid, sess.joined and not fds and len(blob) <= _BATCH_ITEM_BYTES))
-            sess.outbox_bytes += len(blob)
+            self._outbox_delta(sess, len(blob))
         if self._corked is not None and sess.joined:
             self._corked.add(sess)  # sent when the burst (or the drain) ends
         else:
             self._flush(sess)
-        if not sess.closed and sess.outbox_bytes > _OUTBOX_BYTES:
+        if sess.closed:
+            return
+        uid = sess.cred.uid
+        if sess.outbox_bytes > _OUTBOX_BYTES:
             log.warning("session %d (pid %d) does not read its replies (%d bytes unread); closing it",
                         sess.cid, sess.cred.pid, sess.outbox_bytes)
             self._close(sess)
+        elif self._outbox_uid[uid] > _UID_OUTBOX_BYTES or self._outbox_all > _ALL_OUTBOX_BYTES:
+            log.warning("session %d (pid %d, uid %d) leaves %d bytes of replies unread, its uid's connections %d, "
+                        "all connections %d; closing it", sess.cid, sess.cred.pid, uid, sess.outbox_bytes,
+                        self._outbox_uid[uid], self._outbox_all)
+            self._close(sess)
+
+    def _outbox_delta(self, sess: Session, n: int) -> None:
+        """``sess``'s unread reply bytes change by ``n`` (and its uid's, and everyone's)."""
+        sess.outbox_bytes += n
+        self._outbox_all += n
+        uid = sess.cred.uid
+        self._outbox_uid[uid] += n
+        if not self._outbox_uid[uid]:
+            del self._outbox_uid[uid]
 
     def _flush(self, sess: Session) -> None:
         out = sess.outbox
         while out:
             if out[0][3] and len(out) > 1 and out[1][3]:
-                sess.outbox_bytes += _join_replies(out)
+                self._outbox_delta(sess, _join_replies(out))
             blob, fds, rid, _ = out[0]
             try:
                 _send_packet(sess.sock, blob, fds)
@@ -734,14 +759,14 @@ class Server:
                     err = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes does not fit one message; "
                                                         "list in pages (keys/ls with 'after')"))
                     out[0] = (err, None, None, False)
-                    sess.outbox_bytes += len(err) - len(blob)
+                    self._outbox_delta(sess, len(err) - len(blob))
                     continue
                 log.info("session %d (pid %d): sending a reply failed (%s); closing", sess.cid, sess.cred.pid,
                          e.strerror or e)
                 self._close(sess)
                 return
             out.popleft()
-            sess.outbox_bytes -= len(blob)
+            self._outbox_delta(sess, -len(blob))
         if sess.eof:  # a half-closed peer has all its replies
             self._close(sess)
             return
@@ -754,7 +779,7 @@ class Server:
             return
         sess.closed = True
         sess.outbox.clear()
-        sess.outbox_bytes = 0
+        self._outbox_delta(sess, -sess.outbox_bytes)
         self._sessions.pop(sess.cid, None)
         try:
             self._sel.unregister(sess.sock)
@@ -874,6 +899,13 @@ def _join_replies(out: deque) -> int:
     head = bytes((0x90 | len(parts),)) if len(parts) < 16 else b"\xdc" + len(parts).to_bytes(2, "big")
     out.appendleft((head + b"".join(parts), None, None, False))
     return len(head)  # the outbox's bytes grow by the header (taken back when it is sent)
+
+
+def _seconds(v: Any) -> float | None:
+    """``v`` as a number of seconds a request may wait, if it is one: finite, in [0, 86400]."""
+    if type(v) not in (int, float) or not 0 <= v <= 86400:  # (NaN compares false: not one)
+        return None
+    return float(v)
 
 
 def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> None:

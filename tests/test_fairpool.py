@@ -1,5 +1,6 @@
 """The fair pool's shares, queues and deadlines, with real threads and stand-in connections."""
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -164,3 +165,41 @@ def test_queues_are_bounded_per_namespace_and_uid():
     h.release.set()
     poll_until(lambda: len(h.running()) == 7, "the queued ones ran")
     h.threads.close()
+
+
+def test_a_deadline_that_is_not_a_time_stops_no_one_elses_expiry():
+    """A job whose deadline is NaN (or infinite) gets a day instead; a later job with a
+    short deadline is still ended at it (a NaN at the root of the deadlines would have
+    stopped every expiry behind it)."""
+    h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1)
+    h.threads.submit(h.job(_Sess("z"), 0))
+    poll_until(lambda: h.running() == {0}, "the first job runs")
+    bad = h.job(_Sess("a"), 1)
+    bad.deadline = float("nan")
+    h.threads.submit(bad)
+    assert bad.deadline == bad.since + 86400
+    h.threads.submit(h.job(_Sess("b"), 2, wait_s=0.1))
+    time.sleep(0.2)
+    h.threads.expire()
+    assert [(j.rid, type(e)) for j, e in h.answered] == [(2, Busy)]
+    h.release.set()
+    h.threads.close()
+
+
+def test_a_requests_wait_budget_is_a_number_of_seconds_or_the_default():
+    from tierstore.config import Config
+    from tierstore.daemon.server import Server
+
+    srv = Server(Config())
+    try:
+        wait = srv.config.store.lease_wait_s
+        assert srv._wait_budget({"timeout_s": 2}) == 2.0
+        assert srv._wait_budget({"wait_s": 120}) == 120.0 and srv._wait_budget({"wait_s": 1}) == wait
+        for bad in (float("nan"), float("inf"), -1, 1e9, "5", True, None):
+            assert srv._wait_budget({"timeout_s": bad, "wait_s": bad}) == wait, bad
+    finally:
+        os.close(srv._wake_r)
+        os.close(srv._wake_w)
+        srv._control.shutdown(wait=False)
+        srv._pool.close()
+        srv._waits.close()

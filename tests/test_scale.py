@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from conftest import poll_until
 
 from tierstore import NotFound, StaleHandle
 from tierstore.index import KeyIndex
@@ -260,6 +261,48 @@ def test_a_client_that_stops_reading_is_disconnected_and_memory_stays_bounded(da
             except Exception:
                 if time.monotonic() > deadline:
                     raise
+
+
+_UNREAD = r"""
+import socket, sys, time, msgpack
+from tierstore.protocol import PROTOCOL_VERSION
+conns = []
+for j in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "wide",
+                          "fragments": True}))
+    socket.recv_fds(s, 1 << 20, 4)
+    for i in range(7):  # ~4 MB replies, 7 of them: under one connection's bound, never read
+        s.send(msgpack.packb({"id": 1 + i, "op": "keys"}))
+    conns.append(s)
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_many_connections_of_one_uid_that_do_not_read_hold_a_bounded_total(daemon):
+    """40 connections each leave 7 replies of ~4 MB unread: each under one connection's
+    bound, 1.1 GB together. The daemon holds at most 128 MiB of one uid's unread replies:
+    the connections whose replies pass it are disconnected with a log line, and others
+    are served."""
+    with daemon.client("wide") as c:
+        _fill(c, 4096, prefix="k", pad=1000)
+    rss0 = _mem_kib(daemon.proc.pid)
+    with open(f"/proc/{daemon.proc.pid}/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS (VmHWM) starts again from here
+    flood = subprocess.Popen([sys.executable, "-c", _UNREAD, daemon.socket, "40"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().startswith("sent")
+        poll_until(lambda: "its uid's connections" in daemon.log.read_text(), "a connection closed for its uid's bound")
+        with daemon.client("other") as other:
+            other.put(torch.ones(2), key="x")
+            assert other.keys() == ["x"]
+        grown_mib = (_mem_kib(daemon.proc.pid, "VmHWM") - rss0) / 1024
+        assert grown_mib < 300, f"daemon grew by {grown_mib:.0f} MiB at its peak"  # before: over 1 GB
+    finally:
+        flood.kill()
+        flood.communicate()
 
 
 def test_a_handle_from_another_namespace_is_not_found(daemon):
