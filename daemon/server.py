@@ -282,6 +282,15 @@ class Server:
             return f"from the index checkpoint and {info['records_replayed']} journal records"
         return f"replaying {info.get('records_replayed', 0)} journal records"
 
+    def discard(self) -> None:
+        """A server made but never served (``serve_forever`` not called): its wake-up pipe
+        and its threads go."""
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._control.shutdown(wait=False)
+        self._pool.close()
+        self._waits.close()
+
     def request_stop(self) -> None:
         self._stop.set()
         self._wake()

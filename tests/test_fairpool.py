@@ -1,6 +1,5 @@
 """The fair pool's shares, queues and deadlines, with real threads and stand-in connections."""
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -198,8 +197,4 @@ def test_a_requests_wait_budget_is_a_number_of_seconds_or_the_default():
         for bad in (float("nan"), float("inf"), -1, 1e9, "5", True, None):
             assert srv._wait_budget({"timeout_s": bad, "wait_s": bad}) == wait, bad
     finally:
-        os.close(srv._wake_r)
-        os.close(srv._wake_w)
-        srv._control.shutdown(wait=False)
-        srv._pool.close()
-        srv._waits.close()
+        srv.discard()

@@ -378,11 +378,7 @@ def test_a_wake_up_written_while_the_loop_empties_the_pipe_is_not_lost(tmp_path,
         r, _, _ = select.select([srv._wake_r], [], [], 0)
         assert r, "a reply finished after the race does not wake the loop"
     finally:
-        os.close(srv._wake_r)
-        os.close(srv._wake_w)
-        srv._control.shutdown(wait=False)
-        srv._pool.close()
-        srv._waits.close()
+        srv.discard()
 
 
 def test_sigterm_under_pipelined_durable_puts_answers_or_fails_each_and_keeps_every_acknowledged(daemon):
