@@ -63,6 +63,10 @@ def _wire(h: Handle | int | str) -> int:
     return int(Handle.parse(h))
 
 
+_HINT_CHUNK = 8192
+"""Handles per prefetch message (a message must fit the socket's send buffer)."""
+
+
 class ClientLease:
     """A check-out through the daemon; ``tensor`` views the shared arena until release."""
 
@@ -508,10 +512,13 @@ class Client:
         sends the hint without waiting for its answer (the connection's next request
         still comes after it; an error, such as an unknown handle, is only logged)."""
         hs = [_wire(h) for h in handles]
-        if wait:
-            self._conn.request("prefetch", handles=hs)
-        else:
-            self._conn.submit("prefetch", handles=hs).add_done_callback(_log_hint_error)
+        # in messages of _HINT_CHUNK handles: one of 65 536 would not fit a socket's message
+        futs = [self._conn.submit("prefetch", handles=hs[i:i + _HINT_CHUNK]) for i in range(0, len(hs), _HINT_CHUNK)]
+        for f in futs:
+            if wait:
+                self._conn.wait(f)
+            else:
+                f.add_done_callback(_log_hint_error)
 
     def step(self) -> None:
         self._conn.request("step")

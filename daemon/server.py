@@ -43,6 +43,7 @@ import selectors
 import signal
 import socket
 import stat as stat_mod
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -84,6 +85,10 @@ _READ_BUDGET_S = 0.002
 _WAIT_THREADS = 128
 """Requests waiting for another holder at once, all connections together."""
 _MAX_REQUEST_ID = (1 << 63) - 1
+_SWITCH_INTERVAL_S = 0.001
+"""How long a thread runs Python before the interpreter lock goes to another that wants
+it (CPython's default is 5 ms): the event loop waits at most about this long behind a
+worker's Python work at each step of a request (``bench/loop_stall.py``)."""
 
 
 class DaemonAlreadyRunning(RuntimeError):
@@ -946,5 +951,6 @@ def run(config: Config) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     FreezeAfterFullCollections().install()  # (the process is the daemon's: an in-process Server is left alone)
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     server.serve_forever()
     return 1 if server.failed is not None else 0

@@ -83,6 +83,12 @@ def test_eviction_smoke(tmp_path):
     assert all(r["walk_ms"] > 0 and r["sort_ms"] > 0 for r in out["results"])
 
 
+def test_loop_stall_smoke(tmp_path):
+    out = _run("loop_stall.py", "--quick", cwd=tmp_path)
+    assert out["bench"] == "loop_stall" and list(out["phases"]) == ["idle", "steps", "hints", "batches"]
+    assert all(p["pings"] > 0 and p["max_ms"] >= p["p50_ms"] > 0 for p in out["phases"].values())
+
+
 OURS = ["plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
         "nvme+prefetch+bwd", "nvme+prefetch+bwd+drop", "cache+prefetch"]
 

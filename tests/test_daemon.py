@@ -1204,3 +1204,15 @@ def test_long_steps_and_large_batches_through_the_daemon_learn_the_order(daemon)
             c.step()
         traces = [t for t in c.stat()["prefetch"]["traces"] if t["client"] != "local"]
         assert [(t["state"], t["length"]) for t in traces] == [("learned", passes * len(hs))], traces
+
+
+def test_a_hint_of_tens_of_thousands_of_handles_goes_through(daemon):
+    """A prefetch hint longer than one socket message holds (70 000 handles) is sent in
+    pieces by the client and taken whole by the daemon (off its event loop): the
+    connection stays up and the objects are hinted."""
+    with daemon.client("hint") as c:
+        hs = [f.result() for f in [c.put_async(np.zeros(4, np.float32)) for _ in range(1000)]]
+        c.prefetch(hs * 70)
+        c.prefetch(hs * 70, wait=False)
+        c.ping()
+        assert c.stat()["prefetch"]["hinted"] >= 0 and c.lookup("nope") is None
