@@ -85,6 +85,8 @@ class FairPool:
         """("s", session) / ("n", namespace) / ("u", uid) / "all" -> jobs on threads now."""
         self._queued: Counter = Counter()
         """The same keys -> jobs queued."""
+        self._stale: Counter = Counter()
+        """Connection -> ended jobs left in its deque (skipped when reached)."""
         self._closed = False
 
     # ------------------------------------------------------------ requests
@@ -141,12 +143,14 @@ class FairPool:
                           Busy(f"'{job.op}' waited its timeout for one of the daemon's {self.name} threads "
                                "(every one it may use was busy meanwhile); try again"))
 
-    def drop(self, sess: Any) -> None:
-        """A closed connection's queued jobs end (``Closed``), with what they took."""
+    def drop(self, sess: Any) -> list[Job]:
+        """A closed connection's queued jobs end; returned, not abandoned: the caller gives
+        back what they took before the connection's own clean-up (in that order)."""
         with self._lock:
             jobs = self._jobs.pop(sess, None)
+            self._stale.pop(sess, None)
             if not jobs:
-                return
+                return []
             turn = self._turns.get(sess.namespace)
             if turn is not None:
                 turn.remove(sess)
@@ -156,8 +160,7 @@ class FairPool:
             for job in ended:
                 self._count_off(job, self._queued)
                 job.state = _ENDED
-        for job in ended:
-            self._abandon(job, Closed("the connection that asked went away"))
+        return ended
 
     def waiting(self, sess: Any | None = None) -> int:
         """Jobs on threads or queued: ``sess``'s, or everyone's."""
@@ -165,21 +168,21 @@ class FairPool:
             k = ("s", sess) if sess is not None else "all"
             return self._running[k] + self._queued[k]
 
-    def close(self) -> None:
-        """(the daemon stops) Queued jobs end (``Closed``); running ones finish; the
-        threads are joined."""
+    def close(self) -> list[Job]:
+        """(the daemon stops) Queued jobs end, returned (as ``drop``); running ones finish;
+        the threads are joined. Jobs submitted from now on are abandoned (``Closed``)."""
         with self._lock:
             self._closed = True
             ended = [j for jobs in self._jobs.values() for j in jobs if j.state == _QUEUED]
             for job in ended:
                 job.state = _ENDED
             self._jobs.clear()
+            self._stale.clear()
             self._turns.clear()
             self._deadlines.clear()
             self._queued.clear()
-        for job in ended:
-            self._abandon(job, Closed("the daemon is stopping; reconnect once it is back"))
         self._pool.shutdown(wait=True)
+        return ended
 
     # ------------------------------------------------------------ inside (under the lock)
     def _add_deadline(self, job: Job) -> None:
@@ -200,17 +203,27 @@ class FairPool:
                 del counter[k]
 
     def _unqueue(self, job: Job) -> None:
-        """Take a queued ``job`` out (it stays in its connection's deque, ended)."""
+        """Take a queued ``job`` out (it stays in its connection's deque, ended, until the
+        ended ones there outnumber the queued: then the deque is rebuilt)."""
         job.state = _ENDED
         self._count_off(job, self._queued)
-        jobs = self._jobs.get(job.sess)
+        sess = job.sess
+        jobs = self._jobs.get(sess)
+        if jobs is None:
+            return
+        if jobs[0] is not job:
+            self._stale[sess] += 1  # left behind a queued one (an over-count is harmless: a rebuild sooner)
         while jobs and jobs[0].state != _QUEUED:
             jobs.popleft()
-        if jobs is not None and not jobs:
-            self._forget(job.sess)
+        if not jobs:
+            self._forget(sess)
+        elif self._stale[sess] > 2 * self._queued[("s", sess)] + 64:
+            self._jobs[sess] = deque(j for j in jobs if j.state == _QUEUED)
+            del self._stale[sess]
 
     def _forget(self, sess: Any) -> None:
         del self._jobs[sess]
+        self._stale.pop(sess, None)
         turn = self._turns[sess.namespace]
         turn.remove(sess)
         if not turn:

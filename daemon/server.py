@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import Config
-from tierstore.errors import PermissionDenied, ProtocolError, TierstoreError
+from tierstore.errors import Closed, PermissionDenied, ProtocolError, TierstoreError
 from tierstore.waits import Later, WouldWait, wait_context
 from tierstore.preflight import check_dir
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
@@ -124,6 +124,10 @@ class Session:
     pinned_reason: str = ""
     activations: dict[str, float] | None = None
     """The client's activation-offload counters, as it last reported them (None: never)."""
+    undos: int = 0
+    """Give-backs of its requests under way (its clean-up waits for them)."""
+    release_waiting: bool = False
+    """It closed while give-backs were under way: the last one releases what it holds."""
 
 
 class Server:
@@ -138,6 +142,7 @@ class Server:
         self._outbox_uid: Counter = Counter()
         """uid -> bytes of replies its connections leave unread."""
         self._outbox_all = 0
+        self._undo_lock = threading.Lock()  # guards every session's undos / release_waiting
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
         ops = max(8, self.config.store.io_threads)
@@ -377,8 +382,11 @@ class Server:
             self.metrics_server.shutdown()
         if self.store is not None:
             self.store.daemon.cancel_waits()  # waiting requests end now (Closed), whatever their timeout_s
-        self._pool.close()  # requests already running finish (their I/O drains); queued ones end
-        self._waits.close()
+        # requests already running finish (their I/O drains); queued ones end, giving back what they took
+        ended = self._pool.close()
+        ended += self._waits.close()  # (after the op workers: one of them may still hand a request over)
+        for job in ended:
+            self._unrun(job, Closed("the daemon is stopping; reconnect once it is back"))
         if self.store is not None:
             self.store.daemon.finish_commits()  # durable puts handed to the group committer are answered too
         self._drain_done()
@@ -610,18 +618,26 @@ class Server:
     def _unrun(self, job: Job, error: TierstoreError) -> None:
         """A request ends without running its rest (refused, out of time, its connection
         gone, the daemon stopping): what it took so far is given back, then it is answered
-        — on a control thread (a give-back may touch the disk). A closed connection's
-        request that took nothing needs neither."""
+        — on a control thread (a give-back may touch the disk); its connection's clean-up
+        waits for the give-back. A closed connection's request that took nothing needs
+        neither."""
+        if job.undo is not None:
+            with self._undo_lock:
+                job.sess.undos += 1
         if job.undo is not None or not job.sess.closed:
             self._control.submit(self._end_unrun, job, error)
 
     def _end_unrun(self, job: Job, error: TierstoreError) -> None:
+        sess = job.sess
         if job.undo is not None:
-            try:
-                job.undo()
-            except Exception:
-                log.exception("giving back what '%s' took before it ended", job.op)
-        if not job.sess.closed:  # (a closed one's other leases went with it)
+            self._undo(job)
+            with self._undo_lock:
+                sess.undos -= 1
+                release = not sess.undos and sess.release_waiting
+                sess.release_waiting = False if release else sess.release_waiting
+            if release:
+                self._release_owner(sess)
+        if not sess.closed:  # (a closed one's other leases went with it)
             self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
                          time.perf_counter() - job.t0)
 
@@ -638,7 +654,7 @@ class Server:
     def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
         if sess.closed:
             # the client went away while this ran: whatever it acquired is released now
-            self.store.daemon.release_owner(sess)
+            self._release_owner(sess)
         self._done.put((sess, rid, (blob, op, code), seconds))
         self._wake()
 
@@ -800,15 +816,16 @@ class Server:
         except (KeyError, ValueError):
             pass
         sess.sock.close()
-        self._pool.drop(sess)  # nobody to answer; what they took is given back
-        self._waits.drop(sess)
+        ended = self._pool.drop(sess) + self._waits.drop(sess)  # nobody to answer
         log.debug("session %d closed after %d requests", sess.cid, sess.requests)
         # every lease and unfinished put of the connection ends with it, however it ended;
         # a durable rw write-back may touch the disk, so not on the loop thread
+        # (what its queued requests took is given back first: a batch's blank ``w`` lease must
+        # be dropped, not checked in as written)
         if sync:
-            self.store.daemon.release_owner(sess)
+            self._give_back(sess, ended)
         else:
-            self._control.submit(self._release_owner, sess)
+            self._control.submit(self._give_back, sess, ended)
 
     def _expire(self) -> None:
         """(a control thread, once a second) Revoke old leases, drop old reservations."""
@@ -820,7 +837,27 @@ class Server:
         except Exception:  # logged; the next tick tries again
             log.exception("expiring leases and reservations failed")
 
+    def _give_back(self, sess: Session, ended: list[Job]) -> None:
+        """A closed connection's requests that ended unrun give back what they took, then
+        the connection's leases and unfinished puts are released."""
+        for job in ended:
+            if job.undo is not None:
+                self._undo(job)
+        self._release_owner(sess)
+
+    def _undo(self, job: Job) -> None:
+        try:
+            job.undo()
+        except Exception:
+            log.exception("giving back what '%s' took before it ended", job.op)
+
     def _release_owner(self, sess: Session) -> None:
+        """(``sess`` closed) Release its leases and unfinished puts — once no give-back of
+        its requests is under way (the last one to finish releases them then)."""
+        with self._undo_lock:
+            if sess.undos:
+                sess.release_waiting = True
+                return
         leases, puts = self.store.daemon.release_owner(sess)
         if leases or puts:
             log.info("session %d ended holding %d leases and %d unfinished puts; released", sess.cid, leases, puts)

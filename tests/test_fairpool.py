@@ -103,8 +103,8 @@ def test_a_closed_connections_queue_ends_and_others_go_on():
         h.threads.submit(h.job(a, i))
     h.threads.submit(h.job(b, 10))
     a.closed = True
-    h.threads.drop(a)
-    assert sorted(j.rid for j, e in h.answered if type(e) is Closed) == [2, 3, 4, 5]
+    assert sorted(j.rid for j in h.threads.drop(a)) == [2, 3, 4, 5]  # (for the caller to give back)
+    assert h.threads.drop(a) == [] and not h.answered
     assert h.threads.waiting(a) == 1 and h.threads.waiting(b) == 1
     h.release.set()
     poll_until(lambda: h.running() == {1, 10}, "the other connection's job ran")
@@ -129,15 +129,14 @@ def test_connections_and_namespaces_take_turns():
     h.threads.close()
 
 
-def test_closing_answers_what_is_queued():
+def test_closing_returns_what_is_queued():
     h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1, queue_per_session=10)
     s = _Sess("a")
     for i in range(3):
         h.threads.submit(h.job(s, i))
     poll_until(lambda: h.running() == {0}, "the first wait runs")
     threading.Timer(0.2, h.release.set).start()
-    h.threads.close()
-    assert sorted((j.rid, type(e)) for j, e in h.answered) == [(1, Closed), (2, Closed)]
+    assert sorted(j.rid for j in h.threads.close()) == [1, 2] and not h.answered
     h.threads.submit(h.job(s, 9))
     assert type(h.answered[-1][1]) is Closed
 
@@ -198,3 +197,21 @@ def test_a_requests_wait_budget_is_a_number_of_seconds_or_the_default():
             assert srv._wait_budget({"timeout_s": bad, "wait_s": bad}) == wait, bad
     finally:
         srv.discard()
+
+
+def test_jobs_ended_behind_a_queued_one_do_not_pile_up():
+    """A connection whose front job waits long while thousands behind it time out at
+    once: its queue keeps about as many entries as it has queued jobs, not every one it
+    ever queued."""
+    h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1, queue_per_session=100000)
+    s = _Sess("a")
+    h.threads.submit(h.job(_Sess("z", _Cred(2)), 0))
+    poll_until(lambda: h.running() == {0}, "the first job runs")
+    h.threads.submit(h.job(s, 1))  # queued, a long deadline
+    for i in range(2, 5002):
+        h.threads.submit(h.job(s, i, wait_s=0.0))
+        h.threads.expire()
+    assert h.threads.waiting(s) == 1 and len(h.threads._jobs[s]) < 200
+    h.release.set()
+    poll_until(lambda: 1 in h.running(), "the front job ran")
+    h.threads.close()

@@ -160,7 +160,7 @@ def test_the_heads_of_two_interleaved_loops_stay_resident(make_store):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("chunk", [4096, 7])
+@pytest.mark.parametrize("chunk", [4096, 64, 65])
 def test_reach_is_the_budgets_worth_of_accesses(make_store, monkeypatch, chunk):
     """The prefetcher's reach (a binary search in running byte sums, built a chunk at a
     time) equals walking the upcoming accesses until their bytes exceed the budget, at

@@ -799,3 +799,39 @@ def test_a_connection_holds_a_bounded_number_of_leases(make_store, monkeypatch):
     assert s.leases.drop_owner(a) == 5 and s.index.holder(h.id).readers == 1
     s.leases.release(other.lid, owner=b)
     assert not s.leases.leases and not s.leases.leases.by_owner and len(got) == 5
+
+
+@pytest.mark.parametrize("each", [False, True])
+def test_a_large_batch_that_must_wait_goes_on_from_what_it_took_or_gives_it_back(make_store, each):
+    """A batch too large for the event loop that parks half-way (another holder writes
+    object #100) runs again from the leases it took, not from the start (no lease
+    taken twice), and ``undo`` gives back what it took when it ends without running on."""
+    from tierstore.leasebatches import INLINE_BATCH
+    from tierstore.waits import Later, WouldWait, wait_context
+
+    s = make_store(host_bytes="64MiB")
+    hs = [s.put(np.zeros(4, np.float32)) for _ in range(INLINE_BATCH + 44)]
+    a, b = object(), object()
+
+    def start():
+        if each:
+            return s.daemon.try_checkout_each([(h, "r", None) for h in hs], owner=a)
+        return s.daemon.try_checkout_many(hs, ["r"] * len(hs), owner=a)
+
+    for end in ("go on", "undo"):
+        held = s.leases.checkout(hs[100], "w", owner=b)
+        later = start()
+        assert isinstance(later, Later) and later.undo is not None
+        with pytest.raises(WouldWait), wait_context(park=True):
+            later.run()
+        assert s.leases.leases.count(a) == 100
+        s.leases.release(held.lid, owner=b)
+        if end == "undo":
+            later.undo()
+            assert s.leases.leases.count(a) == 0
+            continue
+        with wait_context(park=False):
+            got = later.run()
+        assert [i.oid for i in got] == [h.id for h in hs] and s.leases.leases.count(a) == len(hs)
+        s.leases.drop_owner(a)
+    assert not s.leases.leases

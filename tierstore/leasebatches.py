@@ -54,9 +54,13 @@ class LeaseBatches:
         taken now, in order, up to the first that does; the rest of the batch, from there,
         is ``Later`` (the daemon's event loop takes what is resident, an op worker the rest).
         A batch of more than ``INLINE_BATCH`` is ``Later`` whole (the loop is not held up)."""
-        if len(handles) > INLINE_BATCH:
-            return Later(lambda: self.checkout_many(handles, modes, owner=owner, namespace=namespace,
-                                                    timeout_s=timeout_s, stream=stream))
+        if len(handles) > INLINE_BATCH:  # (each run goes on from the leases taken so far, as below)
+            done: list[LeaseInfo] = []
+
+            def rest() -> list[LeaseInfo]:
+                hs = self._checked(lambda: self._check_many(handles, modes, namespace), done, self._undo_many)
+                return self._take_many(hs, modes, done, owner, namespace, timeout_s, stream, self.leases.checkout)
+            return Later(rest, lambda: self._undo_many(done))
         hs = self._check_many(handles, modes, namespace)
         return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.try_checkout)
 
@@ -99,6 +103,16 @@ class LeaseBatches:
             raise
         return list(done)
 
+    @staticmethod
+    def _checked(check: Callable[[], Any], done: list[LeaseInfo], give_back: Callable[[list], None]) -> Any:
+        """``check()``; if it fails on a run after the first (what the batch took so far is
+        in ``done``), that is given back first."""
+        try:
+            return check()
+        except BaseException:
+            give_back(done)
+            raise
+
     def _undo_many(self, done: list[LeaseInfo]) -> None:
         """A batch's leases taken so far, given back as if never taken (``LeaseTable.undo``)."""
         for info in reversed(done):
@@ -132,8 +146,14 @@ class LeaseBatches:
         needs no wait now, the rest ``Later``, from where this stopped; more than
         ``INLINE_BATCH``, ``Later`` whole)."""
         if len(requests) > INLINE_BATCH:
-            return Later(lambda: self.checkout_each(requests, owner=owner, namespace=namespace, timeout_s=timeout_s,
-                                                    stream=stream))
+            done: list[LeaseInfo] = []
+
+            def rest() -> list[LeaseInfo]:
+                ns = self._checked(lambda: self._check_each(requests, namespace), done,
+                                   lambda d: self._give_back_each(d, owner))
+                return self._take_each(requests, done, owner, ns, timeout_s, stream, self.leases.checkout,
+                                       self.leases.checkout_from)
+            return Later(rest, lambda: self._give_back_each(done, owner))
         ns = self._check_each(requests, namespace)
         return self._take_each(requests, [], owner, ns, timeout_s, stream, self.leases.try_checkout,
                                self.leases.try_checkout_from)

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 
 _CHUNK = 4096
-"""Positions of a learned order whose running byte sums ``reach`` builds at a time."""
+"""Positions of a learned order whose running byte sums ``reach`` builds at a time (at
+least ``HORIZON``: a reach spans at most two chunks)."""
+assert _CHUNK >= HORIZON
 _COUNTER = {"hit": "hits", "late": "late", "miss": "misses"}
 """The counter an access's outcome adds to."""
 
