@@ -634,7 +634,8 @@ class Server:
             with self._undo_lock:
                 sess.undos -= 1
                 release = not sess.undos and sess.release_waiting
-                sess.release_waiting = False if release else sess.release_waiting
+                if release:
+                    sess.release_waiting = False
             if release:
                 self._release_owner(sess)
         if not sess.closed:  # (a closed one's other leases went with it)

@@ -1,7 +1,8 @@
 """The lease table: who holds what, the check-out and check-in paths, and what goes when
 a holder goes (revocation, expiry, a closed connection's leases).
 
-``LeaseTable`` owns the leases and their ids. It is given the object index (the lock,
+``LeaseTable`` owns the leases and their ids (kept by owner too: a closed connection's
+are found without a scan, and one connection holds at most ``MAX_LEASES_PER_OWNER``). It is given the object index (the lock,
 the objects and the waits), placement (bringing an object into the host tier, handing a
 block over, moving a revoked lease's bytes off the holder's block, giving space back),
 durability (a durable check-in is journaled) and the prefetcher (each check-out is an

@@ -38,10 +38,9 @@ MAX_HINTED = 65536
 log = logging.getLogger(__name__)
 
 
-_CHUNK = 4096
+_CHUNK = max(4096, HORIZON)
 """Positions of a learned order whose running byte sums ``reach`` builds at a time (at
 least ``HORIZON``: a reach spans at most two chunks)."""
-assert _CHUNK >= HORIZON
 _COUNTER = {"hit": "hits", "late": "late", "miss": "misses"}
 """The counter an access's outcome adds to."""
 
