@@ -13,8 +13,9 @@ damaged anywhere in the covered bytes, a column that does not validate) the star
 why in one log line and replays the whole journal instead, so journal damage is found,
 reported and kept aside exactly as without a checkpoint.
 
-Written (temp file, fsync, rename, directory fsync) at a clean close and right after a
-compaction, beside the journal (``index.ckpt``). Removed before a compaction renames
+Written (temp file, fsync, rename, directory fsync) at a clean close, right after a
+compaction, and in the background by a forked child once the journal has grown enough
+since the last one (``Durability``), beside the journal (``index.ckpt``). Removed before a compaction renames
 the new journal over the old, so no crash leaves a checkpoint naming a journal that is
 gone.
 
@@ -61,11 +62,14 @@ from .nvme import Extent
 from .tensors import TensorSpec
 from .units import PAGE
 
-__all__ = ["CHECKPOINT_FILE", "Checkpoint", "Refused", "gc_paused", "journal_identity", "write", "load", "remove"]
+__all__ = ["BACKGROUND_TMP", "CHECKPOINT_FILE", "Checkpoint", "Refused", "gc_paused", "journal_identity", "write",
+           "load", "publish_background", "remove", "remove_temp"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "index.ckpt"
+BACKGROUND_TMP = CHECKPOINT_FILE + ".bg.tmp"
+"""The temp file a background checkpoint is written to; its parent renames it."""
 _MAGIC = b"TSINDEX\x00"
 VERSION = 1
 _HEAD = struct.Struct("<8sIIQ")
@@ -119,16 +123,19 @@ def path_in(directory: str) -> str:
 
 
 # ---------------------------------------------------------------------------- write
-def write(directory: str, identity: tuple[int, int], records: Iterable[dict[str, Any] | bytes]) -> int:
+def write(directory: str, identity: tuple[int, int], records: Iterable[dict[str, Any] | bytes], *,
+          tmp: str | None = None) -> int:
     """Write the checkpoint of ``directory`` from ``records``: the journal's live content
     (``Durability._live_records``: an ``open`` map, ``ns`` maps and the durable objects'
     packed put records) as of the moment ``identity`` (``journal_identity``) was taken,
-    with no record appended in between. Returns the objects written."""
+    with no record appended in between. Returns the objects written. ``tmp``: only write
+    (and fsync) this temp file of ``directory``; the caller renames it."""
     with gc_paused():
-        return _write(directory, identity, records)
+        return _write(directory, identity, records, tmp)
 
 
-def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str, Any] | bytes]) -> int:
+def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str, Any] | bytes],
+           tmp_name: str | None = None) -> int:
     t0 = time.perf_counter()
     owners: dict[str, int] = {}
     epoch, next_id = 0, 1
@@ -186,7 +193,7 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         "crcn": _col(crcn, "<u4"), "crc": _col(crc, "<u4"), "recn": _col(recn, "<u4"), "rec": b"".join(rec),
     }, use_bin_type=True)
     path = path_in(directory)
-    tmp = path + ".tmp"
+    tmp = path + ".tmp" if tmp_name is None else os.path.join(directory, tmp_name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         _write_all(fd, _HEAD.pack(_MAGIC, VERSION, crc32c(body), len(body)))
@@ -197,6 +204,8 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         os.unlink(tmp)
         raise
     os.close(fd)
+    if tmp_name is not None:
+        return len(ids)
     os.replace(tmp, path)
     _fsync_dir(directory)
     log.info("index checkpoint of %d durable objects written (journal offset %d, %.2f s)",
@@ -204,10 +213,23 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
     return len(ids)
 
 
+def publish_background(directory: str) -> None:
+    """The background checkpoint's temp file of ``directory`` becomes its checkpoint."""
+    os.replace(os.path.join(directory, BACKGROUND_TMP), path_in(directory))
+    _fsync_dir(directory)
+
+
+def remove_temp(directory: str) -> None:
+    """Temp files a crash left behind (the checkpoint itself stays)."""
+    for name in (CHECKPOINT_FILE + ".tmp", BACKGROUND_TMP):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+
+
 def remove(directory: str) -> None:
     """No checkpoint (before the journal it names is replaced). A removal that fails, or
     that a crash undoes, leaves one a start finds stale (logged, not raised)."""
-    for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp"):
+    for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", BACKGROUND_TMP):
         try:
             os.unlink(os.path.join(directory, name))
         except FileNotFoundError:
@@ -220,11 +242,14 @@ def _col(values: list, dtype: str) -> bytes:
     return np.asarray(values, dtype=dtype).tobytes()
 
 
-def journal_identity(journal_path: str) -> tuple[int, int]:
+def journal_identity(journal_path: str, size: int | None = None) -> tuple[int, int]:
     """The journal's size and the CRC32C of all of it: what a checkpoint written now
-    covers (taken with the journal's lock held, so nothing is appended meanwhile)."""
+    covers (taken with the journal's lock held, so nothing is appended meanwhile).
+    ``size``: of its first ``size`` bytes instead (the journal is append-only between
+    rewrites, so what it held at that size is still its prefix; ``Refused`` if shorter)."""
     with open(journal_path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        if size is None:
+            size = os.fstat(f.fileno()).st_size
         return size, _crc_of(f, size)
 
 

@@ -141,6 +141,11 @@ class StoreConfig:
     lease_wait_s: float = _knob(30.0, "seconds a check-out waits for a conflicting lease before Busy", minimum=0)
     journal_compact_bytes: int = _knob(64 << 20, "the journal is rewritten once it exceeds this size and is "
                                                  "mostly garbage")
+    checkpoint_tail_bytes: int = _knob(16 << 20, "a forked child writes the index checkpoint in the background once "
+                                                 "the journal has grown this much (and by an eighth of what the "
+                                                 "last checkpoint covered) since it: a restart after a crash "
+                                                 "replays at most that; 0: only at a clean stop and a compaction",
+                                       minimum=0)
     prefetch: bool = _knob(True, "learn each client's access order and fetch the next objects ahead of use")
     prefetch_budget_bytes: int = _knob(256 << 20, "bytes the prefetcher may have in flight or resident but unused")
     prefetch_max_inflight: int = _knob(8, "prefetch reads in flight at once", minimum=1)

@@ -11,15 +11,20 @@ never the other way around.
 
 The replay rules themselves (what a record means, how conflicts resolve) are
 ``replay.py``'s; the index checkpoint's format is ``checkpoint.py``'s.
+
+Length: one owner, the journal lock, and everything that must hold it — appends, frees,
+claims, compaction and the checkpoints (foreground and background) that read the same
+live records — is kept together so the lock's rules are read in one place.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable
 
-from . import checkpoint
+from . import checkpoint, forkjob
 from .allocator import ExtentAllocator
 from .errors import InvalidArgument, PermissionDenied, StorageError, TierstoreError
 from .hostindex import HostIndexLog
@@ -39,11 +44,22 @@ class Durability:
     """The journal, the host index log and the namespace owners; see the module docstring."""
 
     def __init__(self, index: ObjectIndex, journal: Journal, hostlog: HostIndexLog, nvme: NvmeTier,
-                 host: ExtentAllocator, compact_bytes: int) -> None:
+                 host: ExtentAllocator, compact_bytes: int, checkpoint_tail_bytes: int = 0) -> None:
         self.index, self.journal, self.hostlog, self.nvme, self.host = index, journal, hostlog, nvme, host
         self.lock = journal.lock
         """The journal lock: taken before the index's ``cv``, never after."""
         self.compact_bytes = compact_bytes
+        self.checkpoint_tail_bytes = checkpoint_tail_bytes
+        """A background checkpoint once the journal has grown this much (and by an eighth of
+        what the last one covered) since the last; 0: none."""
+        self.checkpoint_at = 0
+        """Journal bytes the newest index checkpoint covers (0: none of this journal)."""
+        self.checkpoints_written = 0
+        self._background: forkjob.ForkJob | None = None
+        self._freed: set[int] = set()
+        """Durable objects whose free is journaled but that are still in the index: a
+        checkpoint or a compaction taken meanwhile must not bring them back."""
+        self._closed = False
         self.owners: dict[str, int] = {}
         """Root namespace -> the uid that claimed it."""
         self.hostlog_on = False
@@ -58,6 +74,7 @@ class Durability:
         checked in after a write) and sync it, under the journal lock."""
         with self.lock:
             self.journal_put(meta)
+            self._after_append()
 
     def journal_put(self, meta: ObjectMeta, *, sync: bool = True) -> None:
         """Append meta's put record (caller holds ``lock``). ``sync=False``: the caller
@@ -113,6 +130,8 @@ class Durability:
             self.journal_put(meta, sync=False)  # made durable by the group commit that follows
         with cv:
             publish()
+        if meta.durable:
+            self._after_append()  # (once published: a checkpoint covering the record holds the object)
 
     def record_puts(self, puts: list[tuple[ObjectMeta, bool, Callable[[], None]]]) -> list[None | Exception]:
         """``record_put`` for a batch of durable puts (``meta, replace, publish`` each), in
@@ -158,6 +177,8 @@ class Durability:
                             out[j] = puts[j][2]()
                         except Exception as e:
                             out[j] = e
+            if appended:
+                self._after_append()
         if appended:
             try:
                 self.commit()
@@ -167,9 +188,16 @@ class Durability:
         return out
 
     def journal_free(self, oid: int) -> None:
-        """A free, journaled and synced: once this returns it is never undone."""
+        """A free, journaled and synced: once this returns it is never undone. The caller
+        calls ``forgotten`` once the object has left the index."""
         with self.lock:
             self.journal.append({"op": "free", "id": oid})
+            self._freed.add(oid)
+            self._after_append()
+
+    def forgotten(self, oid: int) -> None:
+        """(under the index's cv) A freed object has left the index."""
+        self._freed.discard(oid)
 
     def commit(self) -> None:
         """Group commit: returns once an fdatasync covering every record appended so far is done."""
@@ -192,7 +220,14 @@ class Durability:
         self._write_checkpoint(covered, records)
 
     def close(self) -> None:
-        """Close the journal (flushed) and write the index checkpoint of what it holds."""
+        """Close the journal (flushed) and write the index checkpoint of what it holds
+        (a background checkpoint still being written is ended first)."""
+        with self.lock:
+            self._closed = True
+            job = self._background
+        if job is not None:
+            job.kill()
+            job.wait()  # (its reaper finds the store closed and removes its temp file)
         self.journal.close()
         if self.journal.sync_failed or self.damage_kept:
             # a failed sync: objects were published under records that may be lost, none is
@@ -221,6 +256,8 @@ class Durability:
                 if isinstance(covered, Exception):
                     raise covered
                 checkpoint.write(self.journal.directory, covered, records)
+                self.checkpoint_at = covered[0]
+                self.checkpoints_written += 1
             except Exception as e:
                 log.warning("index checkpoint not written (the next start replays the whole journal): %s", e)
                 checkpoint.remove(self.journal.directory)
@@ -228,12 +265,80 @@ class Durability:
     def _live_records(self) -> list[dict[str, Any] | bytes]:
         """(under the journal lock) The journal's content as of now: the namespace claims
         (twice: first and last, so no single lost record loses one) and the durable objects."""
-        ix = self.index
-        with ix.cv:
-            owners = [{"op": "ns", "name": n, "uid": u} for n, u in self.owners.items()]
-            epoch, next_id, recs = ix.durable_records()
-            records = [{"op": "open", "epoch": epoch, "next_id": next_id}, *owners, *recs]
-        return records + owners
+        with self.index.cv:
+            return self._collect()
+
+    def _collect(self) -> list[dict[str, Any] | bytes]:
+        """``_live_records`` with both locks held by the caller, or in a forked child that
+        holds a snapshot taken under them (and may take no lock). An object whose free is
+        journaled, or whose key a later put took, is not live in the journal."""
+        owners = [{"op": "ns", "name": n, "uid": u} for n, u in self.owners.items()]
+        epoch, next_id, recs = self.index.durable_records(self._freed)
+        return [{"op": "open", "epoch": epoch, "next_id": next_id}, *owners, *recs, *owners]
+
+    # ------------------------------------------------------------------ background checkpoint
+    def _after_append(self) -> None:
+        """(under the journal lock, what was appended published) Start a background
+        checkpoint when the journal has grown ``checkpoint_tail_bytes`` and an eighth of
+        what the last one covered since it: a restart after a crash then replays at most
+        that much, whatever the journal's size."""
+        tail = self.checkpoint_tail_bytes
+        if not tail or self._background is not None or self._closed:
+            return
+        pos = self.journal.position
+        if pos - self.checkpoint_at < max(tail, self.checkpoint_at // 8):
+            return
+        if self.journal.sync_failed or self.damage_kept:
+            return
+        directory, path, rewrites = self.journal.directory, self.journal.path, self.journal.rewrites
+
+        def write() -> None:  # (in the child: a snapshot of this moment, no lock held or taken)
+            checkpoint.write(directory, checkpoint.journal_identity(path, pos), self._collect(),
+                             tmp=checkpoint.BACKGROUND_TMP)
+
+        try:
+            with self.index.cv:  # (no object changes half-way through the snapshot)
+                job = forkjob.start(write)
+        except OSError as e:
+            log.warning("background index checkpoint not started (the next start replays more of the journal): "
+                        "%s", e)
+            self.checkpoint_at = pos  # (not retried at once: the next try after as much again)
+            return
+        self._background = job
+        threading.Thread(target=self._reap, args=(job, pos, rewrites), name="tierstore-checkpoint",
+                         daemon=True).start()
+
+    def _reap(self, job: forkjob.ForkJob, pos: int, rewrites: int) -> None:
+        """Wait for a background checkpoint's child; publish what it wrote (rename) if the
+        journal it covers is still the one in use, else remove it."""
+        why = job.wait()
+        directory = self.journal.directory
+        tmp = os.path.join(directory, checkpoint.BACKGROUND_TMP)
+        with self.lock:
+            self._background = None
+            if why is None and self._closed:
+                why = "the store closed"
+            elif why is None and self.journal.rewrites != rewrites:
+                why = "the journal was rewritten meanwhile"
+            elif why is None and (self.journal.sync_failed or self.damage_kept):
+                why = "the journal failed a sync" if self.journal.sync_failed else "the journal holds damage"
+            if why is None:
+                try:
+                    checkpoint.publish_background(directory)
+                except OSError as e:
+                    why = f"not renamed into place: {os.strerror(e.errno or 0)}"
+                else:
+                    self.checkpoint_at = pos
+                    self.checkpoints_written += 1
+                    log.info("background index checkpoint written: it covers the journal's first %d bytes", pos)
+                    return
+            self.checkpoint_at = max(self.checkpoint_at, pos)  # (the next try after as much again)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if why != "the store closed":
+            log.warning("background index checkpoint not used: %s", why.splitlines()[-1] if why else why)
 
     # ------------------------------------------------------------------ namespaces
     def claim_namespace(self, namespace: str, uid: int) -> None:
@@ -249,6 +354,7 @@ class Durability:
             self.journal.append({"op": "ns", "name": root, "uid": uid})
             with self.index.cv:
                 self.owners[root] = uid
+            self._after_append()
 
     def check_namespace(self, namespace: str, uid: int) -> None:
         """``PermissionDenied`` if another uid owns the namespace (root may enter any)."""
@@ -382,6 +488,7 @@ class Durability:
                 self.journal.open_for_append()
             else:
                 try:
+                    self.checkpoint_at = 0
                     self.journal.rewrite(iter(self._live_records()))  # the damage is not carried forward
                 except StorageError as e:
                     log.error("journal recovery: the journal could not be rewritten (%s); appending to it as "
@@ -391,6 +498,8 @@ class Durability:
         else:
             self.journal.open_for_append()
         self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id})
+        with self.lock:
+            self._after_append()  # (a long replay: its checkpoint now, not after the next puts)
         return info
 
     def _replay_journal(self) -> tuple[ReplayResult, "Replay", dict[str, Any]]:
@@ -399,6 +508,7 @@ class Durability:
         used (``checkpoint``: None, or why not; ``records_replayed``)."""
         ndrives, drive_bytes = len(self.nvme.drives), self.nvme.drives[0].alloc.capacity
         directory, path = self.journal.directory, self.journal.path
+        checkpoint.remove_temp(directory)  # (a background one a crash cut short)
         try:
             ck = checkpoint.load(directory, path, ndrives=ndrives, drive_bytes=drive_bytes)
         except checkpoint.Refused as e:
@@ -416,6 +526,7 @@ class Durability:
                 n = self._apply(rp, res, ck.offset)
                 log.info("index checkpoint used: %d durable objects in %.2f s, then %d journal records after "
                          "offset %d", len(ck.live), ck.load_s, n, ck.offset)
+                self.checkpoint_at = ck.offset
                 return res, rp, {"checkpoint": "used", "records_replayed": n}
             except Exception as e:
                 log.error("index checkpoint not used, replaying the whole journal: the records after it "
@@ -431,4 +542,3 @@ class Durability:
             rp.apply(r, payload)  # (each decoded record goes once applied: they are never all held)
             n += 1
         return n
-

@@ -99,6 +99,9 @@ class Journal:
         self._group = GroupSync(self._fdatasync)
         self._fd_guard = threading.Lock()  # the fd is not swapped or closed under a running fdatasync
         self._sync_failed: str | None = None
+        self.rewrites = 0
+        """Times the file was replaced (``rewrite``): a prefix of the journal before one is
+        not a prefix of the journal after it."""
 
     # -- replay ----------------------------------------------------------------------------
     def replay(self) -> ReplayResult:
@@ -250,6 +253,11 @@ class Journal:
                 return  # closed: close fsynced every record first (or, failing, set _sync_failed)
             os.fdatasync(self._fd)
 
+    @property
+    def position(self) -> int:
+        """(under ``lock``) Bytes in the file: where the next record starts."""
+        return self._pos
+
     def size(self) -> int:
         try:
             return os.stat(self.path).st_size
@@ -284,6 +292,7 @@ class Journal:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             self._pos = os.fstat(self._fd).st_size
             self._echo.clear()  # the new file holds the state itself: nothing freed is in it
+            self.rewrites += 1
         log.info("journal compacted to %d bytes", self._pos)
 
     def close(self) -> None:

@@ -112,12 +112,23 @@ class ObjectIndex:
         self.keys = KeyIndex({(m.namespace, m.key): m.id for m in self.objects.values() if m.key is not None})
         self.epoch, self.next_id = epoch, next_id
 
-    def durable_records(self) -> tuple[int, int, list[bytes]]:
-        """(under cv) The epoch, the next id and the journal records of the durable objects,
-        in id order (the index checkpoint's columns are; objects are published in the order
-        their puts commit, not the order their ids were given)."""
-        recs = [m.record for m in sorted(self.objects.values(), key=_by_id) if m.durable and m.record is not None]
+    def durable_records(self, freed: set[int] = frozenset()) -> tuple[int, int, list[bytes]]:
+        """(under cv) The epoch, the next id and the journal records of the durable objects
+        the journal holds live, in id order (the index checkpoint's columns are; objects
+        are published in the order their puts commit, not the order their ids were given).
+        Left out: ``freed`` (their frees are journaled; they have not left the index yet)
+        and objects being freed whose key another object took (its put record, journaled
+        after theirs, supersedes them, as a replay would decide)."""
+        recs = [m.record for m in sorted(self.objects.values(), key=_by_id)
+                if m.durable and m.record is not None and m.id not in freed and not (m.freeing and self._superseded(m))]
         return self.epoch, self.next_id, recs
+
+    def _superseded(self, m: ObjectMeta) -> bool:
+        """(under cv) A durable object whose key names another durable object now."""
+        if m.key is None:
+            return False
+        other = self.objects.get(self.keys.get((m.namespace, m.key), m.id))
+        return other is not None and other is not m and other.durable
 
     def object_count(self) -> int:
         """Objects in the index."""

@@ -763,6 +763,7 @@ class Placement:
         """(under cv) ``meta`` leaves the index, the prefetcher, the eviction order and every
         memory tier; returns its NVMe extents (``free_space``)."""
         self.index.remove(meta)
+        self.durability.forgotten(meta.id)
         self.prefetcher.forget(meta.id)
         self.policy.remove(meta.id)
         if meta.host_off is not None:

@@ -190,7 +190,8 @@ class Store:
             self.engine.close()
             raise
         self.journal = Journal(cfg.nvme_dirs[0])
-        self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes)
+        self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes,
+                                     cfg.checkpoint_tail_bytes)
         self.prefetcher = Prefetcher(cfg, ix.holder, lambda oid: self.placement.fetch(oid))
         self._step_lock = threading.Lock()
         self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
@@ -484,7 +485,8 @@ class Store:
                 "reservations": len(self.puts.reservations),
                 "policy": self.policy.name,
                 "counters": dict(self.counters),
-                "journal": {"bytes": self.journal.size(),
+                "journal": {"bytes": self.journal.size(), "checkpoint_covers_bytes": self.durability.checkpoint_at,
+                            "checkpoints_written": self.durability.checkpoints_written,
                             **{k: v for k, v in self.replay_info.items() if k not in ("objects", "adopted")}},
                 "uptime_s": time.monotonic() - self._started,
                 "version": __version__,

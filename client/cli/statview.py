@@ -81,6 +81,9 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
         how = ("from the index checkpoint, then" if j["checkpoint"] == "used" else
                f"replaying the whole journal (index checkpoint {j['checkpoint']}):")
         lines.append(f"  journal {format_size(j.get('bytes', 0))}; started {how} {j.get('records_replayed', 0)} records")
+    if "checkpoint_covers_bytes" in j:
+        lines.append(f"  index checkpoint covers the journal's first {format_size(j['checkpoint_covers_bytes'])} "
+                     f"({j.get('checkpoints_written', 0)} written since the start)")
     if j.get("kept_aside"):
         lines.append(f"  journal recovery at start: {j.get('corrupt_records', 0)} damaged stretches, "
                      f"{j.get('malformed_records', 0)} malformed records, torn tail {j.get('torn_bytes', 0)} B skipped; "
