@@ -11,7 +11,7 @@ is). The event loop's thread (``main``) is the figure to compare; ``all`` adds t
 threads (the group committer's, for durable puts), whose idle wake-ups make it noisier.
 
 The other commit is checked out in a temporary git worktree with its own virtualenv
-(``--system-site-packages``, the package installed editable without dependencies).
+(seeing this interpreter's packages, the package installed editable without dependencies).
 
 Usage: python bench/instructions.py --against 1c4080b [--ops lookup,get,checkout,put,dput] [--n 500]
 Needs valgrind (``apt-get install valgrind``) and git.
@@ -45,8 +45,13 @@ d = subprocess.Popen(["valgrind", "--tool=callgrind", "--separate-threads=yes", 
                      env={**os.environ, "NOTIFY_SOCKET": notify, "TIERSTORE_NVME_GROW_BYTES": "16MiB"},
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 seen = b""
+ns.settimeout(1)
 while b"populated in" not in seen:  # (READY=1 of a daemon that waits for its arena; else the later STATUS)
-    seen += ns.recv(4096)
+    try:
+        seen += ns.recv(4096)
+    except TimeoutError:
+        if d.poll() is not None:
+            sys.exit(f"the daemon under valgrind exited with status {d.returncode} before it was ready")
 import torch
 from tierstore.client import Client
 try:
@@ -99,8 +104,15 @@ def _other_tree(rev: str, root: str) -> tuple[str, str]:
     tree = os.path.join(where, "tree")
     subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", tree, rev], check=True)
     venv = os.path.join(where, "venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     py = os.path.join(venv, "bin", "python")
+    # the packages this interpreter sees (torch, msgpack, ...: a virtualenv's included), the
+    # other tree's own package put first by its editable install
+    here = [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
+    theirs = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(theirs, "zz-tierstore-against.pth"), "w") as f:
+        f.write("\n".join(here) + "\n")
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "-e", tree], check=True)
     return py, tree
 
