@@ -99,8 +99,8 @@ class Checkpoint:
     namespaces: set[str]
     space: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     """Per drive: the objects' byte ranges (starts, ends, ids), sorted by start and disjoint."""
-    keys: Callable[[], dict[tuple[str, str], int]]
-    """Builds the ``(namespace, key) -> id`` map of the objects (when a replay first needs it)."""
+    keys: Callable[[], dict[str, dict[str, int]]]
+    """Builds the namespace -> key -> id map of the objects (when a replay first needs it)."""
     load_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -399,8 +399,12 @@ def _build(b: dict, ndrives: int, drive_bytes: int) -> Checkpoint:
     _cross_check(live, ids)
     ns_used = [names[i] for i in np.unique(nsi)] if n else []
 
-    def keys_of() -> dict[tuple[str, str], int]:
-        return {(m.namespace, m.key): oid for oid, m in live.items() if m.key is not None}
+    def keys_of() -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for oid, m in live.items():
+            if m.key is not None:
+                out.setdefault(m.namespace, {})[m.key] = oid
+        return out
     return Checkpoint(offset=int(b["journal"][0]), live=live, owners=owners, epoch=epoch, next_id=next_id,
                       specs={(s.kind, s.dtype, s.shape, s.nbytes): s for s in specs}, namespaces=set(ns_used),
                       space=space, keys=keys_of)

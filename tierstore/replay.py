@@ -57,7 +57,7 @@ class Replay:
         self.epoch, self.next_id = 0, 1
         self.malformed = self.superseded = self.owner_conflicts = 0
         self._space = [_Extents() for _ in range(ndrives)]
-        self._key: dict[tuple[str, str], int] = {}
+        self._key = _Keys()
         self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
         self._specs: dict[tuple, TensorSpec] = {}
         """Validated (kind, dtype, shape, nbytes) -> the one TensorSpec the objects share."""
@@ -68,7 +68,7 @@ class Replay:
         nothing: the journal records after the point it covers are then applied on top."""
         self.live = ck.live
         self._space = [_SeededExtents(*cols) for cols in ck.space]
-        self._key = _SeededKeys(ck.keys)
+        self._key = _Keys(ck.keys)
         self.owners, self.epoch, self.next_id = dict(ck.owners), ck.epoch, ck.next_id
         self._specs.update(ck.specs)
         self._ns_ok.update(ck.namespaces)
@@ -77,7 +77,7 @@ class Replay:
         """Every record is applied: let go of what only resolving conflicts needed (the
         space and key maps)."""
         self._space = [_Extents() for _ in range(self.ndrives)]
-        self._key = {}
+        self._key = _Keys()
 
     def apply(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         """Apply one record; ``payload``: its packed form as found (kept as the live
@@ -119,8 +119,8 @@ class Replay:
             return
         for e in m.nvme:
             self._space[e.dev].remove(e.file_offset)
-        if m.key is not None and self._key.get((m.namespace, m.key)) == oid:
-            del self._key[(m.namespace, m.key)]
+        if m.key is not None and self._key.get(m.namespace, m.key) == oid:
+            self._key.pop(m.namespace, m.key)
 
     def _put(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         oid = r["id"]
@@ -142,13 +142,12 @@ class Replay:
         key = r.get("key")
         if key is not None:
             # (a replace journals the new object's put before the old one's free: no damage needed)
-            k = (r["ns"], key)
-            other = self._key.get(k)
+            other = self._key.get(r["ns"], key)
             if other is not None and other > oid:
                 return  # a late record of an object already replaced: it was on its way out
             if other is not None:
                 self._free(other)
-            self._key[k] = oid
+            self._key.set(r["ns"], key, oid)
         for dev, off, _, n in ext:
             self._space[dev].add(off, align_up(max(n, 1), PAGE), oid)
         if "fr" in r or "own" in r:  # (echoes are not its own)
@@ -160,11 +159,18 @@ class Replay:
 
 
 class _Extents:
-    """Disjoint byte ranges of one drive and the object each belongs to (replay only)."""
+    """Disjoint byte ranges of one drive and the object each belongs to (replay only).
+
+    Per range it keeps only objects the live index holds anyway (the start, the id, a
+    size shared by every range of that size): what a replay builds and lets go of at
+    its end is then a few large tables, not a million small objects whose freed slots
+    would stay behind in the heap between the live ones."""
 
     def __init__(self) -> None:
         self._starts: list[int] = []
-        self._at: dict[int, tuple[int, int]] = {}  # start -> (end, oid)
+        self._size: dict[int, int] = {}  # start -> size
+        self._oid: dict[int, int] = {}  # start -> object id
+        self._sizes: dict[int, int] = {}  # each size once
 
     def overlapping(self, start: int, size: int) -> list[int]:
         end = start + size
@@ -172,18 +178,19 @@ class _Extents:
         out = []
         while i < len(self._starts) and self._starts[i] < end:
             s = self._starts[i]
-            e, oid = self._at[s]
-            if e > start:
-                out.append(oid)
+            if s + self._size[s] > start:
+                out.append(self._oid[s])
             i += 1
         return out
 
     def add(self, start: int, size: int, oid: int) -> None:
         bisect.insort(self._starts, start)
-        self._at[start] = (start + size, oid)
+        self._size[start] = self._sizes.setdefault(size, size)
+        self._oid[start] = oid
 
     def remove(self, start: int) -> None:
-        if self._at.pop(start, None) is not None:
+        if self._oid.pop(start, None) is not None:
+            del self._size[start]
             del self._starts[bisect.bisect_left(self._starts, start)]
 
 
@@ -205,7 +212,7 @@ class _SeededExtents(_Extents):
             super().overlapping(start, size)
 
     def remove(self, start: int) -> None:
-        if start in self._at:
+        if start in self._oid:
             super().remove(start)
             return
         i = int(np.searchsorted(self._s, start))
@@ -213,27 +220,32 @@ class _SeededExtents(_Extents):
             self._gone.add(start)
 
 
-class _SeededKeys:
-    """``Replay``'s key map started from a checkpoint, built on first use (a tail of
-    nothing but an ``open`` record never needs it)."""
+class _Keys:
+    """``Replay``'s key map, (namespace, key) -> the object holding it, as one dict per
+    namespace (no tuple made per object: see ``_Extents``). ``build``: the map started
+    from a checkpoint, built on first use (a tail of nothing but an ``open`` record never
+    needs it)."""
 
-    def __init__(self, build: Callable[[], dict[tuple[str, str], int]]) -> None:
-        self._build: Callable[[], dict[tuple[str, str], int]] | None = build
-        self._d: dict[tuple[str, str], int] = {}
+    def __init__(self, build: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+        self._build = build
+        self._d: dict[str, dict[str, int]] = {}
 
-    def _map(self) -> dict[tuple[str, str], int]:
+    def _map(self) -> dict[str, dict[str, int]]:
         if self._build is not None:
             self._d, self._build = self._build(), None
         return self._d
 
-    def get(self, k: tuple[str, str], default: Any = None) -> Any:
-        return self._map().get(k, default)
+    def get(self, ns: str, key: str) -> int | None:
+        d = self._map().get(ns)
+        return None if d is None else d.get(key)
 
-    def __setitem__(self, k: tuple[str, str], oid: int) -> None:
-        self._map()[k] = oid
+    def set(self, ns: str, key: str, oid: int) -> None:
+        self._map().setdefault(ns, {})[key] = oid
 
-    def __delitem__(self, k: tuple[str, str]) -> None:
-        del self._map()[k]
+    def pop(self, ns: str, key: str) -> None:
+        d = self._map().get(ns)
+        if d is not None:
+            d.pop(key, None)
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = 1 << 63) -> bool:
