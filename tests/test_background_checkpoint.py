@@ -157,26 +157,106 @@ def test_a_left_over_background_temp_file_is_removed_at_start(tmp_path):
         assert not (d / BACKGROUND_TMP).exists()
 
 
-def test_the_close_ends_a_background_checkpoint_still_being_written(tmp_path):
-    d = tmp_path / "nvme"
-    s = Store(_cfg(d))
-    s.put(_val(1), key="a", durable=True)
-    dur = s.durability
-    started = threading.Event()
+def _slow_background_writes(monkeypatch, seconds):
+    """Background checkpoints (written with a ``tmp``) take ``seconds`` longer: the child
+    sleeps before it writes (the patch is inherited through the fork)."""
+    from tierstore import checkpoint
 
-    def slow():
-        started.set()
-        time.sleep(60)
-    with dur.lock:
-        dur._background = job = forkjob.start(slow)
-        threading.Thread(target=dur._reap, args=(job, s.journal.position, s.journal.rewrites), daemon=True).start()
+    real = checkpoint.write
+
+    def write(directory, identity, records, *, tmp=None):
+        if tmp is not None:
+            time.sleep(seconds)
+        return real(directory, identity, records, tmp=tmp)
+    monkeypatch.setattr(checkpoint, "write", write)
+
+
+def _put_until_background(s, first=0):
+    i = first
+    while s.durability._background is None:
+        s.put(_val(i), key=f"k{i}", durable=True)
+        i += 1
+    return i
+
+
+def test_the_close_ends_a_background_checkpoint_still_being_written(tmp_path, monkeypatch):
+    d = tmp_path / "nvme"
+    _slow_background_writes(monkeypatch, 60)
+    s = Store(_cfg(d, checkpoint_tail_bytes=4096))
+    n = _put_until_background(s)
+    job = s.durability._background
     t0 = time.monotonic()
     s.close()
     assert time.monotonic() - t0 < 10
     assert job.wait() == "killed by signal 9"
+    assert not (d / BACKGROUND_TMP).exists()
     with Store(_cfg(d)) as s2:
         assert s2.replay_info["checkpoint"] == "used" and s2.replay_info["records_replayed"] == 0
-        assert torch.equal(s2.get(s2.lookup("a")), _val(1))
+        assert [torch.equal(s2.get(s2.lookup(f"k{i}")), _val(i)) for i in range(n)] == [True] * n
+
+
+def test_a_background_checkpoint_outlives_the_thread_whose_put_started_it(tmp_path, monkeypatch):
+    """The child is forked by the store's own checkpoint thread: the short-lived thread
+    whose append crossed the threshold may end while the child writes."""
+    _slow_background_writes(monkeypatch, 1)
+    forked_by = []
+    real_start = forkjob.start
+
+    def start(fn):
+        forked_by.append(threading.current_thread().name)
+        return real_start(fn)
+    monkeypatch.setattr(forkjob, "start", start)
+    with Store(_cfg(tmp_path / "nvme", checkpoint_tail_bytes=0)) as s:
+        hs = [s.put(_val(i), durable=True) for i in range(200)]
+        s.durability.checkpoint_tail_bytes = 4096  # (the journal is past it: the next append starts one)
+
+        def frees():  # (a free is journaled on the caller's thread)
+            while s.durability._background is None:
+                s.free(hs.pop())
+        t = threading.Thread(target=frees)
+        t.start()
+        t.join()  # (ended long before the child, which sleeps a second, has written)
+        poll_until(lambda: s.stat()["journal"]["checkpoints_written"] >= 1, "the checkpoint is written",
+                   timeout_s=30)
+    assert set(forked_by) == {"tierstore-checkpoint"}
+
+
+def test_a_forked_job_dies_with_the_thread_that_started_it(tmp_path):
+    """Why the store forks from a thread of its own (``PR_SET_PDEATHSIG`` is per thread)."""
+    armed = tmp_path / "armed"  # (the child's function runs once the death signal is armed)
+    jobs = []
+
+    def child():
+        armed.write_text("")
+        time.sleep(60)
+
+    def thread():
+        jobs.append(forkjob.start(child))
+        poll_until(armed.exists, "the child runs")
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    assert jobs[0].wait() == "killed by signal 9"
+
+
+def test_a_compaction_during_a_background_checkpoint_leaves_the_coverage_true_and_checkpoints_going_on(
+        tmp_path, monkeypatch):
+    _slow_background_writes(monkeypatch, 1)
+    with Store(_cfg(tmp_path / "nvme", checkpoint_tail_bytes=4096)) as s:
+        n = _put_until_background(s)
+        for i in range(n):  # (most of the journal garbage: the compaction shrinks it)
+            s.free(s.lookup(f"k{i}"))
+        s.durability.maybe_compact(force=True)  # the journal is rewritten while the child writes
+        poll_until(lambda: s.durability._background is None, "the stale background checkpoint is let go of",
+                   timeout_s=30)
+        j = s.stat()["journal"]
+        assert 0 < j["checkpoint_covers_bytes"] <= j["bytes"]  # the compaction's own checkpoint
+        written = j["checkpoints_written"]
+        _put_until_background(s, n)  # the new journal's growth starts the next one
+        poll_until(lambda: s.stat()["journal"]["checkpoints_written"] > written, "a checkpoint of the new journal",
+                   timeout_s=30)
+    with Store(_cfg(tmp_path / "nvme")) as s2:
+        assert s2.replay_info["checkpoint"] == "used"
 
 
 # ------------------------------------------------------------------ the child itself

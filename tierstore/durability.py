@@ -55,7 +55,12 @@ class Durability:
         self.checkpoint_at = 0
         """Journal bytes the newest index checkpoint covers (0: none of this journal)."""
         self.checkpoints_written = 0
+        self._counted_from = 0
+        """The journal offset the next background checkpoint's growth is counted from: the
+        last checkpoint's, or where the last try failed (so it is not retried at once)."""
         self._background: forkjob.ForkJob | None = None
+        self._checkpointer: threading.Thread | None = None
+        self._due = threading.Event()
         self._freed: set[int] = set()
         """Durable objects whose free is journaled but that are still in the index: a
         checkpoint or a compaction taken meanwhile must not bring them back."""
@@ -214,6 +219,7 @@ class Durability:
                 return
             checkpoint.remove(self.journal.directory)  # (it names the journal about to be replaced)
             self.journal.rewrite(iter(records))
+            self.checkpoint_at = self._counted_from = 0  # (no checkpoint of the new journal yet)
             self.damage_kept = False
             covered = self._covered()  # (before the next append)
         # the new journal is these records: its checkpoint, written with appends going on
@@ -224,10 +230,12 @@ class Durability:
         (a background checkpoint still being written is ended first)."""
         with self.lock:
             self._closed = True
-            job = self._background
+            job, thread = self._background, self._checkpointer
+            self._due.set()
         if job is not None:
             job.kill()
-            job.wait()  # (its reaper finds the store closed and removes its temp file)
+        if thread is not None:
+            thread.join()  # (it finds the store closed, removes its temp file and ends)
         self.journal.close()
         if self.journal.sync_failed or self.damage_kept:
             # a failed sync: objects were published under records that may be lost, none is
@@ -256,7 +264,7 @@ class Durability:
                 if isinstance(covered, Exception):
                     raise covered
                 checkpoint.write(self.journal.directory, covered, records)
-                self.checkpoint_at = covered[0]
+                self.checkpoint_at = self._counted_from = covered[0]
                 self.checkpoints_written += 1
             except Exception as e:
                 log.warning("index checkpoint not written (the next start replays the whole journal): %s", e)
@@ -278,19 +286,47 @@ class Durability:
 
     # ------------------------------------------------------------------ background checkpoint
     def _after_append(self) -> None:
-        """(under the journal lock, what was appended published) Start a background
-        checkpoint when the journal has grown ``checkpoint_tail_bytes`` and an eighth of
-        what the last one covered since it: a restart after a crash then replays at most
+        """(under the journal lock, what was appended published) Wake the checkpoint thread
+        when the journal has grown ``checkpoint_tail_bytes`` and an eighth of what the last
+        checkpoint covered since it: a restart after a crash then replays at most about
         that much, whatever the journal's size."""
         tail = self.checkpoint_tail_bytes
-        if not tail or self._background is not None or self._closed:
+        if not tail or self._closed or self._background is not None or not self._grown(tail):
             return
-        pos = self.journal.position
-        if pos - self.checkpoint_at < max(tail, self.checkpoint_at // 8):
-            return
-        if self.journal.sync_failed or self.damage_kept:
-            return
-        directory, path, rewrites = self.journal.directory, self.journal.path, self.journal.rewrites
+        if self._checkpointer is None:
+            t = threading.Thread(target=self._checkpoints, name="tierstore-checkpoint", daemon=True)
+            try:
+                t.start()
+            except RuntimeError as e:  # (no thread to be had: the next append tries again)
+                log.warning("background index checkpoint thread not started: %s", e)
+                return
+            self._checkpointer = t
+        self._due.set()
+
+    def _grown(self, tail: int) -> bool:
+        return self.journal.position - self._counted_from >= max(tail, self.checkpoint_at // 8)
+
+    def _checkpoints(self) -> None:
+        """The checkpoint thread: forks each background checkpoint (under the journal lock
+        and the index's cv, so the child's snapshot is consistent) and publishes what the
+        child wrote. One long-lived thread: a forked child dies with the thread that forked
+        it (``forkjob``)."""
+        while True:
+            self._due.wait()
+            self._due.clear()
+            with self.lock:
+                if self._closed:
+                    return
+                if self.journal.sync_failed or self.damage_kept or not self._grown(self.checkpoint_tail_bytes):
+                    continue
+                job, pos, rewrites = self._fork()
+            if job is not None:
+                self._publish(job, pos, rewrites)
+
+    def _fork(self) -> tuple[forkjob.ForkJob | None, int, int]:
+        """(under the journal lock) Start the child that writes the checkpoint of now."""
+        directory, path = self.journal.directory, self.journal.path
+        pos, rewrites = self.journal.position, self.journal.rewrites
 
         def write() -> None:  # (in the child: a snapshot of this moment, no lock held or taken)
             checkpoint.write(directory, checkpoint.journal_identity(path, pos), self._collect(),
@@ -302,21 +338,19 @@ class Durability:
         except OSError as e:
             log.warning("background index checkpoint not started (the next start replays more of the journal): "
                         "%s", e)
-            self.checkpoint_at = pos  # (not retried at once: the next try after as much again)
-            return
+            self._counted_from = pos  # (not retried at once: the next try after as much again)
+            return None, pos, rewrites
         self._background = job
-        threading.Thread(target=self._reap, args=(job, pos, rewrites), name="tierstore-checkpoint",
-                         daemon=True).start()
+        return job, pos, rewrites
 
-    def _reap(self, job: forkjob.ForkJob, pos: int, rewrites: int) -> None:
-        """Wait for a background checkpoint's child; publish what it wrote (rename) if the
-        journal it covers is still the one in use, else remove it."""
+    def _publish(self, job: forkjob.ForkJob, pos: int, rewrites: int) -> None:
+        """Wait for a background checkpoint's child; put what it wrote in place (rename) if
+        the journal it covers is still the one in use, else remove it."""
         why = job.wait()
         directory = self.journal.directory
-        tmp = os.path.join(directory, checkpoint.BACKGROUND_TMP)
         with self.lock:
             self._background = None
-            if why is None and self._closed:
+            if self._closed:
                 why = "the store closed"
             elif why is None and self.journal.rewrites != rewrites:
                 why = "the journal was rewritten meanwhile"
@@ -328,15 +362,16 @@ class Durability:
                 except OSError as e:
                     why = f"not renamed into place: {os.strerror(e.errno or 0)}"
                 else:
-                    self.checkpoint_at = pos
+                    self.checkpoint_at = self._counted_from = pos
                     self.checkpoints_written += 1
                     log.info("background index checkpoint written: it covers the journal's first %d bytes", pos)
                     return
-            self.checkpoint_at = max(self.checkpoint_at, pos)  # (the next try after as much again)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            if self.journal.rewrites == rewrites:
+                self._counted_from = max(self._counted_from, pos)  # (the next try after as much again)
+            try:
+                os.unlink(os.path.join(directory, checkpoint.BACKGROUND_TMP))
+            except OSError:
+                pass
         if why != "the store closed":
             log.warning("background index checkpoint not used: %s", why.splitlines()[-1] if why else why)
 
@@ -488,7 +523,7 @@ class Durability:
                 self.journal.open_for_append()
             else:
                 try:
-                    self.checkpoint_at = 0
+                    self.checkpoint_at = self._counted_from = 0
                     self.journal.rewrite(iter(self._live_records()))  # the damage is not carried forward
                 except StorageError as e:
                     log.error("journal recovery: the journal could not be rewritten (%s); appending to it as "
@@ -526,7 +561,7 @@ class Durability:
                 n = self._apply(rp, res, ck.offset)
                 log.info("index checkpoint used: %d durable objects in %.2f s, then %d journal records after "
                          "offset %d", len(ck.live), ck.load_s, n, ck.offset)
-                self.checkpoint_at = ck.offset
+                self.checkpoint_at = self._counted_from = ck.offset
                 return res, rp, {"checkpoint": "used", "records_replayed": n}
             except Exception as e:
                 log.error("index checkpoint not used, replaying the whole journal: the records after it "

@@ -12,7 +12,9 @@ have held a lock at the fork: it takes no lock of the parent (the function reads
 data), logs nothing (a handler's lock or a buffered stream's may be held) and ends with
 ``os._exit``. It closes every inherited descriptor but its status pipe (a socket or a
 directory lock kept open in it would outlive a dead parent), dies with the parent
-(``PR_SET_PDEATHSIG``), and takes SIGTERM and SIGINT by their default action.
+(``PR_SET_PDEATHSIG``), and takes SIGTERM and SIGINT by their default action. The death
+signal follows the *thread* that called ``start``: start a job from a thread that
+outlives it (the store forks from its own checkpoint thread).
 
 The parent learns the outcome from ``ForkJob.wait`` (``None``: the function returned;
 else why not) and can end it early with ``ForkJob.kill``.
@@ -108,11 +110,20 @@ def start(fn: Callable[[], None]) -> ForkJob:
     return ForkJob(pid, r)
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()  # (loaded here: the child calls into it, it does not dlopen)
+
+
 def _child_setup(parent: int, keep: int, mask: set) -> None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except AttributeError:
         pass  # (not Linux) the child still ends when its function does
     if os.getppid() != parent:  # the parent died before the death signal was armed
         os._exit(1)
