@@ -25,7 +25,7 @@ body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arr
 - ``journal``: ``[X, crc32c of the journal's bytes [0, X)]``
 - ``epoch``, ``next_id``, ``owners`` (``[[root namespace, uid], ...]`` in claim order)
 - ``ns``: the distinct namespaces; ``specs``: the distinct ``[kind, dtype, shape, nbytes]``
-- per object: ``id`` u64, ``gen`` u32, ``nsi`` u32 (into ``ns``), ``spec`` u32 (into
+- per object: ``id`` u64, ``ord`` u64 (``ObjectMeta.order``; absent: the ids), ``gen`` u32, ``nsi`` u32 (into ``ns``), ``spec`` u32 (into
   ``specs``), ``home`` u8 (1: ``"nvme"``), ``keys`` (a list, nil for none), ``next`` u32
   (extents of each object), ``crcn`` u32 (block CRCs of each), ``recn`` u32 (bytes of
   its journal record)
@@ -141,7 +141,7 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
     epoch, next_id = 0, 1
     ns_ix: dict[str, int] = {}
     spec_ix: dict[tuple, int] = {}
-    ids, gens, nsis, spis, homes, keys = [], [], [], [], [], []
+    ids, ords, gens, nsis, spis, homes, keys = [], [], [], [], [], [], []
     nexts, ext, crcn, crc, recn, rec = [], [], [], [], [], []
     unpack = msgpack.unpackb
     for r in records:
@@ -169,6 +169,7 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         if s is None:
             s = spec_ix[sk] = len(spec_ix)
         ids.append(d["id"])
+        ords.append(d.get("ord", d["id"]))
         gens.append(d["gen"])
         nsis.append(i)
         spis.append(s)
@@ -182,13 +183,13 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         recn.append(len(r))
         rec.append(r)
         epoch = max(epoch, d["gen"])
-        next_id = max(next_id, d["id"] + 1)
+        next_id = max(next_id, d["id"] + 1, ords[-1] + 1)
     size, jcrc = identity
     body = msgpack.packb({
         "journal": [size, jcrc], "epoch": epoch, "next_id": next_id,
         "owners": [[n, u] for n, u in owners.items()], "ns": list(ns_ix),
         "specs": [[k, dt, list(sh), nb] for k, dt, sh, nb in spec_ix],
-        "id": _col(ids, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"), "spec": _col(spis, "<u4"),
+        "id": _col(ids, "<u8"), "ord": _col(ords, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"), "spec": _col(spis, "<u4"),
         "home": _col(homes, "u1"), "keys": keys, "next": _col(nexts, "<u4"), "ext": _col(ext, "<u8"),
         "crcn": _col(crcn, "<u4"), "crc": _col(crc, "<u4"), "recn": _col(recn, "<u4"), "rec": b"".join(rec),
     }, use_bin_type=True)
@@ -333,6 +334,7 @@ def _build(b: dict, ndrives: int, drive_bytes: int) -> Checkpoint:
     names, specs = _namespaces(b.get("ns")), _specs(b.get("specs"))
     ids = _arr(b, "id", "<u8")
     n = len(ids)
+    ords = _arr(b, "ord", "<u8", n) if "ord" in b else ids  # (a checkpoint written before orders: ids)
     gens, nsi, spi = _arr(b, "gen", "<u4", n), _arr(b, "nsi", "<u4", n), _arr(b, "spec", "<u4", n)
     home, nxt, crcn, recn = _arr(b, "home", "u1", n), _arr(b, "next", "<u4", n), _arr(b, "crcn", "<u4", n), \
         _arr(b, "recn", "<u4", n)
@@ -348,6 +350,8 @@ def _build(b: dict, ndrives: int, drive_bytes: int) -> Checkpoint:
         raise Refused("an object id is out of range")
     if n and not (np.diff(ids.astype(np.int64)) > 0).all():
         raise Refused("object ids are not unique and in order")
+    if n and (ords.min() < 1 or ords.max() >= next_id):
+        raise Refused("an object's order is out of range")
     if n and (gens.max() >= 0x10000 or gens.max() > epoch):
         raise Refused("a generation is out of range")
     if n and (nsi.max() >= len(names) or spi.max() >= len(specs) or home.max() > 1):
@@ -395,7 +399,7 @@ def _build(b: dict, ndrives: int, drive_bytes: int) -> Checkpoint:
     for ns, uid in owners.items():
         if uid is None:
             raise Refused(f"namespace {ns!r} has no owner")
-    live = _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, names, specs)
+    live = _objects(ids, ords, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, names, specs)
     _cross_check(live, ids)
     ns_used = [names[i] for i in np.unique(nsi)] if n else []
 
@@ -478,7 +482,7 @@ def _check_keys(keys: list, nsi: np.ndarray, nnames: int) -> None:
         raise Refused("a key is invalid") from None
 
 
-def _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, names, specs
+def _objects(ids, ords, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, names, specs
              ) -> dict[int, ObjectMeta]:
     """The ObjectMetas, in id order, as ``ObjectMeta.from_record`` makes them."""
     rows = [Extent(*row) for row in ext.tolist()]
@@ -496,8 +500,9 @@ def _objects(ids, gens, nsi, spi, home, keys, nxt, ext, crcn, crcs, recn, rec, n
                         nvme_valid=True, home=h)
              for oid, gen, ns, key, spec, h, ex, cr in zip(id_list, gens.tolist(), ns_of, keys, spec_of, home_of,
                                                            exts, crc_of)]
-    for m, rc in zip(metas, rec_of):
+    for m, rc, o in zip(metas, rec_of, ords.tolist()):
         m.record = rc
+        m.order = m.id if o == m.id else o  # (the id itself: no second int per object)
     return dict(zip(id_list, metas))
 
 

@@ -65,6 +65,9 @@ class Durability:
         """Durable objects whose free is journaled but that are still in the index: a
         checkpoint or a compaction taken meanwhile must not bring them back."""
         self._closed = False
+        self._last_order = 0
+        """The highest ``ObjectMeta.order`` journaled (every object of the journal found at
+        start counts as journaled: their orders are below the next id)."""
         self.owners: dict[str, int] = {}
         """Root namespace -> the uid that claimed it."""
         self.hostlog_on = False
@@ -88,6 +91,7 @@ class Durability:
 
     def journal_puts(self, metas: list[ObjectMeta], *, sync: bool = False) -> None:
         """``journal_put`` of several objects with one write: all of them, or none."""
+        self._order(metas)
         recs = []
         for meta in metas:
             rec = meta.to_record()
@@ -98,6 +102,22 @@ class Durability:
         payloads = self.journal.append_many(recs, sync=sync)
         for meta, rec, payload in zip(metas, recs, payloads):
             meta.record = pack_record(rec) if payload is None else payload
+
+    def _order(self, metas: list[ObjectMeta]) -> None:
+        """(under the journal lock) Give each object journaled for the first time its order:
+        its id while ids come in order, else the next number of the id counter, so the order
+        of first records is the order the objects were published in (a replay resolves a
+        key held twice by it, as the index did)."""
+        fresh = [m for m in metas if m.order is None]
+        if not fresh:
+            return
+        with self.index.cv:
+            for m in fresh:
+                if m.id > self._last_order:
+                    m.order = m.id
+                else:
+                    m.order = self.index.new_id()
+                self._last_order = m.order
 
     def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], None]) -> None:
         """A put's one pass through durability: under the journal lock, the key is checked
@@ -533,6 +553,7 @@ class Durability:
         else:
             self.journal.open_for_append()
         self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id})
+        self._last_order = ix.next_id - 1
         with self.lock:
             self._after_append()  # (a long replay: its checkpoint now, not after the next puts)
         return info

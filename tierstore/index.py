@@ -58,6 +58,12 @@ class ObjectMeta:
     record: bytes | None = None
     """The last journal record written for this (durable) object, packed (``journal.pack``);
     compaction rewrites it."""
+    order: int | None = None
+    """(durable) Where its first put record stands among the journal's puts: of two
+    objects a replay finds under one key, the higher order holds it. The id itself while
+    objects are journaled in id order (the usual); a later number when an object with a
+    higher id was journaled first (a put reserved earlier, committed later), and then in
+    its records (``ord``)."""
     _hv: bool = field(default=False, init=False, repr=False)
     _nv: bool = field(default=False, init=False, repr=False)
     _table: Any = field(default=None, init=False, repr=False)
@@ -87,7 +93,8 @@ class ObjectMeta:
         return {"op": "put", "id": self.id, "gen": self.gen, "ns": self.namespace, "key": self.key,
                 "kind": self.spec.kind, "dtype": self.spec.dtype, "shape": list(self.spec.shape),
                 "nbytes": self.spec.nbytes, "ext": [e.to_wire() for e in self.nvme or []],
-                "crc": list(self.crcs or []), "home": self.home}
+                "crc": list(self.crcs or []), "home": self.home,
+                **({} if self.order is None or self.order == self.id else {"ord": self.order})}
 
     @classmethod
     def from_record(cls, r: dict[str, Any], specs: dict[tuple, TensorSpec] | None = None) -> "ObjectMeta":
@@ -100,9 +107,10 @@ class ObjectMeta:
             spec = TensorSpec(sys.intern(sk[0]), sys.intern(sk[1]), sk[2], sk[3])
             if specs is not None:
                 specs[sk] = spec
-        return cls(id=int(r["id"]), gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
+        oid = int(r["id"])
+        return cls(id=oid, gen=int(r["gen"]), namespace=sys.intern(r["ns"]), key=r.get("key"), spec=spec,
                    durable=True, nvme=tuple([Extent.from_wire(e) for e in r["ext"]]), crcs=tuple(r["crc"]),
-                   nvme_valid=True, home=r.get("home"))
+                   nvme_valid=True, home=r.get("home"), order=r.get("ord", oid))
 
 
 def _counted_flag(slot: str, counter: str, doc: str) -> property:

@@ -41,8 +41,9 @@ class Replay:
     - a put whose extents overlap a live object's: that object was freed (or rewritten
       elsewhere) before the space was reused, whatever its own records say (counted:
       ``superseded``, as its free, or its newer record, was lost);
-    - a put binding a key another live object holds: the higher id is the newer (a
-      replace), the other goes;
+    - a put binding a key another live object holds: the higher order is the newer (a
+      replace), the other goes (``ObjectMeta.order``: the id, or the ``ord`` a record
+      carries when its object was published after one with a higher id);
     - a free, or a free repeated (``fr``) by a later record, removes the object;
     - namespace ownership: the first claim in order (``ns``, repeated as ``own``, and the
       owner's uid in each put, ``nsuid``) holds; a later disagreeing one is ignored.
@@ -124,8 +125,9 @@ class Replay:
 
     def _put(self, r: dict[str, Any], payload: bytes | None = None) -> None:
         oid = r["id"]
-        if oid >= self.next_id:
-            self.next_id = oid + 1
+        order = r.get("ord", oid)
+        if max(oid, order) >= self.next_id:
+            self.next_id = max(oid, order) + 1
         if r["gen"] > self.epoch:
             self.epoch = r["gen"]
         if r.get("nsuid") is not None:
@@ -143,7 +145,8 @@ class Replay:
         if key is not None:
             # (a replace journals the new object's put before the old one's free: no damage needed)
             other = self._key.get(r["ns"], key)
-            if other is not None and other > oid:
+            holder = None if other is None else self.live.get(other)
+            if holder is not None and holder.order > order:
                 return  # a late record of an object already replaced: it was on its way out
             if other is not None:
                 self._free(other)
@@ -290,6 +293,8 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[
         return f"unknown op {op!r}"
     if not _is_int(r.get("id"), 1, _ID_LIMIT) or not _is_int(r.get("gen"), 0, 0x10000):
         return "put: bad 'id' or 'gen'"
+    if "ord" in r and not _is_int(r["ord"], 1, _ID_LIMIT):
+        return "put: bad 'ord'"
     try:
         ns = r.get("ns")
         if ns_ok is None or type(ns) is not str or ns not in ns_ok:
