@@ -47,8 +47,11 @@ ACTIVATION_FIELDS = frozenset({
     "fetched_bytes", "hits", "late", "misses", "backward_stall_s", "forward_stall_s"})
 """The activation-offload counters a client may report (``client_info``); ``stat`` sums them."""
 
-_INLINE_LIST = 4096
-"""An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker thread."""
+_INLINE_KEYS = 4096
+_INLINE_LS = 256
+"""An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker
+thread (an ``ls`` row costs the loop about what 16 keys do: at most about one page's time
+either way)."""
 PAGE_KEYS = 1024
 PAGE_LS = 256
 PAGE_ROWS = 4096
@@ -339,16 +342,16 @@ class Handlers:
         return (field(msg, "prefix", str, ""), field(msg, "after", str, None),
                 field(msg, "limit", int, most, min_value=1, max_value=most))
 
-    def _whole_list(self, sess: "Session", listing: Callable[[], Any]) -> Any:
+    def _whole_list(self, sess: "Session", listing: Callable[[], Any], inline: int) -> Any:
         """An unpaged listing: on an op worker when the namespace is big enough to hold up the event loop."""
-        if self.store.daemon.key_count(sess.namespace) > _INLINE_LIST:
+        if self.store.daemon.key_count(sess.namespace) > inline:
             return Later(listing)
         return listing()
 
     def keys(self, sess: "Session", msg: dict[str, Any]) -> Any:
         if not field(msg, "page", bool, False):
             prefix = field(msg, "prefix", str, "")
-            return self._whole_list(sess, lambda: self.store.keys(prefix, namespace=sess.namespace))
+            return self._whole_list(sess, lambda: self.store.keys(prefix, namespace=sess.namespace), _INLINE_KEYS)
         prefix, after, limit = self._page_args(msg, PAGE_KEYS)
         keys = self.store.key_names(prefix, after, limit, namespace=sess.namespace)
         size = 0
@@ -362,7 +365,7 @@ class Handlers:
     def ls(self, sess: "Session", msg: dict[str, Any]) -> Any:
         if not field(msg, "page", bool, False):
             prefix = field(msg, "prefix", str, "")
-            return self._whole_list(sess, lambda: self.store.ls(prefix, namespace=sess.namespace))
+            return self._whole_list(sess, lambda: self.store.ls(prefix, namespace=sess.namespace), _INLINE_LS)
         if field(msg, "columns", bool, False):
             prefix, after, limit = self._page_args(msg, PAGE_ROWS)
             cols = self.store.ls_columns(prefix, after, limit, namespace=sess.namespace)

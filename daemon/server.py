@@ -76,6 +76,10 @@ _BATCH_ITEM_BYTES = 4096
 """Replies up to this size are joined with their neighbours into one packet (clients that take joined replies)."""
 _OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
 """Bytes of replies one connection may leave unread before it is disconnected."""
+_ENTRY_BYTES = 256
+"""What a queued reply costs the daemon besides its bytes (its bytes object, the outbox
+entry, the deque's slot), counted with them: a flood of tiny unread replies is bounded
+by memory, not by the replies' payload."""
 _UID_OUTBOX_BYTES = 128 << 20
 """... one uid's connections together (the one whose reply passes it is disconnected)."""
 _ALL_OUTBOX_BYTES = 512 << 20
@@ -738,10 +742,10 @@ class Server:
         if len(blob) > PACKET_BYTES and sess.fragments and not fds:
             for frag in fragments(blob):
                 sess.outbox.append((frag, None, rid, False))
-                self._outbox_delta(sess, len(frag))
+                self._outbox_delta(sess, len(frag) + _ENTRY_BYTES)
         else:
             sess.outbox.append((blob, fds, rid, sess.joined and not fds and len(blob) <= _BATCH_ITEM_BYTES))
-            self._outbox_delta(sess, len(blob))
+            self._outbox_delta(sess, len(blob) + _ENTRY_BYTES)
         if self._corked is not None and sess.joined:
             self._corked.add(sess)  # sent when the burst (or the drain) ends
         else:
@@ -797,7 +801,7 @@ class Server:
                 self._close(sess)
                 return
             out.popleft()
-            self._outbox_delta(sess, -len(blob))
+            self._outbox_delta(sess, -len(blob) - _ENTRY_BYTES)
         if sess.eof:  # a half-closed peer has all its replies
             self._close(sess)
             return
@@ -950,7 +954,9 @@ def _join_replies(out: deque) -> int:
         size += len(blob)
     head = bytes((0x90 | len(parts),)) if len(parts) < 16 else b"\xdc" + len(parts).to_bytes(2, "big")
     out.appendleft((head + b"".join(parts), None, None, False))
-    return len(head)  # the outbox's bytes grow by the header (taken back when it is sent)
+    # the outbox's bytes grow by the header (taken back when it is sent) and hold one entry
+    # where there were len(parts)
+    return len(head) - (len(parts) - 1) * _ENTRY_BYTES
 
 
 def _seconds(v: Any) -> float | None:

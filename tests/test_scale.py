@@ -263,6 +263,45 @@ def test_a_client_that_stops_reading_is_disconnected_and_memory_stays_bounded(da
                     raise
 
 
+_PINGS = r"""
+import socket, sys, msgpack
+from tierstore.protocol import PROTOCOL_VERSION
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "pings"}))
+socket.recv_fds(s, 1 << 20, 4)
+print("hello", flush=True)
+pkts = [msgpack.packb({"id": i, "op": "ping"}) for i in range(1, 4097)]
+s.settimeout(60)
+sent = 0
+try:
+    while sent < 3_000_000:  # (a 14-byte reply each, never read)
+        for b in pkts:
+            s.send(b)
+        sent += len(pkts)
+except OSError as e:
+    print("closed by the daemon after", sent, "requests:", e, flush=True)
+"""
+
+
+def test_a_flood_of_tiny_unread_replies_is_bounded_by_what_they_cost_the_daemon(daemon):
+    """Millions of pipelined pings whose 14-byte replies are never read: each queued reply
+    is charged what it costs the daemon, not only its bytes, so the reader is
+    disconnected before it grows the daemon past its outbox bound."""
+    rss0 = _mem_kib(daemon.proc.pid)
+    with open(f"/proc/{daemon.proc.pid}/clear_refs", "w") as f:
+        f.write("5")
+    flood = subprocess.Popen([sys.executable, "-c", _PINGS, daemon.socket], stdout=subprocess.PIPE, text=True)
+    assert flood.stdout.readline().startswith("hello")
+    out = flood.communicate(timeout=300)[0]
+    assert "closed by the daemon" in out, out
+    grown_mib = (_mem_kib(daemon.proc.pid, "VmHWM") - rss0) / 1024
+    assert grown_mib < 100, f"daemon grew by {grown_mib:.0f} MiB at its peak"  # before: about 500 MiB
+    assert "does not read its replies" in daemon.log.read_text()
+    with daemon.client("other") as other:
+        other.ping()
+
+
 _UNREAD = r"""
 import socket, sys, time, msgpack
 from tierstore.protocol import PROTOCOL_VERSION
