@@ -469,14 +469,13 @@ class Server:
             if not admitted(cred, self.allowed_gids):
                 reason = PermissionDenied(f"uid {cred.uid} may not use this daemon; ask its operator to add one "
                                           "of your groups to allowed_groups")
-            elif len(self._sessions) >= self._room_for(cred.uid):
+            elif len(self._sessions) >= self._room_for(cred.uid, self._held_by(cred.uid)):
+                most = self.config.daemon.max_clients
                 reason = TierstoreError(f"the daemon already serves {len(self._sessions)} connections "
-                                        f"(max_clients {self.config.daemon.max_clients}, the last "
-                                        f"{_root_reserve(self.config.daemon.max_clients)} kept for root); "
-                                        "close idle clients or raise the limit")
-            elif (cred.uid != 0
-                  and sum(1 for x in self._sessions.values() if x.cred.uid == cred.uid)
-                  >= self.config.daemon.max_clients_per_uid):
+                                        f"(max_clients {most}, the last {_root_reserve(most)} kept for root and "
+                                        f"{_root_reserve(most)} before them for uids holding fewer than "
+                                        f"{_NEWCOMER_HOLDS}); close idle clients or raise the limit")
+            elif cred.uid != 0 and self._held_by(cred.uid) >= self.config.daemon.max_clients_per_uid:
                 reason = TierstoreError(f"uid {cred.uid} already holds {self.config.daemon.max_clients_per_uid} "
                                         "connections (max_clients_per_uid); close idle clients")
             if reason is not None:
@@ -501,10 +500,18 @@ class Server:
             self._sel.register(conn, selectors.EVENT_READ, ("sess", sess))
             log.debug("session %d: pid %d uid %d connected", sess.cid, cred.pid, cred.uid)
 
-    def _room_for(self, uid: int) -> int:
-        """Connections at once beyond which ``uid`` is refused: root may use the last few,
-        so a full daemon can still be inspected and stopped."""
-        return self.config.daemon.max_clients - (0 if uid == 0 else _root_reserve(self.config.daemon.max_clients))
+    def _room_for(self, uid: int, holds: int) -> int:
+        """Connections at once beyond which ``uid``, holding ``holds``, is refused: root may
+        use the last few, so a full daemon can still be inspected and stopped, and a uid
+        holding fewer than ``_NEWCOMER_HOLDS`` the few before them, so uids that filled the
+        daemon between them do not lock out another."""
+        most = self.config.daemon.max_clients
+        if uid == 0:
+            return most
+        return most - _root_reserve(most) - (0 if holds < _NEWCOMER_HOLDS else _root_reserve(most))
+
+    def _held_by(self, uid: int) -> int:
+        return sum(1 for x in self._sessions.values() if x.cred.uid == uid)
 
     def _read(self, sess: Session) -> None:
         """A burst of ``sess``'s requests, each handled as it is read; their replies leave
@@ -927,8 +934,13 @@ def _outcome(get, rid: int, op: str) -> tuple[bytes, str, str | None]:
 
 
 def _root_reserve(max_clients: int) -> int:
-    """Connections kept for root once all others are taken."""
+    """Connections kept for root once all others are taken (and as many before them for
+    uids that hold fewer than ``_NEWCOMER_HOLDS``)."""
     return min(8, max_clients // 16)
+
+
+_NEWCOMER_HOLDS = 2
+"""A uid holding fewer connections than this may use the slots kept for other uids."""
 
 
 def _sum_activations(sessions: list[dict[str, Any]]) -> dict[str, Any]:

@@ -400,8 +400,10 @@ def test_connection_caps_leave_room_for_root_and_other_uids(daemon_factory):
     try:
         line = hold(nobody.pw_uid, "n1", 20)
         assert line.startswith("admitted 16 refused") and "max_clients_per_uid" in line, line
-        line = hold(nobody.pw_uid - 1, "n2", 20)  # another uid still gets in, up to the root reserve
-        assert line.startswith("admitted 14 refused") and "kept for root" in line, line
+        line = hold(nobody.pw_uid - 1, "n2", 20)  # another uid still gets in, up to the reserves
+        assert line.startswith("admitted 12 refused") and "kept for root" in line, line
+        line = hold(nobody.pw_uid - 2, "n3", 20)  # a third uid: the two kept for other uids
+        assert line.startswith("admitted 2 refused") and "kept for root" in line, line
         with d.client(), d.client() as c:  # root: the last two
             c.ping()
     finally:
