@@ -47,6 +47,8 @@ ACTIVATION_FIELDS = frozenset({
     "fetched_bytes", "hits", "late", "misses", "backward_stall_s", "forward_stall_s"})
 """The activation-offload counters a client may report (``client_info``); ``stat`` sums them."""
 
+_STAGING_MAX = 1 << 20
+"""The largest staging area a connection may ask for (the client asks for 320 KiB)."""
 _INLINE_KEYS = 4096
 _INLINE_LS = 256
 """An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker
@@ -234,8 +236,8 @@ class Handlers:
                          lambda res: {"rid": res.rid, "offset": res.host_off, "gpu_loc": res.gpu_loc})
 
     def staging(self, sess: "Session", msg: dict[str, Any]) -> Any:
-        nbytes = field(msg, "nbytes", int, min_value=4096, max_value=16 << 20)
-        off, n = self.store.daemon.staging_area(sess, nbytes)
+        nbytes = field(msg, "nbytes", int, min_value=4096, max_value=_STAGING_MAX)
+        off, n = self.store.daemon.staging_area(sess, nbytes, sess.cred.uid)
         return {"offset": off, "nbytes": n}
 
     def put_staged(self, sess: "Session", msg: dict[str, Any]) -> Any:

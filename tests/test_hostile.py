@@ -3,6 +3,7 @@ processes against a real daemon and checks that the other clients are still serv
 
 import contextlib
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -451,3 +452,49 @@ except Exception as e:
             if idle.poll() is None:
                 idle.kill()
                 idle.communicate()
+
+
+_STAGING = r"""
+import socket, sys, msgpack
+from tierstore.protocol import PROTOCOL_VERSION
+got = refused = 0
+conns = []
+for j in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "pin"}))
+    socket.recv_fds(s, 1 << 20, 4)
+    s.send(msgpack.packb({"id": 1, "op": "staging", "nbytes": int(sys.argv[3])}))
+    r = msgpack.unpackb(s.recv(1 << 16), raw=False)
+    if r.get("ok", "error" not in r) and "offset" in str(r):
+        got += 1
+    else:
+        refused += 1
+    conns.append(s)
+print("got", got, "refused", refused, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_cannot_pin_the_host_tier_with_staging_areas(daemon_factory):
+    """40 connections of one uid each ask for the largest staging area and go idle: the
+    areas hold at most an eighth of the host tier (a quarter for every uid together), an
+    area past the largest is refused, and another client's large put and get still fit."""
+    d = daemon_factory("--host-bytes", "64MiB")
+    over = subprocess.run([sys.executable, "-c", _STAGING, d.socket, "1", str(16 << 20)], input="",
+                          capture_output=True, text=True, timeout=60)
+    assert "got 0 refused 1" in over.stdout, over.stdout + over.stderr
+    p = subprocess.Popen([sys.executable, "-c", _STAGING, d.socket, "40", str(1 << 20)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("got 8 refused 32"), line
+        with d.client("victim") as c:
+            x = torch.arange(12 << 18, dtype=torch.float32)  # 12 MiB: more than the rest of the tier would hold
+            h = c.put(x, key="big")
+            assert torch.equal(c.get(h), x)
+            c.put(torch.ones(4), key="small")  # (its own staging area: the uid's share is spent, the long way)
+            assert torch.equal(c.get(c.lookup("small")), torch.ones(4))
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)

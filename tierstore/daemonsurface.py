@@ -82,10 +82,11 @@ class DaemonSurface:
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
         self.puts.abort(rid, owner=owner)
 
-    def staging_area(self, owner: Any, nbytes: int) -> tuple[int, int]:
+    def staging_area(self, owner: Any, nbytes: int, group: Any = None) -> tuple[int, int]:
         """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets
-        through the daemon pass through it in one round trip."""
-        return self.staging.area(owner, nbytes)
+        through the daemon pass through it in one round trip. ``group``: whose share it
+        counts against (the connection's uid; ``StagingAreas``)."""
+        return self.staging.area(owner, nbytes, group)
 
     def put_staged(self, owner: Any, src: int, spec: TensorSpec, **kw: Any) -> Handle:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
