@@ -380,8 +380,9 @@ class Handlers:
 
     def namespaces(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """One page of the per-namespace table of ``stat``, in name order after ``after``."""
-        page = self.store.stat_namespaces(field(msg, "after", str, None), PAGE_NAMESPACES + 1)
-        return _namespace_page(page)
+        after = field(msg, "after", str, None)
+        page = self.store.daemon.stat_namespaces_of(sess.cred.uid, after, PAGE_NAMESPACES + 1)
+        return _namespace_page(self.store.stat_namespaces(after, PAGE_NAMESPACES + 1) if page is None else page)
 
     def info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return self.store.info(_handle(msg), namespace=sess.namespace)
@@ -402,7 +403,11 @@ class Handlers:
 
     def stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
         st = self.store.stat(namespace_limit=PAGE_NAMESPACES + 1)
-        st.update(self._server_stats())
+        st.update(self._server_stats(sess.cred.uid))
+        mine = self.store.daemon.stat_namespaces_of(sess.cred.uid, None, PAGE_NAMESPACES + 1)
+        if mine is not None:  # another uid's namespaces are not this client's to see, nor their number
+            st["namespaces"] = mine
+            st["namespaces_total"] = len(self.store.daemon.stat_namespaces_of(sess.cred.uid))
         # the table of namespaces is one page: the rest through ``namespaces`` from "namespaces_next"
         page = _namespace_page(st["namespaces"])
         st["namespaces"], st["namespaces_next"] = page["namespaces"], page["next"]

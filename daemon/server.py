@@ -899,12 +899,13 @@ class Server:
     def _count_error(self, code: str) -> None:
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
 
-    def _server_stats(self) -> dict[str, Any]:
+    def _server_stats(self, uid: int = 0) -> dict[str, Any]:
+        """The daemon's figures; the sessions listed are ``uid``'s (root: every one)."""
         sessions = [{"session": s.cid, "pid": s.cred.pid, "uid": s.cred.uid, "namespace": s.namespace,
                      "requests": s.requests, "age_s": time.monotonic() - s.opened, "pinned": s.pinned,
                      "pinned_reason": s.pinned_reason,
                      **({"activations": s.activations} if s.activations is not None else {})}
-                    for s in list(self._sessions.values())]
+                    for s in list(self._sessions.values()) if uid == 0 or s.cred.uid == uid]
         waiting = self._waits.waiting()
         op_queue = self._pool.waiting()
         return {"clients": len(self._sessions), "sessions": sessions, "activations": _sum_activations(sessions),

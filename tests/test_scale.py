@@ -471,3 +471,37 @@ def test_stat_counters_match_a_recount_through_moves_replaces_frees_and_a_restar
     check(s)
     s.close()
     check(make_store(host_bytes="8MiB"))  # the durable ones, replayed
+
+
+_STAT_AS = r"""
+import json, os, sys
+import torch
+from tierstore.client import Client
+os.setgroups([]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))
+with Client.connect(socket=sys.argv[1], namespace="mine") as c:
+    c.put(torch.ones(2), key="k")
+    st = c.stat()
+    pages = list(c.iter_namespaces()) if hasattr(c, "iter_namespaces") else None
+    print(json.dumps({"namespaces": sorted(st["namespaces"]), "total": st["namespaces_total"],
+                      "session_uids": sorted({s["uid"] for s in st["sessions"]}), "pages": pages}))
+"""
+
+
+def test_a_non_root_client_sees_only_its_own_namespaces_and_sessions_in_stat(daemon_factory):
+    import grp
+
+    nobody = pwd.getpwnam("nobody")
+    group = grp.getgrgid(nobody.pw_gid).gr_name
+    d = daemon_factory("--allowed-group", group, public=True)
+    with d.client("secret-project") as root_client:
+        root_client.put(torch.ones(2), key="k")
+        r = subprocess.run([sys.executable, "-c", _STAT_AS, d.socket, str(nobody.pw_uid), str(nobody.pw_gid)],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": "/tmp"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        assert seen["namespaces"] == ["mine"] and seen["total"] == 1, seen
+        assert seen["session_uids"] == [nobody.pw_uid], seen
+        if seen["pages"] is not None:
+            assert "secret-project" not in json.dumps(seen["pages"]), seen
+        st = root_client.stat()  # root, the operator, sees every one
+        assert {"mine", "secret-project"} <= set(st["namespaces"])

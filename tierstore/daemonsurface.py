@@ -82,6 +82,15 @@ class DaemonSurface:
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
         self.puts.abort(rid, owner=owner)
 
+    def stat_namespaces_of(self, uid: int, after: str | None = None, limit: int | None = None
+                           ) -> dict[str, dict[str, int]] | None:
+        """``Store.stat_namespaces`` as ``uid`` may see it: the namespaces its uid owns
+        (root: every one, then None: the caller's table stands)."""
+        if uid == 0:
+            return None
+        owners = self.durability.owners
+        return self.index.stat_namespaces(after, limit, lambda ns: owners.get(ns.split("/")[0]) == uid)
+
     def staging_area(self, owner: Any, nbytes: int, group: Any = None) -> tuple[int, int]:
         """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets
         through the daemon pass through it in one round trip. ``group``: whose share it

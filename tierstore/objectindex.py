@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 from operator import attrgetter
-from typing import Any
+from typing import Any, Callable
 
 from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, StaleHandle
 from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
@@ -274,10 +274,14 @@ class ObjectIndex:
         """Keys in ``namespace`` (O(1))."""
         return self.keys.count(namespace)
 
-    def stat_namespaces(self, after: str | None = None, limit: int | None = None) -> dict[str, dict[str, int]]:
+    def stat_namespaces(self, after: str | None = None, limit: int | None = None,
+                        visible: Callable[[str], bool] | None = None) -> dict[str, dict[str, int]]:
+        """``visible`` (called under cv): only the namespaces it accepts."""
         with self.cv:
             table = self.objects.namespaces
             names = sorted_from(table, "", after)
+            if visible is not None:
+                names = filter(visible, names)
             return {ns: {"objects": table[ns][0], "bytes": table[ns][1]}
                     for ns in (names if limit is None else itertools.islice(names, limit))}
 
