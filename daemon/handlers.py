@@ -21,7 +21,7 @@ from tierstore.batch import MAX_EACH
 from tierstore.leasebatches import INLINE_BATCH
 from tierstore.leases import MAX_BATCH
 from tierstore.objectindex import INFO_FIELDS
-from tierstore.protocol import PAGE_BYTES, PROTOCOL_VERSION, field
+from tierstore.protocol import OPS, PAGE_BYTES, PROTOCOL_VERSION, field
 from tierstore.store import Store
 from tierstore.tensors import TensorSpec
 from tierstore.trace import MAX_STREAM_CHARS
@@ -160,20 +160,11 @@ def _stream(msg: dict[str, Any]) -> str:
 
 
 class Handlers:
-    def __init__(self, store: Store, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, store: Store, stats: Callable[[int], dict[str, Any]]) -> None:
         self.store = store
         self._server_stats = stats
-        self.table: dict[str, Callable[["Session", dict[str, Any]], Any]] = {
-            "hello": self.hello, "put_reserve": self.put_reserve, "put_commit": self.put_commit,
-            "put_abort": self.put_abort, "get": self.get, "checkout": self.checkout, "release": self.release,
-            "checkout_many": self.checkout_many, "checkout_each": self.checkout_each,
-            "release_many": self.release_many,
-            "free": self.free, "lookup": self.lookup, "keys": self.keys, "ls": self.ls, "namespaces": self.namespaces,
-            "info": self.info,
-            "prefetch": self.prefetch, "step": self.step, "stat": self.stat, "ping": self.ping,
-            "staging": self.staging, "put_staged": self.put_staged, "gpu_attach": self.gpu_attach,
-            "client_info": self.client_info,
-        }
+        # one registry of ops, the protocol's: each is the method of its name
+        self.table: dict[str, Callable[["Session", dict[str, Any]], Any]] = {op: getattr(self, op) for op in OPS}
 
     # -- session ---------------------------------------------------------------------------
     def hello(self, sess: "Session", msg: dict[str, Any]) -> Any:

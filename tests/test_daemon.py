@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -789,8 +790,9 @@ def test_stat_is_answered_on_the_event_loop_whatever_the_number_of_objects(make_
     s = make_store()
     for i in range(12):
         s.put(np.zeros(4, np.float32), key=f"k{i}", namespace=f"ns{i % 3}")
-    hs = hmod.Handlers(s, lambda: {"clients": 0})
-    st = hs.stat(None, {})
+    hs = hmod.Handlers(s, lambda uid: {"clients": 0})
+    root = types.SimpleNamespace(cred=types.SimpleNamespace(uid=0))
+    st = hs.stat(root, {})
     assert st["namespaces"] == {f"ns{j}": {"objects": 4, "bytes": 64} for j in range(3)}
     assert st["tiers"]["host"]["objects"] == 12 and st["namespaces_total"] == 3 and st["namespaces_next"] is None
 
