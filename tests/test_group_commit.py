@@ -138,6 +138,28 @@ def test_a_failed_journal_sync_fails_the_put_and_every_commit_after_it(make_stor
     s.put(torch.ones(8), key="volatile")  # volatile puts do not touch the journal
 
 
+
+def test_a_failed_sync_of_a_journaled_free_fails_every_journal_write_after_it(make_store, monkeypatch):
+    """A free syncs its record itself: when that fdatasync fails, the records appended
+    before it may be lost as well, so the journal is treated as after a failed commit."""
+    s = make_store()
+    h = s.put(torch.ones(8), key="gone", durable=True)
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        if _is_journal(s, fd):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with pytest.raises(StorageError):
+        s.free(h)
+    monkeypatch.setattr(os, "fdatasync", real)
+    assert s.journal.sync_failed
+    with pytest.raises(StorageError, match="restart"):
+        s.put(torch.ones(8), key="y", durable=True)
+
+
 WRITER = r"""
 import sys, threading, torch
 from tierstore import Config, Store

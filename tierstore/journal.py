@@ -203,13 +203,20 @@ class Journal:
                 elif op == "ns":
                     echoes.append((pos, "own", [record["name"], record["uid"]]))
             blob = blobs[0] if len(blobs) == 1 else b"".join(blobs)
+            synced = False
             try:
                 n = os.write(self._fd, blob)
                 if n != len(blob):
                     raise OSError(errno.ENOSPC, "short write")
                 if sync:
+                    synced = True
                     os.fdatasync(self._fd)  # the caller's promise (durable / freed) rests on this
             except OSError as e:
+                if synced:  # as a failed commit: what earlier appends left unsynced may be lost too
+                    self._sync_failed = (f"journal sync of {self.path} failed ({os.strerror(e.errno)}); records "
+                                         "appended since the last good sync may be lost: check the drive and "
+                                         "restart")
+                    log.error("%s", self._sync_failed)
                 # not appended: take back what reached the file, so a restart does not act on a
                 # record whose caller was told it failed (if even that fails, the partial record
                 # is a damaged stretch that replay skips, and the next record starts after it)
