@@ -5,7 +5,8 @@ puts and gets travel without a reservation of their own.
 blocks come from the host tier's allocator, under the object index's ``cv`` (the lock
 that guards the allocator); an area lives until its owner goes (``drop``). The areas
 together hold at most a quarter of the host tier, and those of one group of owners (a
-uid's connections) an eighth: idle connections cannot pin the tier others need (an owner
+uid's connections) an eighth, but for each group's first area (a small host tier still
+gives every uid one): idle connections cannot pin the tier others need (an owner
 refused an area takes the two-phase put instead).
 """
 
@@ -41,7 +42,8 @@ class StagingAreas:
             if got is not None:
                 return got
             cap = self.host.capacity
-            if self.total_bytes + nbytes > cap // 4 or self._group_bytes[group] + nbytes > cap // 8:
+            if self._group_bytes[group] and (self.total_bytes + nbytes > cap // 4
+                                             or self._group_bytes[group] + nbytes > cap // 8):
                 raise CapacityExceeded(f"staging areas hold {self.total_bytes} bytes ({self._group_bytes[group]} "
                                        f"of them this uid's connections'), their share of the host tier; "
                                        "use the two-phase put")
