@@ -129,9 +129,12 @@ class Session:
     activations: dict[str, float] | None = None
     """The client's activation-offload counters, as it last reported them (None: never)."""
     undos: int = 0
-    """Give-backs of its requests under way (its clean-up waits for them)."""
+    """Its requests that went on from leases they took (``Later.undo``), from the moment
+    they are handed to a pool until they have run or given back what they took: its
+    clean-up waits for them (a batch's blank ``w`` lease must be given back, not checked in
+    as written)."""
     release_waiting: bool = False
-    """It closed while give-backs were under way: the last one releases what it holds."""
+    """It closed while such requests were under way: the last one releases what it holds."""
 
 
 class Server:
@@ -581,6 +584,9 @@ class Server:
             return
         if isinstance(result, Later):  # the rest may wait or touch the disk: on an op worker
             now = time.monotonic()
+            if result.undo is not None:
+                with self._undo_lock:
+                    sess.undos += 1  # (until it has run or given back: ``_let_go``)
             self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.undo))
             return
         if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
@@ -595,7 +601,8 @@ class Server:
 
     def _op(self, job: Job) -> None:
         """(an op worker) Run the rest of a request (``rest()``, its reply) off the loop; a
-        wait for another holder moves it to the wait threads, its timeouts counted from now."""
+        wait for another holder moves it to the wait threads, its timeouts counted from now
+        (what it took goes with it)."""
         try:
             with wait_context(park=True):
                 out = _outcome(job.rest, job.rid, job.op)
@@ -604,7 +611,24 @@ class Server:
             self._waits.submit(Job(job.sess, job.rest, job.rid, job.op, job.t0, now,
                                    now + (job.deadline - job.since), job.undo))
             return
-        self._finish(job.sess, job.rid, *out, time.perf_counter() - job.t0)
+        try:
+            self._finish(job.sess, job.rid, *out, time.perf_counter() - job.t0)
+        finally:
+            self._let_go(job)
+
+    def _let_go(self, job: Job) -> None:
+        """A request that went on from leases it took has run, or given them back: its
+        connection's clean-up, if it waits for the last such request, goes on."""
+        if job.undo is None:
+            return
+        sess = job.sess
+        with self._undo_lock:
+            sess.undos -= 1
+            release = not sess.undos and sess.release_waiting
+            if release:
+                sess.release_waiting = False
+        if release:
+            self._release_owner(sess)
 
     def _wait_budget(self, msg: dict) -> float:
         """How long a request may wait for a thread, queued: its ``timeout_s`` if it has
@@ -622,9 +646,12 @@ class Server:
         """(a wait thread) Run the rest of a request that must wait; its timeouts count
         from when it first had to."""
         sess = job.sess
-        with wait_context(park=False, abandoned=lambda: sess.closed, since=job.since):
-            out = _outcome(job.rest, job.rid, job.op)
-        self._finish(sess, job.rid, *out, time.perf_counter() - job.t0)
+        try:
+            with wait_context(park=False, abandoned=lambda: sess.closed, since=job.since):
+                out = _outcome(job.rest, job.rid, job.op)
+            self._finish(sess, job.rid, *out, time.perf_counter() - job.t0)
+        finally:
+            self._let_go(job)
 
     def _unrun(self, job: Job, error: TierstoreError) -> None:
         """A request ends without running its rest (refused, out of time, its connection
@@ -632,9 +659,6 @@ class Server:
         — on a control thread (a give-back may touch the disk); its connection's clean-up
         waits for the give-back. A closed connection's request that took nothing needs
         neither."""
-        if job.undo is not None:
-            with self._undo_lock:
-                job.sess.undos += 1
         if job.undo is not None or not job.sess.closed:
             self._control.submit(self._end_unrun, job, error)
 
@@ -642,13 +666,7 @@ class Server:
         sess = job.sess
         if job.undo is not None:
             self._undo(job)
-            with self._undo_lock:
-                sess.undos -= 1
-                release = not sess.undos and sess.release_waiting
-                if release:
-                    sess.release_waiting = False
-            if release:
-                self._release_owner(sess)
+            self._let_go(job)
         if not sess.closed:  # (a closed one's other leases went with it)
             self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
                          time.perf_counter() - job.t0)
@@ -855,6 +873,7 @@ class Server:
         for job in ended:
             if job.undo is not None:
                 self._undo(job)
+                self._let_go(job)
         self._release_owner(sess)
 
     def _undo(self, job: Job) -> None:
