@@ -138,7 +138,6 @@ def test_a_failed_journal_sync_fails_the_put_and_every_commit_after_it(make_stor
     s.put(torch.ones(8), key="volatile")  # volatile puts do not touch the journal
 
 
-
 def test_a_failed_sync_of_a_journaled_free_fails_every_journal_write_after_it(make_store, monkeypatch):
     """A free syncs its record itself: when that fdatasync fails, the records appended
     before it may be lost as well, so the journal is treated as after a failed commit."""

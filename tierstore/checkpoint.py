@@ -25,9 +25,9 @@ body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arr
 - ``journal``: ``[X, crc32c of the journal's bytes [0, X)]``
 - ``epoch``, ``next_id``, ``owners`` (``[[root namespace, uid], ...]`` in claim order)
 - ``ns``: the distinct namespaces; ``specs``: the distinct ``[kind, dtype, shape, nbytes]``
-- per object: ``id`` u64, ``ord`` u64 (``ObjectMeta.order``; absent: the ids), ``gen`` u32, ``nsi`` u32 (into ``ns``), ``spec`` u32 (into
-  ``specs``), ``home`` u8 (1: ``"nvme"``), ``keys`` (a list, nil for none), ``next`` u32
-  (extents of each object), ``crcn`` u32 (block CRCs of each), ``recn`` u32 (bytes of
+- per object: ``id`` u64, ``ord`` u64 (``ObjectMeta.order``; absent: the ids), ``gen``
+  u32, ``nsi`` u32 (into ``ns``), ``spec`` u32 (into ``specs``), ``home`` u8 (1:
+  ``"nvme"``), ``keys`` (a list, nil for none), ``next`` u32 (extents of each object), ``crcn`` u32 (block CRCs of each), ``recn`` u32 (bytes of
   its journal record)
 - flat: ``ext`` u64 ``[dev, file_offset, obj_offset, nbytes]`` rows, ``crc`` u32, ``rec``
   (the objects' put records as the journal holds them, one after another)
@@ -189,7 +189,8 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         "journal": [size, jcrc], "epoch": epoch, "next_id": next_id,
         "owners": [[n, u] for n, u in owners.items()], "ns": list(ns_ix),
         "specs": [[k, dt, list(sh), nb] for k, dt, sh, nb in spec_ix],
-        "id": _col(ids, "<u8"), "ord": _col(ords, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"), "spec": _col(spis, "<u4"),
+        "id": _col(ids, "<u8"), "ord": _col(ords, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"),
+        "spec": _col(spis, "<u4"),
         "home": _col(homes, "u1"), "keys": keys, "next": _col(nexts, "<u4"), "ext": _col(ext, "<u8"),
         "crcn": _col(crcn, "<u4"), "crc": _col(crc, "<u4"), "recn": _col(recn, "<u4"), "rec": b"".join(rec),
     }, use_bin_type=True)
