@@ -27,8 +27,8 @@ body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arr
 - ``ns``: the distinct namespaces; ``specs``: the distinct ``[kind, dtype, shape, nbytes]``
 - per object: ``id`` u64, ``ord`` u64 (``ObjectMeta.order``; absent: the ids), ``gen``
   u32, ``nsi`` u32 (into ``ns``), ``spec`` u32 (into ``specs``), ``home`` u8 (1:
-  ``"nvme"``), ``keys`` (a list, nil for none), ``next`` u32 (extents of each object), ``crcn`` u32 (block CRCs of each), ``recn`` u32 (bytes of
-  its journal record)
+  ``"nvme"``), ``keys`` (a list, nil for none), ``next`` u32 (extents of each object),
+  ``crcn`` u32 (block CRCs of each), ``recn`` u32 (bytes of its journal record)
 - flat: ``ext`` u64 ``[dev, file_offset, obj_offset, nbytes]`` rows, ``crc`` u32, ``rec``
   (the objects' put records as the journal holds them, one after another)
 
