@@ -835,3 +835,25 @@ def test_a_large_batch_that_must_wait_goes_on_from_what_it_took_or_gives_it_back
         assert [i.oid for i in got] == [h.id for h in hs] and s.leases.leases.count(a) == len(hs)
         s.leases.drop_owner(a)
     assert not s.leases.leases
+
+
+def test_a_volatile_commit_handed_on_and_ended_unrun_gives_its_reservation_up(make_store):
+    """A volatile commit that must write to NVMe (or finds the journal lock held) answers
+    ``Later``; a daemon that ends it without running it (its connection gone, its queue
+    timeout) calls its ``undo``: the reservation and its host block go, nothing is left
+    committing forever."""
+    from tierstore.tensors import to_bytes
+    from tierstore.waits import Later
+
+    s = make_store()
+    used0 = s.stat()["tiers"]["host"]["used_bytes"]
+    u8, spec = to_bytes(torch.ones(1 << 16))
+    r = s.daemon.reserve_put(spec, key="k", tier="nvme", durable=False, replace=False, namespace="default",
+                             owner="conn")
+    later = s.daemon.try_commit_put(r.rid, owner="conn")
+    assert isinstance(later, Later) and later.undo is not None
+    later.undo()
+    assert s.stat()["tiers"]["host"]["used_bytes"] == used0
+    assert s.lookup("k") is None
+    s.daemon.release_owner("conn")  # (nothing left to end)
+    s.put(torch.zeros(4), key="k")  # the key was never bound

@@ -113,10 +113,10 @@ class Durability:
             return
         with self.index.cv:
             for m in fresh:
-                if m.id > self._last_order:
+                if m.key is None:  # (no key to hold: its order decides nothing)
                     m.order = m.id
-                else:
-                    m.order = self.index.new_id()
+                    continue
+                m.order = m.id if m.id > self._last_order else self.index.new_id()
                 self._last_order = m.order
 
     def record_put(self, meta: ObjectMeta, *, replace: bool, publish: Callable[[], None]) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -208,8 +209,10 @@ class Puts:
         res = self._take_up(rid, owner)
         if res.meta.durable:
             return self._submit(res)
+        # (a rest that ends unrun gives the reservation up: nothing else would, once taken up)
+        undo = partial(self._give_up, res.rid, res.owner)
         if res.tier == "nvme":
-            return Later(lambda: self._record(res, self._land(res)))
+            return Later(lambda: self._record(res, self._land(res)), undo)
         landing = self._land(res)  # (nothing to write for a host or GPU-tier object)
         try:
             done = self.durability.try_record_put(res.meta, replace=res.replace,
@@ -217,7 +220,7 @@ class Puts:
         except BaseException:
             self._give_up(res.rid, res.owner)
             raise
-        return self._count(res.meta) if done else Later(lambda: self._record(res, landing))
+        return self._count(res.meta) if done else Later(lambda: self._record(res, landing), undo)
 
     def _take_up(self, rid: int, owner: Any) -> Reservation:
         """The commit of reservation ``rid`` owns it from here: only it may still abort it."""

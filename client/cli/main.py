@@ -226,7 +226,7 @@ def _client_command(args: argparse.Namespace) -> int:
             shown = sorted(others)[:5]
             more = f" and {len(others) - len(shown)} more" if len(others) > len(shown) else ""
             print(f"tierstore: listed namespace 'default'; the daemon also has {', '.join(shown)}{more} "
-                  f"(tierstore ls --namespace NAME; tierstore stat lists them all)", file=sys.stderr)
+                  f"(tierstore ls --namespace NAME; tierstore stat lists them)", file=sys.stderr)
         return 0
     if args.cmd == "free":
         rc = 0
