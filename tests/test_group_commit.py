@@ -119,9 +119,8 @@ def test_concurrent_durable_puts_share_journal_fsyncs(make_store, monkeypatch):
             assert torch.equal(s.get(s.lookup(f"t{k}/{i}")), torch.full((64,), float(k * 100 + i)))
 
 
-def test_a_failed_journal_sync_fails_the_put_and_every_commit_after_it(make_store, monkeypatch):
-    s = make_store()
-    s.put(torch.ones(8), key="before", durable=True)
+def _failing_journal_syncs(s, monkeypatch):
+    """From now on every fdatasync of ``s``'s journal fails (EIO); returns the real one."""
     real = os.fdatasync
 
     def fdatasync(fd):
@@ -130,6 +129,13 @@ def test_a_failed_journal_sync_fails_the_put_and_every_commit_after_it(make_stor
         real(fd)
 
     monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return real
+
+
+def test_a_failed_journal_sync_fails_the_put_and_every_commit_after_it(make_store, monkeypatch):
+    s = make_store()
+    s.put(torch.ones(8), key="before", durable=True)
+    real = _failing_journal_syncs(s, monkeypatch)
     with pytest.raises(StorageError, match="journal sync .* failed"):
         s.put(torch.ones(8), key="x", durable=True)
     monkeypatch.setattr(os, "fdatasync", real)
@@ -143,14 +149,7 @@ def test_a_failed_sync_of_a_journaled_free_fails_every_journal_write_after_it(ma
     before it may be lost as well, so the journal is treated as after a failed commit."""
     s = make_store()
     h = s.put(torch.ones(8), key="gone", durable=True)
-    real = os.fdatasync
-
-    def fdatasync(fd):
-        if _is_journal(s, fd):
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    real = _failing_journal_syncs(s, monkeypatch)
     with pytest.raises(StorageError):
         s.free(h)
     monkeypatch.setattr(os, "fdatasync", real)

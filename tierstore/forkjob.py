@@ -101,8 +101,8 @@ def start(fn: Callable[[], None]) -> ForkJob:
         except BaseException:
             try:
                 os.write(w, traceback.format_exc(limit=4)[-2000:].encode())
-            except BaseException:
-                pass
+            except BaseException:  # (no way left to tell why: the parent reports the exit status)
+                code = 1
         finally:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -213,10 +213,7 @@ class Journal:
                     os.fdatasync(self._fd)  # the caller's promise (durable / freed) rests on this
             except OSError as e:
                 if synced:  # as a failed commit: what earlier appends left unsynced may be lost too
-                    self._sync_failed = (f"journal sync of {self.path} failed ({os.strerror(e.errno)}); records "
-                                         "appended since the last good sync may be lost: check the drive and "
-                                         "restart")
-                    log.error("%s", self._sync_failed)
+                    self._sync_failure(e)
                 # not appended: take back what reached the file, so a restart does not act on a
                 # record whose caller was told it failed (if even that fails, the partial record
                 # is a damaged stretch that replay skips, and the next record starts after it)
@@ -244,10 +241,14 @@ class Journal:
         try:
             self._group.sync()
         except OSError as e:
-            self._sync_failed = (f"journal sync of {self.path} failed ({os.strerror(e.errno)}); records "
-                                 "appended since the last good sync may be lost: check the drive and restart")
-            log.error("%s", self._sync_failed)
+            self._sync_failure(e)
             raise StorageError(self._sync_failed) from None
+
+    def _sync_failure(self, e: OSError) -> None:
+        """An fdatasync failed: from now on every append and commit fails (see ``commit``)."""
+        self._sync_failed = (f"journal sync of {self.path} failed ({os.strerror(e.errno)}); records "
+                             "appended since the last good sync may be lost: check the drive and restart")
+        log.error("%s", self._sync_failed)
 
     @property
     def sync_failed(self) -> bool:
