@@ -5,8 +5,9 @@ client processes (``put_async``), volatile and durable; the time of ``keys()``,
 ``ls()``, ``stat()`` and ``tierstore snapshot``; the daemon's heap (RssAnon: the host
 arena, shared memory, is not counted) per object; restart with the durable objects, to
 the first request answered and to READY=1 (the journal replayed, every object there),
-and to the STATUS saying the host arena's pages are all populated; another client's ping p50/p99 while two clients loop ``keys(prefix=...)``
-scans. Then 10 000 namespaces of one object each: the time to fill them, ``stat()`` and
+and to the STATUS saying the host arena's pages are all populated; another client's
+ping p50/p99 while two clients loop ``keys(prefix=...)`` and ``ls(prefix=...)`` scans.
+Then 10 000 namespaces of one object each: the time to fill them, ``stat()`` and
 ``tierstore stat --json``.
 
 With ``--journal N``: N durable objects written straight into the journal (the records
@@ -74,6 +75,7 @@ sys.stdout.write("ready\n"); sys.stdout.flush()
 n = 0
 while True:
     c.keys(prefix="obj/0000")
+    c.ls(prefix="obj/0000")
     empty.keys(prefix="obj/")
     n += 1
 """
@@ -129,7 +131,7 @@ def _pings(c, seconds: float) -> dict:
 
 
 def _pings_under_scans(c, sock: str, ns: str, seconds: float) -> dict:
-    """``_pings`` while two client processes loop ``keys(prefix=...)`` scans."""
+    """``_pings`` while two client processes loop ``keys(prefix=...)`` and ``ls(prefix=...)`` scans."""
     scanners = [subprocess.Popen([sys.executable, "-c", SCANNER, sock, ns], stdout=subprocess.PIPE, text=True)
                 for _ in range(2)]
     try:

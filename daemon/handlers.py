@@ -51,9 +51,10 @@ _STAGING_MAX = 1 << 20
 """The largest staging area a connection may ask for (the client asks for 320 KiB)."""
 _INLINE_KEYS = 4096
 _INLINE_LS = 256
-"""An unpaged ``keys``/``ls`` of a namespace with more keys than this runs on a worker
-thread (an ``ls`` row costs the loop about what 16 keys do: at most about one page's time
-either way)."""
+"""An unpaged ``ls`` of a namespace with more keys than this, and an ``ls`` page of more
+rows, runs on a worker thread (an ``ls`` row costs the loop about what 16 keys do: at most
+about one ``keys`` page's time either way); ``_INLINE_KEYS`` is the same for an unpaged
+``keys``."""
 PAGE_KEYS = 1024
 PAGE_LS = 256
 PAGE_ROWS = 4096
@@ -361,10 +362,13 @@ class Handlers:
             return self._whole_list(sess, lambda: self.store.ls(prefix, namespace=sess.namespace), _INLINE_LS)
         if field(msg, "columns", bool, False):
             prefix, after, limit = self._page_args(msg, PAGE_ROWS)
-            cols = self.store.ls_columns(prefix, after, limit, namespace=sess.namespace)
-            keys = cols[_KEY_COLUMN]
-            return {"fields": INFO_FIELDS, "n": len(keys), "columns": _columns(cols),
-                    "next": keys[-1] if len(keys) == limit else None}
+
+            def page() -> dict[str, Any]:
+                cols = self.store.ls_columns(prefix, after, limit, namespace=sess.namespace)
+                keys = cols[_KEY_COLUMN]
+                return {"fields": INFO_FIELDS, "n": len(keys), "columns": _columns(cols),
+                        "next": keys[-1] if len(keys) == limit else None}
+            return page() if limit <= _INLINE_LS else Later(page)
         prefix, after, limit = self._page_args(msg, PAGE_LS)
         rows = self.store.ls_page(prefix, after, limit, namespace=sess.namespace)
         return {"objects": rows, "next": rows[-1]["key"] if len(rows) == limit else None}

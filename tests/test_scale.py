@@ -116,6 +116,29 @@ def test_ls_pages_travel_by_column_with_one_value_columns_sent_once(daemon):
     s.close()
 
 
+def test_a_large_ls_page_is_built_off_the_event_loop_and_a_small_one_on_it(make_store):
+    """An ``ls`` page of more than ``_INLINE_LS`` rows is ``Later`` (an op worker builds and
+    encodes it, so two clients paging through a large namespace do not hold up another
+    client's requests); a small page is answered at once. Both list the same rows."""
+    from types import SimpleNamespace
+
+    from tierstore.daemon.handlers import _INLINE_LS, PAGE_ROWS, Handlers
+    from tierstore.waits import Later
+
+    s = make_store(host_bytes="64MiB")
+    for i in range(_INLINE_LS * 2):
+        s.put(torch.zeros(1), key=f"k{i:05d}")
+    h = Handlers(s, lambda uid: {})
+    sess = SimpleNamespace(namespace="default")
+    big = h.ls(sess, {"page": True, "columns": True})
+    assert PAGE_ROWS > _INLINE_LS and isinstance(big, Later)
+    big = big.run()
+    small = h.ls(sess, {"page": True, "columns": True, "limit": _INLINE_LS})
+    assert not isinstance(small, Later) and small["n"] == _INLINE_LS and small["next"] == f"k{_INLINE_LS - 1:05d}"
+    assert big["n"] == 2 * _INLINE_LS and big["next"] is None
+    assert big["columns"][1][:_INLINE_LS] == small["columns"][1]
+
+
 def test_the_replies_of_a_burst_of_requests_travel_joined_in_one_packet(daemon):
     """A client that takes joined replies gets the answers of requests it sent together as
     one packet (a msgpack array of the reply maps), in order; one that did not say so gets
