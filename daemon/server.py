@@ -26,14 +26,13 @@ Three pools, so that no one's wait holds up anyone else's work:
 - control threads run what releases memory and leases: a closed connection's
   clean-up, lease revocation and reservation expiry. They never queue behind requests.
 
-Length: the connection lifecycle (accept, read, dispatch, outbox, close) and the
-three thread pools it hands work to; the request handlers themselves are in
-``handlers``.
+Length: the connection lifecycle (accept, dispatch, a closed connection's clean-up)
+and the three thread pools it hands work to; the request handlers themselves are in
+``handlers``, a connection's reads, outbox and socket in ``session``.
 """
 
 from __future__ import annotations
 
-import errno
 import gc
 import itertools
 import logging
@@ -46,44 +45,30 @@ import stat as stat_mod
 import sys
 import threading
 import time
-from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import Config
 from tierstore.errors import Closed, PermissionDenied, ProtocolError, TierstoreError
 from tierstore.waits import Later, WouldWait, wait_context
 from tierstore.preflight import check_dir
-from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, decode, fragments, reply_err, reply_ok
+from tierstore.protocol import decode, reply_err, reply_ok
 from tierstore.store import Store
 from tierstore.units import format_size
 
-from .auth import PeerCred, admitted, peer_cred, resolve_groups
+from .auth import admitted, peer_cred, resolve_groups
 from .gcpolicy import FreezeAfterFullCollections, release_free_heap
 from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
 from .fairpool import FairPool, Job
+from .session import ReplyBudget, Session
 
 __all__ = ["Server", "Session", "DaemonAlreadyRunning"]
 
 log = logging.getLogger(__name__)
-_MSG_TRUNC = int(socket.MSG_TRUNC)  # a plain int: IntFlag arithmetic costs microseconds per message
 
 _HELLO_TIMEOUT_S = 10.0
-_BATCH_ITEM_BYTES = 4096
-"""Replies up to this size are joined with their neighbours into one packet (clients that take joined replies)."""
-_OUTBOX_BYTES = 2 * MAX_REPLY_BYTES
-"""Bytes of replies one connection may leave unread before it is disconnected."""
-_ENTRY_BYTES = 256
-"""What a queued reply costs the daemon besides its bytes (its bytes object, the outbox
-entry, the deque's slot), counted with them: a flood of tiny unread replies is bounded
-by memory, not by the replies' payload."""
-_UID_OUTBOX_BYTES = 128 << 20
-"""... one uid's connections together (the one whose reply passes it is disconnected)."""
-_ALL_OUTBOX_BYTES = 512 << 20
-"""... every connection together."""
 _READ_BUDGET_S = 0.002
 """Time one connection's requests may hold the event loop before the others get their turn."""
 _WAIT_THREADS = 128
@@ -99,44 +84,6 @@ class DaemonAlreadyRunning(RuntimeError):
     pass
 
 
-@dataclass(eq=False)
-class Session:
-    """One client connection. Owns its leases and reservations in the store."""
-
-    cid: int
-    sock: socket.socket
-    cred: PeerCred
-    server_pid: int
-    namespace: str | None = None
-    hello_pending: bool = False
-    opened: float = field(default_factory=time.monotonic)
-    outbox: deque = field(default_factory=deque)
-    """(packet, fds, request id) not yet sent, in order."""
-    outbox_bytes: int = 0
-    writing: bool = False
-    """Registered for EVENT_WRITE (the outbox waits for room in the socket)."""
-    eof: bool = False
-    """The peer half-closed with replies still queued: no more reading; closed once they are sent."""
-    fragments: bool = False
-    """The client joins fragmented replies (said so in hello)."""
-    joined: bool = False
-    """The client takes several replies joined in one packet (said so in hello)."""
-    closed: bool = False
-    requests: int = 0
-    pinned: bool | None = None
-    """Whether the client page-locked its arena mapping (reported by it; None: not said)."""
-    pinned_reason: str = ""
-    activations: dict[str, float] | None = None
-    """The client's activation-offload counters, as it last reported them (None: never)."""
-    undos: int = 0
-    """Its requests that went on from leases they took (``Later.undo``), from the moment
-    they are handed to a pool until they have run or given back what they took: its
-    clean-up waits for them (a batch's blank ``w`` lease must be given back, not checked in
-    as written)."""
-    release_waiting: bool = False
-    """It closed while such requests were under way: the last one releases what it holds."""
-
-
 class Server:
     def __init__(self, config: Config, *, notifier: Notifier | None = None) -> None:
         self.config = config.resolved()
@@ -146,9 +93,7 @@ class Server:
         self._sel = selectors.DefaultSelector()
         self._listen: socket.socket | None = None
         self._sessions: dict[int, Session] = {}
-        self._outbox_uid: Counter = Counter()
-        """uid -> bytes of replies its connections leave unread."""
-        self._outbox_all = 0
+        self._replies = ReplyBudget()
         self._undo_lock = threading.Lock()  # guards every session's undos / release_waiting
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
@@ -497,7 +442,7 @@ class Server:
                 if len(self._refused) > 64:
                     self._drop_refused(next(iter(self._refused)))
                 continue
-            sess = Session(next(self._cids), conn, cred, os.getpid())
+            sess = Session(next(self._cids), conn, cred, os.getpid(), self._sel, self._replies, self._count_error)
             self._sessions[sess.cid] = sess
             self.accepted += 1
             self._sel.register(conn, selectors.EVENT_READ, ("sess", sess))
@@ -526,18 +471,14 @@ class Server:
             for _ in range(64):  # bounded, so one chatty client cannot starve the others
                 if time.perf_counter() > deadline:
                     return  # the rest waits in the socket; the selector reports it again
-                try:
-                    n, _anc, flags, _ = sess.sock.recvmsg_into([self._rbuf])
-                except BlockingIOError:
-                    return
-                except OSError:
-                    self._close(sess)
-                    return
-                if not n:
-                    self._half_closed(sess)
-                    return
-                if flags & _MSG_TRUNC or n > limit:
-                    self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
+                n = sess.receive(self._rbuf, limit)
+                if type(n) is str:
+                    if n == "gone":
+                        self._close(sess)
+                    elif n == "eof":
+                        self._half_closed(sess)
+                    elif n == "large":
+                        self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
                     return
                 self._handle(sess, self._rview[:n])  # decoded at once: the buffer is read into again
                 if sess.closed:
@@ -728,10 +669,7 @@ class Server:
         log.warning("session %d (pid %d): %s", sess.cid, sess.cred.pid, e.message)
         self._count_error(e.code)
         self._flush_queued(sess)  # the requests before the bad one happened: their replies go first
-        try:
-            sess.sock.send(reply_err(rid, e))
-        except OSError:
-            pass
+        sess.send_now(reply_err(rid, e))
         self._close(sess)
 
     def _flush_queued(self, sess: Session) -> None:
@@ -752,100 +690,32 @@ class Server:
         if not sess.outbox:
             self._close(sess)
             return
-        sess.eof = sess.writing = True
-        self._sel.modify(sess.sock, selectors.EVENT_WRITE, ("sess", sess))
+        sess.drain_then_close()
 
     def _send(self, sess: Session, blob: bytes, fds: list[int] | None = None, rid: int | None = None) -> None:
         if sess.closed:
             return
-        if len(blob) > MAX_REPLY_BYTES:
-            log.warning("session %d (pid %d): a reply of %d bytes exceeds %d; answered with an error",
-                        sess.cid, sess.cred.pid, len(blob), MAX_REPLY_BYTES)
-            self._count_error("TierstoreError")
-            blob = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes is too large; list in pages "
-                                                 "(keys/ls with 'after') or narrow the request"))
-        if len(blob) > PACKET_BYTES and sess.fragments and not fds:
-            for frag in fragments(blob):
-                sess.outbox.append((frag, None, rid, False))
-                self._outbox_delta(sess, len(frag) + _ENTRY_BYTES)
-        else:
-            sess.outbox.append((blob, fds, rid, sess.joined and not fds and len(blob) <= _BATCH_ITEM_BYTES))
-            self._outbox_delta(sess, len(blob) + _ENTRY_BYTES)
+        sess.queue(blob, fds, rid)
         if self._corked is not None and sess.joined:
             self._corked.add(sess)  # sent when the burst (or the drain) ends
-        else:
-            self._flush(sess)
-        if sess.closed:
+        elif not sess.flush():
+            self._close(sess)
+        if sess.closed or not sess.outbox:  # (a connection with nothing unread is not the one to close)
             return
-        uid = sess.cred.uid
-        if sess.outbox_bytes > _OUTBOX_BYTES:
-            log.warning("session %d (pid %d) does not read its replies (%d bytes unread); closing it",
-                        sess.cid, sess.cred.pid, sess.outbox_bytes)
+        why = sess.over_budget()
+        if why is not None:
+            log.warning("session %d (pid %d, uid %d) %s; closing it", sess.cid, sess.cred.pid, sess.cred.uid, why)
             self._close(sess)
-        elif self._outbox_uid[uid] > _UID_OUTBOX_BYTES or self._outbox_all > _ALL_OUTBOX_BYTES:
-            log.warning("session %d (pid %d, uid %d) leaves %d bytes of replies unread, its uid's connections %d, "
-                        "all connections %d; closing it", sess.cid, sess.cred.pid, uid, sess.outbox_bytes,
-                        self._outbox_uid[uid], self._outbox_all)
-            self._close(sess)
-
-    def _outbox_delta(self, sess: Session, n: int) -> None:
-        """``sess``'s unread reply bytes change by ``n`` (and its uid's, and everyone's)."""
-        sess.outbox_bytes += n
-        self._outbox_all += n
-        uid = sess.cred.uid
-        self._outbox_uid[uid] += n
-        if not self._outbox_uid[uid]:
-            del self._outbox_uid[uid]
 
     def _flush(self, sess: Session) -> None:
-        out = sess.outbox
-        while out:
-            if out[0][3] and len(out) > 1 and out[1][3]:
-                self._outbox_delta(sess, _join_replies(out))
-            blob, fds, rid, _ = out[0]
-            try:
-                _send_packet(sess.sock, blob, fds)
-            except BlockingIOError:
-                if not sess.writing:
-                    sess.writing = True
-                    self._sel.modify(sess.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sess", sess))
-                return
-            except OSError as e:
-                if e.errno in (errno.EMSGSIZE, errno.ENOBUFS) and rid is not None and len(blob) > PACKET_BYTES:
-                    # too big for one message on this socket (a client that takes no fragments)
-                    log.warning("session %d (pid %d): a reply of %d bytes does not fit one message (%s); "
-                                "answered with an error", sess.cid, sess.cred.pid, len(blob), e.strerror)
-                    self._count_error("TierstoreError")
-                    err = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes does not fit one message; "
-                                                        "list in pages (keys/ls with 'after')"))
-                    out[0] = (err, None, None, False)
-                    self._outbox_delta(sess, len(err) - len(blob))
-                    continue
-                log.info("session %d (pid %d): sending a reply failed (%s); closing", sess.cid, sess.cred.pid,
-                         e.strerror or e)
-                self._close(sess)
-                return
-            out.popleft()
-            self._outbox_delta(sess, -len(blob) - _ENTRY_BYTES)
-        if sess.eof:  # a half-closed peer has all its replies
+        if not sess.flush():
             self._close(sess)
-            return
-        if sess.writing:
-            sess.writing = False
-            self._sel.modify(sess.sock, selectors.EVENT_READ, ("sess", sess))
 
     def _close(self, sess: Session, sync: bool = False) -> None:
         if sess.closed:
             return
-        sess.closed = True
-        sess.outbox.clear()
-        self._outbox_delta(sess, -sess.outbox_bytes)
+        sess.close_socket()
         self._sessions.pop(sess.cid, None)
-        try:
-            self._sel.unregister(sess.sock)
-        except (KeyError, ValueError):
-            pass
-        sess.sock.close()
         ended = self._pool.drop(sess) + self._waits.drop(sess)  # nobody to answer
         log.debug("session %d closed after %d requests", sess.cid, sess.requests)
         # every lease and unfinished put of the connection ends with it, however it ended;
@@ -974,36 +844,11 @@ def _sum_activations(sessions: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-def _join_replies(out: deque) -> int:
-    """Replace the joinable replies at the head of ``out`` with one packet holding them: a
-    msgpack array of the replies' maps (an array's encoding is its header and its items'
-    encodings, so joining costs a concatenation), at most ``PACKET_BYTES``."""
-    parts: list[bytes] = []
-    size = 0
-    while out and out[0][3] and size + len(out[0][0]) <= PACKET_BYTES - 5 and len(parts) < 0xFFFF:
-        blob = out.popleft()[0]
-        parts.append(blob)
-        size += len(blob)
-    head = bytes((0x90 | len(parts),)) if len(parts) < 16 else b"\xdc" + len(parts).to_bytes(2, "big")
-    out.appendleft((head + b"".join(parts), None, None, False))
-    # the outbox's bytes grow by the header (taken back when it is sent) and hold one entry
-    # where there were len(parts)
-    return len(head) - (len(parts) - 1) * _ENTRY_BYTES
-
-
 def _seconds(v: Any) -> float | None:
     """``v`` as a number of seconds a request may wait, if it is one: finite, in [0, 86400]."""
     if type(v) not in (int, float) or not 0 <= v <= 86400:  # (NaN compares false: not one)
         return None
     return float(v)
-
-
-def _send_packet(sock: socket.socket, blob: bytes, fds: list[int] | None) -> None:
-    """One SEQPACKET message, with file descriptors attached when given (the hello reply)."""
-    if fds:
-        socket.send_fds(sock, [blob], fds)
-    else:
-        sock.send(blob)
 
 
 def run(config: Config) -> int:
