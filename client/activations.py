@@ -23,8 +23,12 @@ Life of a saved tensor:
    object out and backward reads the pool's memory in place (no copy out); the check-in
    follows once the last tensor over it is gone. A check-out that cannot be had at once
    (no room in the host tier) falls back to a copy. The restored tensor has the
-   original's dtype, shape, strides and storage offset (and its alignment mod 512
-   bytes), so the gradients are bit for bit those of the same loop without offload.
+   original's dtype, shape and strides, and its offset from a 512-byte boundary of its
+   storage (so its address modulo the allocator's alignment: 64 bytes on the CPU, 512
+   on CUDA), so the gradients are bit for bit those of the same loop without offload.
+   The version the tensor had when saved is checked as autograd would (which it leaves
+   to the hooks while they are active): a tensor changed in place since raises
+   autograd's error.
    Each unpack starts fetches of the next entries in reverse save order up to
    ``prefetch_bytes``, and sends the pool a prefetch hint for the window after that
    (NVMe to host).
@@ -39,7 +43,9 @@ counters they report; the pieces share one lock and one queue.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -50,7 +56,8 @@ from typing import Any
 import torch
 
 from tierstore.contract import Pool, ReportsActivations
-from tierstore.errors import InvalidArgument, TierstoreError
+from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, TierstoreError
+from tierstore.units import parse_size
 
 __all__ = ["ActivationOffload", "ActivationStats", "offload_activations"]
 
@@ -60,9 +67,10 @@ _STREAM = "activations"
 """The access-sequence tag of activation gets, apart from parameters' and optimizer states'."""
 
 _ALIGN = 512
-"""A range starts this many bytes below its tensor's first byte at most: the restored
-tensor keeps its address modulo this (CPU kernels vectorise by alignment, CUDA's
-allocator aligns to 512), so reductions split the same way and results are identical."""
+"""A range starts this many bytes below its tensor's first byte at most, at a multiple of
+this from its storage's start: the restored tensor keeps its address modulo its
+storage's alignment (64 bytes on the CPU, 512 on CUDA; kernels vectorise by
+alignment), so reductions split the same way and results are identical."""
 
 _REPORT_EVERY_S = 0.5
 """At most this often (and at the end of each forward and backward) the counters go to the daemon."""
@@ -146,16 +154,40 @@ def _live(ref: Any) -> Any:
     return None if ref is None else ref()
 
 
+def _check_version(t: torch.Tensor | None, saved: int, dtype: torch.dtype, size: torch.Size) -> None:
+    """Raise autograd's own error if ``t`` (or a view sharing its version counter) was
+    changed in place since it was saved: with saved-tensor hooks active, autograd leaves
+    that check to the hooks."""
+    if t is not None and t._version != saved:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: [{dtype} {list(size)}] is at version {t._version}; expected version "
+                           f"{saved} instead (a tensor saved for backward under tierstore's offload_activations)")
+
+
+class _Kept:
+    """A saved tensor left where it was, with its version when saved (checked at unpack)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t, t._version
+
+
 class _Saved:
-    """What autograd holds instead of a tensor: the entry, and the view to rebuild."""
+    """What autograd holds instead of a tensor: the entry, the view to rebuild, and the
+    version of the storage's tensor when it was saved (``base``: a weak reference to it)."""
 
-    __slots__ = ("owner", "entry", "dtype", "size", "stride", "first", "span", "unread")
+    __slots__ = ("owner", "entry", "dtype", "size", "stride", "first", "span", "unread", "base", "version")
 
-    def __init__(self, owner: "ActivationOffload", entry: _Entry, t: torch.Tensor, first: int, span: int) -> None:
+    def __init__(self, owner: "ActivationOffload", entry: _Entry, t: torch.Tensor, first: int, span: int,
+                 base: torch.Tensor) -> None:
         self.owner, self.entry = owner, entry
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
         self.first, self.span = first - entry.b0, span  # the tensor's bytes within the entry's
         self.unread = True
+        # a view shares its base's version counter, and every view holds its base: with the
+        # base gone, nothing can have changed the bytes
+        self.base, self.version = weakref.ref(base), t._version
 
     def view(self, buf: torch.Tensor) -> torch.Tensor:
         """The saved tensor over ``buf`` (the entry's bytes): same dtype, shape, strides."""
@@ -168,22 +200,77 @@ class _Saved:
             owner._drop_ref(self)
 
 
+def _loop(me: "weakref.ref[ActivationOffload]", jobs: queue.SimpleQueue, name: str, run: Any) -> None:
+    """A worker: ``run(offload, job)`` for each job until the ``None`` sentinel, or until
+    the offload is gone; one failure stops nothing. Between jobs it holds the offload
+    only weakly."""
+    while True:
+        job = jobs.get()
+        self = None if job is None else me()
+        if self is None:
+            log.debug("activation %s worker stopped", name)
+            return
+        try:
+            run(self, job)
+        except TierstoreError as err:
+            log.warning("activation %s failed: %s", name, err)
+        except Exception:
+            log.exception("activation %s failed", name)
+        finally:
+            with self._cv:
+                if isinstance(job, _Unview):
+                    self._unviews_done += 1
+                else:
+                    self._jobs -= 1
+                self._cv.notify_all()
+        del self, job
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """(first byte in its storage, bytes from there to its last element's end) of ``t``."""
     item = t.element_size()
     return t.storage_offset() * item, (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * item
 
 
+def _size_arg(name: str, v: Any) -> int:
+    """A byte count given as an int or a size string (``"64MiB"``)."""
+    try:
+        return parse_size(v, field=name)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def _check_args(store: Any, min_bytes: Any, tier: Any, inflight_bytes: Any, prefetch_bytes: Any, threads: Any,
+                wait_s: Any) -> tuple[int, int, int]:
+    """The sizes as byte counts; ``InvalidArgument`` (a ``TypeError`` for a ``store`` that
+    is not a pool) naming what is wrong."""
+    if not isinstance(store, Pool):
+        raise TypeError(f"offload_activations needs a daemon Client or an in-process tierstore.Store, "
+                        f"got {type(store).__name__}")
+    sizes = _size_arg("min_bytes", min_bytes), _size_arg("inflight_bytes", inflight_bytes), \
+        _size_arg("prefetch_bytes", prefetch_bytes)
+    if not sizes[1]:
+        raise InvalidArgument("inflight_bytes must be > 0")
+    if type(threads) is not int or threads < 1:
+        raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}")
+    if type(wait_s) not in (int, float) or not (math.isfinite(wait_s) and wait_s >= 0):
+        raise InvalidArgument(f"wait_s must be a finite number of seconds >= 0, got {wait_s!r}")
+    if tier not in (None, "host", "nvme"):
+        raise InvalidArgument(f"tier must be None, 'host' or 'nvme' for activations, got {tier!r}")
+    return sizes
+
+
+_sources = itertools.count(1)
+
+
 class ActivationOffload:
     """Saved-tensor hooks that keep activations in a tierstore pool; see ``offload_activations``."""
 
-    def __init__(self, store: Pool, *, min_bytes: int, tier: str | None, inflight_bytes: int, prefetch_bytes: int,
-                 threads: int, wait_s: float) -> None:
-        if min_bytes < 0 or inflight_bytes <= 0 or prefetch_bytes < 0 or threads < 1 or wait_s < 0:
-            raise InvalidArgument("min_bytes and prefetch_bytes must be >= 0, inflight_bytes > 0, threads >= 1, "
-                                  "wait_s >= 0")
-        if tier not in (None, "host", "nvme"):
-            raise InvalidArgument(f"tier must be None, 'host' or 'nvme' for activations, got {tier!r}")
+    def __init__(self, store: Pool, *, min_bytes: int | str, tier: str | None, inflight_bytes: int | str,
+                 prefetch_bytes: int | str, threads: int, wait_s: float) -> None:
+        self._closed = True  # (until it is whole: ``__del__`` of one refused here does nothing)
+        min_bytes, inflight_bytes, prefetch_bytes = _check_args(store, min_bytes, tier, inflight_bytes,
+                                                                prefetch_bytes, threads, wait_s)
         self.store = store
         self.min_bytes, self.tier, self.wait_s = min_bytes, tier, wait_s
         self.inflight_bytes, self.prefetch_bytes = inflight_bytes, prefetch_bytes
@@ -197,8 +284,12 @@ class ActivationOffload:
         self._jobs = 0  # puts, frees and fetches queued or running (flush waits for none)
         self._by_storage: dict[tuple[str, int], list[tuple[Any, int, int, _Entry]]] = {}  # (owner, version, end, entry)
         self._hooks: list[Any] = []
+        self._modules: list[Any] = []  # hook handles of ``wrap``ped modules (removed at close)
+        self._gone: TierstoreError | None = None  # the pool went away: the next forward raises it
+        self._warned: set[str] = set()  # put failures logged once each (then at debug level)
         self._closed = False
         self._last_report = 0.0
+        self._source = next(_sources)  # who these counters are, to a client that sums several
         # check-ins of in-place reads: counted by a lock of their own, since the last tensor
         # over one may go while its thread holds ``_cv``
         self._unview_lock = threading.Lock()
@@ -206,9 +297,13 @@ class ActivationOffload:
         self._unviews_done = 0
         self._puts: queue.SimpleQueue[tuple[str, _Entry] | None] = queue.SimpleQueue()  # puts and frees, in order
         self._gets: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
-        self._workers = [threading.Thread(target=self._loop, args=(q, name, run), name=f"tierstore-act-{name}{k}",
+        # the workers hold this offload weakly: one dropped without close() (``with
+        # offload_activations(c):`` each step) goes, and its ``__del__`` stops them
+        me = weakref.ref(self)
+        self._workers = [threading.Thread(target=_loop, args=(me, q, name, run), name=f"tierstore-act-{name}{k}",
                                           daemon=True)
-                         for q, name, run in ((self._puts, "put", self._put_or_free), (self._gets, "fetch", self._fetch))
+                         for q, name, run in ((self._puts, "put", ActivationOffload._put_or_free),
+                                              (self._gets, "fetch", ActivationOffload._fetch))
                          for k in range(threads)]
         for w in self._workers:
             w.start()
@@ -219,12 +314,16 @@ class ActivationOffload:
     def __enter__(self) -> "ActivationOffload":
         if self._closed:
             raise InvalidArgument("this activation offload is closed; make a new one with offload_activations()")
+        if self._gone is not None:
+            raise type(self._gone)(f"activation offload stopped, the pool is gone: {self._gone.message}")
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._hooks.append(hooks)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if not self._hooks:
+            return  # (a wrapped module's forward that failed before its pre-hook entered)
         self._hooks.pop().__exit__(*exc)
         if not self._hooks:  # the end of a forward: backward starts with the last entries
             with self._cv:
@@ -232,6 +331,19 @@ class ActivationOffload:
             if hints:
                 self._hint(hints)
         self._report(force=True)  # the most bytes in flight
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Offload what ``module``'s forward saves, on every call (its forward runs inside
+        this context; backward may run anywhere). Returns ``module``, whose hooks
+        ``close()`` removes."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"wrap() takes a torch.nn.Module, got {type(module).__name__}")
+        if self._closed:
+            raise InvalidArgument("this activation offload is closed; make a new one with offload_activations()")
+        self._modules.append(module.register_forward_pre_hook(lambda _m, _args: self.__enter__() and None))
+        self._modules.append(module.register_forward_hook(lambda _m, _args, _out: self.__exit__(None, None, None),
+                                                          always_call=True))
+        return module
 
     # ------------------------------------------------------------------ pack
     def _worth(self, t: torch.Tensor) -> bool:
@@ -241,7 +353,9 @@ class ActivationOffload:
         if t.is_quantized or t.is_conj() or t.is_neg() or t.numel() * t.element_size() < max(self.min_bytes, 1):
             return False
         base = t._base if t._base is not None else t
-        return not (base.requires_grad and base.is_leaf)  # a leaf (a weight, an input) is held anyway
+        # a leaf that requires grad (a weight, an input) or any parameter (a frozen one, whose
+        # view ``W.t()`` a linear layer saves) is held anyway
+        return not (base.requires_grad and base.is_leaf or isinstance(base, torch.nn.Parameter))
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._closed or not self._worth(t):
@@ -249,7 +363,7 @@ class ActivationOffload:
                 self.stats.saved += 1
                 self.stats.kept += 1
                 self.stats.kept_bytes += t.numel() * t.element_size()
-            return t
+            return _Kept(t)
         item = t.element_size()
         first, span = _extent(t)
         lo, hi = first, first + span  # the bytes to put: the tensor's own, or its base's (below)
@@ -266,7 +380,7 @@ class ActivationOffload:
                 self.stats.deduped += 1
                 entry.refs += 1
                 entry.unread += 1
-                return _Saved(self, entry, t, first, span)
+                return _Saved(self, entry, t, first, span, owner)
         b0 = lo - lo % _ALIGN  # a multiple of every element size
         with torch.no_grad():  # the storage's bytes [b0, hi) as one flat uint8 tensor, no copy
             src = t.detach().as_strided(((hi - b0) // item,), (1,), b0 // item).view(torch.uint8)
@@ -287,7 +401,7 @@ class ActivationOffload:
             self._by_storage.setdefault(key, []).append((weakref.ref(owner), t._version, hi, entry))
         self._queue(self._puts, ("put", entry))
         self._report()
-        return _Saved(self, entry, t, first, span)
+        return _Saved(self, entry, t, first, span, owner)
 
     def _shared(self, key: tuple[str, int], owner: torch.Tensor, version: int, first: int,
                 end: int) -> _Entry | None:
@@ -312,9 +426,11 @@ class ActivationOffload:
             self.stats.forward_stall_s += time.monotonic() - t0
 
     # ------------------------------------------------------------------ unpack
-    def _unpack(self, s: _Saved) -> torch.Tensor:
-        if not isinstance(s, _Saved):
-            return s  # kept in place at pack
+    def _unpack(self, s: _Saved | _Kept) -> torch.Tensor:
+        if type(s) is _Kept:  # kept in place at pack
+            _check_version(s.t, s.version, s.t.dtype, s.t.size())
+            return s.t
+        _check_version(s.base(), s.version, s.dtype, s.size)
         e = s.entry
         with self._cv:
             buf = self._ready(e)
@@ -389,7 +505,8 @@ class ActivationOffload:
                     p.wanted = True  # a put running now does not let the bytes go: backward is near
                     if keep and p.queued:
                         self._cancel(p)
-                elif p.src is None and p.buf is None and not p.fetching and p.handle is not None:
+                elif p.src is None and p.buf is None and not p.fetching and p.handle is not None \
+                        and not self._closed:  # (closed: no fetch workers; backward fetches on demand)
                     p.fetching = True
                     self._jobs += 1  # (under _cv already)
                     self._gets.put(p)
@@ -425,9 +542,10 @@ class ActivationOffload:
                 self._cv.notify_all()
             handle, e.handle = e.handle, None
             if handle is not None:
-                self._in_pool(-e.nbytes)
-                if e.views:  # backward reads it in place: freed after the check-in
+                if e.views:  # backward reads it in place: freed (and out of the pool) after the check-in
                     e.pending_free, handle = handle, None
+                else:
+                    self._in_pool(-e.nbytes)
             if e.src is not None or e.buf is not None:
                 self._held(-e.nbytes)
             e.src = e.buf = None
@@ -437,40 +555,43 @@ class ActivationOffload:
                 self._by_storage.clear()
             else:
                 self._index.pop(id(e), None)
+                if len(self._order) > 2 * self._live + 64:  # graphs that never all go (1F1B): keep it short
+                    self._compact()
         if handle is not None:
-            if self._closed:  # no workers left
-                self._free(handle)
-            else:
-                self._queue(self._puts, ("free", handle))
+            self._queue(self._puts, ("free", handle))
         if self._live == 0:
             self._report(force=True)
 
-    # ------------------------------------------------------------------ workers
-    def _loop(self, jobs: queue.SimpleQueue, name: str, run: Any) -> None:
-        """A worker: ``run`` each job until the ``None`` sentinel; one failure stops nothing."""
-        while True:
-            job = jobs.get()
-            if job is None:
-                log.debug("activation %s worker stopped", name)
-                return
-            try:
-                run(job)
-            except TierstoreError as err:
-                log.warning("activation %s failed: %s", name, err)
-            except Exception:
-                log.exception("activation %s failed", name)
-            finally:
-                with self._cv:
-                    if isinstance(job, _Unview):
-                        self._unviews_done += 1
-                    else:
-                        self._jobs -= 1
-                    self._cv.notify_all()
+    def _compact(self) -> None:
+        """(under _cv) Drop the dead entries from the save order and the storage map, so
+        neither grows while some graph is always alive (a pipeline schedule running the
+        next micro-batch's forward before the last one's backward)."""
+        self._order = [e for e in self._order if not e.dead]
+        self._index = {id(e): k for k, e in enumerate(self._order)}
+        for key in list(self._by_storage):
+            rows = [r for r in self._by_storage[key] if not r[3].dead and r[0]() is not None]
+            if rows:
+                self._by_storage[key] = rows
+            else:
+                del self._by_storage[key]
 
-    def _queue(self, jobs: queue.SimpleQueue, job: Any) -> None:
+    # ------------------------------------------------------------------ workers
+    def _queue(self, jobs: queue.SimpleQueue, job: tuple[str, Any]) -> None:
+        """A put or a free for the put workers; queued under the lock, so before ``close``'s
+        stop. Once closed: a put is not made (its bytes stay here), a free is made now."""
         with self._cv:
-            self._jobs += 1
-        jobs.put(job)
+            if not self._closed:
+                self._jobs += 1
+                jobs.put(job)
+                return
+            kind, what = job
+            if kind == "put":
+                if what.queued:
+                    what.queued = False
+                    self._pending -= what.nbytes
+                    self._cv.notify_all()
+                return
+        self._free(what)
 
     def _put_or_free(self, job: tuple[str, Any] | _Unview) -> None:
         if isinstance(job, _Unview):
@@ -497,8 +618,21 @@ class ActivationOffload:
                 self.stats.put_errors += 1
                 self._pending -= e.nbytes
                 self._cv.notify_all()
+            if isinstance(err, (DaemonUnavailable, Closed)):
+                # the pool is gone: this forward's tensors stay in memory, the next forward fails
+                # (training on without it would only run out of memory later, with a warning a tensor)
+                if self._gone is None:
+                    log.error("activation offload stops: the pool is gone (%s); the next forward raises it", err)
+                    self._gone = err
+                return
             if isinstance(err, TierstoreError):
-                log.warning("activation of %d bytes stays in memory: %s", e.nbytes, err)
+                why = type(err).__name__ + str(err)[:60]
+                if why in self._warned:
+                    log.debug("activation of %d bytes stays in memory: %s", e.nbytes, err)
+                else:
+                    self._warned.add(why)
+                    log.warning("activation of %d bytes stays in memory: %s (said once; stats.put_errors counts "
+                                "them)", e.nbytes, err)
                 return
             raise
         with self._cv:
@@ -592,10 +726,10 @@ class ActivationOffload:
         its check-in (and the free it held back) goes to a put worker."""
         with self._unview_lock:
             self._unviews_sent += 1
-        if self._closed:  # no workers left
-            self._end_view(e, lease, locked=False)
-        else:
-            self._puts.put(_Unview(e, lease))
+            if not self._closed:  # (under the lock ``close`` sets it with: queued before the workers' stop)
+                self._puts.put(_Unview(e, lease))
+                return
+        self._end_view(e, lease, locked=False)  # no workers left
 
     def _end_view(self, e: _Entry, lease: Any, *, locked: bool = True) -> None:
         """Check an in-place read's object back in, then free it if it was dropped meanwhile.
@@ -610,19 +744,23 @@ class ActivationOffload:
         if locked:
             with self._cv:
                 handle = self._viewed(e)
+                last = self._live == 0
         else:
             handle = self._viewed(e)
             self._unviews_done += 1
         if handle is not None:
             self._free(handle)
+            if locked:
+                self._report(force=last)  # (its bytes left the pool only now)
 
-    @staticmethod
-    def _viewed(e: _Entry) -> Any:
+    def _viewed(self, e: _Entry) -> Any:
         """(under ``_cv``, or once closed) One in-place read of ``e`` is over: the handle to free now, if any."""
         e.views -= 1
         if e.views:
             return None
         handle, e.pending_free = e.pending_free, None
+        if handle is not None:
+            self._in_pool(-e.nbytes)
         return handle
 
     def _read(self, handle: Any, e: _Entry) -> torch.Tensor:
@@ -655,8 +793,9 @@ class ActivationOffload:
         with self._cv:
             return asdict(self.stats)
 
-    def _report(self, force: bool = False) -> None:
-        """Send the counters to the daemon for ``stat`` and the metrics (no reply awaited)."""
+    def _report(self, force: bool = False, final: bool = False) -> None:
+        """Send the counters to the daemon for ``stat`` and the metrics (no reply awaited;
+        the client sums those of its offloads). ``final``: this offload is done."""
         if self._reporter is None:
             return
         now = time.monotonic()
@@ -664,7 +803,7 @@ class ActivationOffload:
             return
         self._last_report = now
         try:
-            self._reporter(self.snapshot())
+            self._reporter(self.snapshot(), source=self._source, final=final)
         except TierstoreError as err:  # counters only
             log.debug("reporting activation counters failed: %s", err)
 
@@ -673,32 +812,39 @@ class ActivationOffload:
         """Stop the workers (after the puts and frees queued); later saves stay in memory.
         Objects of graphs still alive are freed as those graphs go (by the process's
         end at the latest: they are ephemeral)."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._workers:
-            self._puts.put(None)
-            self._gets.put(None)
-        for w in self._workers:
-            w.join()
-        while True:  # check-ins of in-place reads queued behind the workers' stop
-            try:
-                job = self._puts.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(job, _Unview):
-                self._end_view(job.entry, job.lease, locked=False)
-        self._report(force=True)
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        with self._cv, self._unview_lock:  # every job queued so far is ahead of the stop
+            if self._closed:
+                return
+            self._closed = True
             for _ in self._workers:
                 self._puts.put(None)
                 self._gets.put(None)
+        for w in self._workers:
+            w.join()
+        for h in self._modules:
+            h.remove()
+        self._modules.clear()
+        self._report(force=True)
+
+    def __del__(self) -> None:
+        # gone (closed or not: its workers, which hold it weakly, stop); nothing of it is in
+        # the pool, since every saved tensor of it held it. A client keeps its totals.
+        if not hasattr(self, "_workers"):
+            return  # (refused by the constructor)
+        if not self._closed:
+            self._closed = True
+            for _ in self._workers:
+                self._puts.put(None)
+                self._gets.put(None)
+        try:
+            self._report(force=True, final=True)
+        except Exception:  # (a client already closed, at the interpreter's exit)
+            pass
 
 
-def offload_activations(client: Pool, *, min_bytes: int = 1 << 20, tier: str | None = None,
-                        inflight_bytes: int = 256 << 20, prefetch_bytes: int = 128 << 20, threads: int = 2,
+def offload_activations(client: Pool, module: torch.nn.Module | None = None, *, min_bytes: int | str = 1 << 20,
+                        tier: str | None = None, inflight_bytes: int | str = 256 << 20,
+                        prefetch_bytes: int | str = 128 << 20, threads: int = 2,
                         wait_s: float = 0.0) -> ActivationOffload:
     """Keep the tensors autograd saves for backward in the pool (``client``: a daemon
     ``Client`` or an in-process ``tierstore.Store``) from forward to backward.
@@ -713,8 +859,16 @@ def offload_activations(client: Pool, *, min_bytes: int = 1 << 20, tier: str | N
             loss.backward()
         acts.close()
 
+    or give it a module (or call ``acts.wrap(module)``): every call of that module's
+    forward then runs inside it::
+
+        acts = offload_activations(client, model)
+
     Parameters
     ----------
+    module
+        A ``torch.nn.Module`` whose forward runs inside the context on every call
+        (``wrap``); ``close()`` removes its hooks.
     min_bytes
         Saved tensors smaller than this stay in memory (a pool object costs a round
         trip or two; below ~1 MiB that costs more than the memory is worth).
@@ -730,7 +884,12 @@ def offload_activations(client: Pool, *, min_bytes: int = 1 << 20, tier: str | N
         Worker threads per direction (puts and frees; fetches).
     wait_s
         How long a put may wait for room in a full pool before the tensor stays in
-        memory instead (``stats.put_errors``, logged).
+        memory instead (``stats.put_errors``; each kind of failure logged once).
+
+    Sizes are byte counts or strings such as ``"64MiB"``. If the pool goes away (the
+    daemon stops), the tensors of that forward stay in memory and the next entry into
+    the context (the next forward) raises the pool's error (``DaemonUnavailable``,
+    ``Closed``).
 
     Notes
     -----
@@ -740,5 +899,12 @@ def offload_activations(client: Pool, *, min_bytes: int = 1 << 20, tier: str | N
     share one object. The counters are ``.stats`` (and ``snapshot()``); through a
     daemon they also appear in ``tierstore stat`` under ``activations``.
     """
-    return ActivationOffload(client, min_bytes=min_bytes, tier=tier, inflight_bytes=inflight_bytes,
+    acts = ActivationOffload(client, min_bytes=min_bytes, tier=tier, inflight_bytes=inflight_bytes,
                              prefetch_bytes=prefetch_bytes, threads=threads, wait_s=wait_s)
+    if module is not None:
+        try:
+            acts.wrap(module)
+        except BaseException:
+            acts.close()
+            raise
+    return acts

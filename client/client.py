@@ -143,6 +143,10 @@ def _read_only_view(u8: np.ndarray, spec: TensorSpec) -> Any:
     return read_only(from_bytes(u8, spec))
 
 
+_ACT_GAUGES = frozenset({"bytes_in_flight", "held_bytes"})
+"""Activation counters that are a state now, not a total (an offload that is done holds none)."""
+
+
 def _log_hint_error(fut: Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.debug("prefetch hint failed: %s", fut.exception())
@@ -188,6 +192,9 @@ class Client:
         self._staging_retry_at = 0.0
         """Until when no staging area is asked for again (the last ask found no room)."""
         self._staging_lock = threading.Lock()  # one staged put at a time owns the staging area
+        self._act_lock = threading.Lock()  # the activation offloads' counters (``report_activations``)
+        self._acts: dict[int, dict[str, Any]] = {}
+        self._acts_done: dict[str, Any] = {}
         self._slots: deque[int] = deque(range(_SLOTS))  # free put_async slots (deque ops are atomic)
         self._in_flight: deque[Future] = deque()  # put_async futures sent from slots, oldest first
         self._slabmap: Any = None  # the GPU tier's slabs, opened on the first GPU-tier transfer
@@ -523,10 +530,26 @@ class Client:
     def step(self) -> None:
         self._conn.request("step")
 
-    def report_activations(self, counters: dict[str, Any]) -> None:
+    def report_activations(self, counters: dict[str, Any], *, source: int = 0, final: bool = False) -> None:
         """Tell the daemon this process's activation-offload counters, for ``stat`` and the
-        metrics (no reply awaited)."""
-        self._conn.submit("client_info", activations=counters).add_done_callback(_log_hint_error)
+        metrics (no reply awaited): those of ``source`` (one offload) added to the others'
+        this client reported. ``final``: that offload is done; its totals stay counted, its
+        bytes in flight and held no longer."""
+        with self._act_lock:
+            if final:
+                self._acts.pop(source, None)
+                done = self._acts_done
+                for k, v in counters.items():
+                    if k not in _ACT_GAUGES and isinstance(v, (int, float)):
+                        done[k] = done.get(k, 0) + v
+            else:
+                self._acts[source] = counters
+            total = dict(self._acts_done)
+            for c in self._acts.values():
+                for k, v in c.items():
+                    if isinstance(v, (int, float)):
+                        total[k] = total.get(k, 0) + v
+        self._conn.submit("client_info", activations=total).add_done_callback(_log_hint_error)
 
     def stat(self, *, ops: bool = False) -> dict[str, Any]:
         """The daemon's state (see DESIGN.md); ``ops=True`` adds per-op counts and latency histograms."""

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tierstore.client.torch import offload_activations, offload_optimizer, offload_parameters
+from tierstore.client.activations import _Kept
 
 D, HEADS, T = 64, 4, 64
 
@@ -195,11 +197,11 @@ def test_small_tensors_and_parameters_stay_where_they_are(make_store):
         lin(torch.randn(4, 256, requires_grad=True) * 1).sum()  # a 4 KiB input: kept for being small
         big = torch.randn(1024, 512, requires_grad=True) * 1
         (big * big).sum()
-    kept = [p for p in packed if isinstance(p, torch.Tensor)]
+    kept = [p.t for p in packed if isinstance(p, _Kept)]
     assert any(p is lin.weight or p._base is lin.weight for p in kept)  # the parameter (or a view): no object
     assert acts.stats.kept >= 2 and acts.stats.saved == len(packed)
     # only the 2 MiB activation went (saved twice, as both factors: one object)
-    assert sum(not isinstance(p, torch.Tensor) for p in packed) == 2 and acts.stats.deduped == 1
+    assert sum(not isinstance(p, _Kept) for p in packed) == 2 and acts.stats.deduped == 1
     del packed
     acts.close()
     assert _ns_objects(store) == 0
@@ -439,3 +441,195 @@ def test_fsdp2_under_torchrun(daemon):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     for rank in (0, 1):
         assert f"rank {rank} fsdp2 activations ok" in r.stdout
+
+
+def test_close_between_forward_and_backward_leaves_backward_to_fetch_on_demand(make_store):
+    """A closed offload keeps serving the graphs still alive: backward fetches what is in
+    the pool itself (no worker is left to prefetch), equal to plain, and frees it all."""
+    store = make_store()
+    plain, off = _model(), _model()
+    lp = _step(plain, _batch(0))
+    acts = offload_activations(store, min_bytes=4096, prefetch_bytes=64 << 10)
+    torch.manual_seed(7)
+    with acts:
+        lo = off(_batch(0))
+    assert acts.flush(timeout_s=60)
+    acts.close()
+    done = []
+    t = threading.Thread(target=lambda: done.append(lo.backward()), daemon=True)
+    t.start()
+    t.join(120)
+    assert done, "backward after close() did not finish"
+    assert torch.equal(lp, lo.detach()) and _same(_grads(plain), _grads(off))
+    assert acts.stats.misses > 0 and _ns_objects(store) == 0
+
+
+@pytest.mark.parametrize("when", ["queued", "in_pool", "kept"])
+def test_a_saved_tensor_changed_in_place_after_forward_raises_autograds_error(make_store, when):
+    """Autograd leaves the saved tensors' version check to the hooks while they are
+    active: the offload makes it, for tensors in the pool, not yet put, and kept."""
+    store = make_store()
+    # (no prefetch window: the end of the forward does not keep the last puts back)
+    acts = offload_activations(store, min_bytes=4096 if when != "kept" else 1 << 30, prefetch_bytes=0)
+    x = torch.randn(256, 1024, requires_grad=True)
+    with acts:
+        h = x * 2
+        y = torch.sin(h)  # saves h
+    if when == "in_pool":
+        assert acts.flush(timeout_s=60) and acts.stats.offloaded >= 1
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    del y
+    acts.close()
+    assert _ns_objects(store) == 0
+
+
+def test_a_frozen_parameter_and_its_views_stay_where_they_are(make_store):
+    """A linear layer over a frozen weight (a LoRA base model) saves the weight's view
+    ``W.t()``: a parameter's bytes, held by the model anyway, never go to the pool."""
+    store = make_store()
+    w = nn.Parameter(torch.randn(1024, 1024), requires_grad=False)
+    acts = offload_activations(store, min_bytes=4096)
+    x = torch.randn(8, 1024, requires_grad=True)
+    with acts:
+        y = (x @ w.t()).sum() + nn.functional.linear(x, w).sum()
+    y.backward()
+    assert acts.flush(timeout_s=60)
+    assert acts.stats.offloaded_bytes < (4 << 20) and acts.stats.kept_bytes >= 2 * (4 << 20)
+    acts.close()
+
+
+def test_an_offload_made_for_each_step_goes_with_its_threads(make_store):
+    """``with offload_activations(store):`` a step at a time, never closed: each one's
+    workers stop once it is gone (they hold it weakly)."""
+    import gc
+    import weakref
+
+    store = make_store()
+    model = _model()
+    before = threading.active_count()
+    refs = []
+    for step in range(6):
+        acts = offload_activations(store, min_bytes=4096)
+        refs.append(weakref.ref(acts))
+        with acts:
+            loss = model(_batch(step))
+        loss.backward()
+        assert acts.flush(timeout_s=60)
+        del acts, loss
+    gc.collect()
+    assert all(r() is None for r in refs)
+    poll_until(lambda: threading.active_count() <= before + 4, "the dropped offloads' workers stop")
+    assert _ns_objects(store) == 0
+
+
+def test_graphs_that_never_all_go_keep_the_save_order_short(make_store):
+    """A pipeline schedule runs the next micro-batch's forward before the last one's
+    backward, so some graph is always alive: what the offload keeps per save stays
+    bounded by the saves alive, not by every save so far."""
+    store = make_store()
+    acts = offload_activations(store, min_bytes=4096)
+    model = _model()
+    with acts:
+        held = model(_batch(0))
+    for mb in range(1, 40):
+        with acts:
+            nxt = model(_batch(mb))
+        held.backward()
+        held = nxt
+    alive = acts._live
+    assert alive > 0 and len(acts._order) <= 2 * alive + 64 and len(acts._by_storage) <= 2 * alive + 64
+    held.backward()
+    assert acts.flush(timeout_s=60) and _ns_objects(store) == 0
+    acts.close()
+
+
+def test_the_module_form_offloads_every_forward_of_the_module_and_close_unhooks_it(make_store):
+    store = make_store()
+    plain, off = _model(), _model()
+    acts = offload_activations(store, off, min_bytes=4096)
+    for step in range(2):
+        lp, lo = _step(plain, _batch(step)), _step(off, _batch(step))  # no `with`: the module enters it
+        assert torch.equal(lp, lo) and _same(_grads(plain), _grads(off))
+        plain.zero_grad(), off.zero_grad()
+    assert acts.stats.offloaded > 0 and acts.flush(timeout_s=60) and _ns_objects(store) == 0
+    acts.close()
+    n = acts.stats.saved
+    _step(off, _batch(3))
+    assert acts.stats.saved == n  # unhooked
+    with pytest.raises(TypeError):
+        acts.wrap("not a module")
+
+
+def test_arguments_are_checked_with_clear_errors(make_store):
+    from tierstore.errors import InvalidArgument
+
+    store = make_store()
+    for bad in (None, "/run/tierstore.sock", object()):
+        with pytest.raises(TypeError, match="Client or an in-process"):
+            offload_activations(bad)
+    for kw in ({"threads": 2.0}, {"threads": 0}, {"wait_s": float("nan")}, {"wait_s": -1}, {"min_bytes": -1},
+               {"inflight_bytes": 0}, {"prefetch_bytes": True}, {"min_bytes": "lots"}, {"tier": "gpu"}):
+        with pytest.raises(InvalidArgument):
+            offload_activations(store, **kw)
+    acts = offload_activations(store, min_bytes="64KiB", inflight_bytes="32MiB", prefetch_bytes="1MiB")
+    assert (acts.min_bytes, acts.inflight_bytes, acts.prefetch_bytes) == (64 << 10, 32 << 20, 1 << 20)
+    acts.close()
+
+
+def test_a_pool_that_goes_away_fails_the_next_forward(make_store):
+    """The pool closed under the offload: that forward's tensors stay in memory (its
+    backward is right), and the next forward raises the pool's error."""
+    from tierstore.errors import Closed
+
+    store = make_store()
+    plain, off = _model(), _model()
+    acts = offload_activations(store, min_bytes=4096, prefetch_bytes=0)
+    store.close()
+    lp = _step(plain, _batch(0))
+    torch.manual_seed(7)
+    with acts:
+        lo = off(_batch(0))
+    assert acts.flush(timeout_s=60) and acts.stats.put_errors > 0
+    lo.backward()
+    assert torch.equal(lp, lo.detach()) and _same(_grads(plain), _grads(off))
+    with pytest.raises(Closed, match="activation offload stopped"):
+        _step(off, _batch(1), acts)
+    acts.close()
+
+
+def test_an_object_an_in_place_read_keeps_counts_as_in_flight_until_it_goes(make_store):
+    store = make_store()
+    acts = offload_activations(store, min_bytes=4096, prefetch_bytes=0)
+    with acts:
+        x = torch.randn(1024, 1024, requires_grad=True)
+        y = Save.apply(x, x.detach() * 3)
+    assert acts.flush(timeout_s=60) and acts.stats.offloaded == 1
+    Save.seen.clear()
+    y.sum().backward()
+    assert acts.flush(timeout_s=60) and len(Save.seen) == 1 and acts.stats.read_in_place == 1
+    assert _ns_objects(store) == 1 and acts.stats.bytes_in_flight == 4 << 20  # backward's tensor still over it
+    Save.seen.clear()
+    poll_until(lambda: acts.flush(timeout_s=1) and _ns_objects(store) == 0, "the object goes with its last tensor")
+    assert acts.stats.bytes_in_flight == 0
+    acts.close()
+
+
+def test_two_offloads_on_one_client_are_summed_in_stat(daemon):
+    with daemon.client("two") as c:
+        a1 = offload_activations(c, min_bytes=4096, prefetch_bytes=0)
+        a2 = offload_activations(c, min_bytes=4096, prefetch_bytes=0)
+        keep = []
+        for acts in (a1, a2):
+            with acts:
+                x = torch.randn(1024, 1024, requires_grad=True)
+                keep.append(torch.sin(x * 2))
+            assert acts.flush(timeout_s=60)
+            acts._report(force=True)
+        poll_until(lambda: c.stat()["activations"]["bytes_in_flight"] == 2 * (4 << 20), "both offloads counted")
+        a1.close()  # its totals stay, its bytes in flight no longer
+        del keep
+        a2.close()
+        poll_until(lambda: c.stat()["activations"]["bytes_in_flight"] == 0, "both done")
+        assert c.stat()["activations"]["offloaded_bytes"] == a1.stats.offloaded_bytes + a2.stats.offloaded_bytes

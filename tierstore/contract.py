@@ -73,6 +73,7 @@ class Objects(Protocol):
     def ls(self, prefix: str = "") -> list[dict[str, Any]]: ...
 
 
+@runtime_checkable
 class Pool(Objects, Protocol):
     """The tensor pool both ``Store`` and ``Client`` are: one namespace's objects, by handle
     and by key, on the host, NVMe and GPU tiers.
@@ -128,4 +129,4 @@ class ReportsActivations(Protocol):
     ``Client``: in ``tierstore stat`` and the metrics). An in-process ``Store`` has no
     one to show them to; ``ActivationOffload.stats`` has them either way."""
 
-    def report_activations(self, counters: dict[str, Any]) -> None: ...
+    def report_activations(self, counters: dict[str, Any], *, source: int = 0, final: bool = False) -> None: ...
