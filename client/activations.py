@@ -139,6 +139,8 @@ class _Entry:
     views: int = 0  # check-outs of it that backward reads in place (or a fetch is taking): not freed meanwhile
     pending_free: Any = None  # the handle to free once the last of them is back in
     view_arr: Any = None  # a weak reference to the array the last in-place read's tensors hold
+    unwanted: bool = False  # the fetch in flight is no longer wanted (``_resume``): its bytes are not kept
+    cancelled: bool = False  # its put was cancelled (``_cancel``): not running, not made
 
 
 @dataclass(slots=True, eq=False)
@@ -165,12 +167,15 @@ def _check_version(t: torch.Tensor | None, saved: int, dtype: torch.dtype, size:
 
 
 class _Kept:
-    """A saved tensor left where it was, with its version when saved (checked at unpack)."""
+    """A saved tensor left where it was, with its version when saved (checked at unpack).
+    Held as ``t.detach()`` (the same storage and version counter): a node's own output
+    held as itself would make a cycle (node, output, its grad_fn) that keeps a graph
+    dropped without backward, and its pool objects, alive."""
 
     __slots__ = ("t", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.version = t, t._version
+        self.t, self.version = t.detach(), t._version
 
 
 class _Saved:
@@ -200,16 +205,17 @@ class _Saved:
             owner._drop_ref(self)
 
 
-def _loop(me: "weakref.ref[ActivationOffload]", jobs: queue.SimpleQueue, name: str, run: Any) -> None:
-    """A worker: ``run(offload, job)`` for each job until the ``None`` sentinel, or until
-    the offload is gone; one failure stops nothing. Between jobs it holds the offload
-    only weakly."""
+def _loop(jobs: queue.SimpleQueue, name: str, run: Any) -> None:
+    """A worker: ``run(offload, job)`` for each ``(offload, job)`` until the ``None``
+    sentinel; one failure stops nothing. Each queued job holds its offload (so an offload
+    dropped without ``close()`` lives until its last free and check-in have run); between
+    jobs the worker holds none, and the offload's ``__del__`` stops it."""
     while True:
-        job = jobs.get()
-        self = None if job is None else me()
-        if self is None:
+        item = jobs.get()
+        if item is None:
             log.debug("activation %s worker stopped", name)
             return
+        self, job = item
         try:
             run(self, job)
         except TierstoreError as err:
@@ -223,7 +229,7 @@ def _loop(me: "weakref.ref[ActivationOffload]", jobs: queue.SimpleQueue, name: s
                 else:
                     self._jobs -= 1
                 self._cv.notify_all()
-        del self, job
+        del self, job, item
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -275,7 +281,10 @@ class ActivationOffload:
         self.min_bytes, self.tier, self.wait_s = min_bytes, tier, wait_s
         self.inflight_bytes, self.prefetch_bytes = inflight_bytes, prefetch_bytes
         self.stats = ActivationStats()
-        self._cv = threading.Condition(threading.Lock())  # guards every entry field and the counters
+        # guards every entry field and the counters; reentrant, because the last tensor over
+        # an in-place read (``_view_gone``) or a saved handle (``_drop_ref``) may go while its
+        # thread holds it (a collection inside a critical section)
+        self._cv = threading.Condition(threading.RLock())
         self._seq = 0
         self._order: list[_Entry] = []  # live entries in save order (backward reads them in reverse)
         self._index: dict[int, int] = {}  # id(entry) -> position in _order
@@ -290,17 +299,15 @@ class ActivationOffload:
         self._closed = False
         self._last_report = 0.0
         self._source = next(_sources)  # who these counters are, to a client that sums several
-        # check-ins of in-place reads: counted by a lock of their own, since the last tensor
-        # over one may go while its thread holds ``_cv``
-        self._unview_lock = threading.Lock()
-        self._unviews_sent = 0
+        self._unviews_sent = 0  # check-ins of in-place reads queued, and done
+        self._ended: list[_Entry] = []  # entries the last end of a forward kept in memory (``_resume``)
         self._unviews_done = 0
         self._puts: queue.SimpleQueue[tuple[str, _Entry] | None] = queue.SimpleQueue()  # puts and frees, in order
         self._gets: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
-        # the workers hold this offload weakly: one dropped without close() (``with
-        # offload_activations(c):`` each step) goes, and its ``__del__`` stops them
-        me = weakref.ref(self)
-        self._workers = [threading.Thread(target=_loop, args=(me, q, name, run), name=f"tierstore-act-{name}{k}",
+        # the workers hold this offload only through queued jobs: one dropped without close()
+        # (``with offload_activations(c):`` each step) goes once its jobs are done, and its
+        # ``__del__`` stops them
+        self._workers = [threading.Thread(target=_loop, args=(q, name, run), name=f"tierstore-act-{name}{k}",
                                           daemon=True)
                          for q, name, run in ((self._puts, "put", ActivationOffload._put_or_free),
                                               (self._gets, "fetch", ActivationOffload._fetch))
@@ -327,6 +334,7 @@ class ActivationOffload:
         self._hooks.pop().__exit__(*exc)
         if not self._hooks:  # the end of a forward: backward starts with the last entries
             with self._cv:
+                self._ended = []
                 hints = self._prefetch_before(len(self._order), keep=True)
             if hints:
                 self._hint(hints)
@@ -357,7 +365,39 @@ class ActivationOffload:
         # view ``W.t()`` a linear layer saves) is held anyway
         return not (base.requires_grad and base.is_leaf or isinstance(base, torch.nn.Parameter))
 
+    def _resume(self) -> None:
+        """A save after what looked like the end of a forward (a module wrapped per block, a
+        context entered per block): the entries that end kept in memory go to the pool after
+        all, so each block's end does not hold ``prefetch_bytes`` back."""
+        requeue = []
+        with self._cv:
+            ended, self._ended = self._ended, []
+            for e in ended:
+                if e.dead or e.unread <= 0:
+                    continue
+                if e.buf is not None and e.handle is not None:  # fetched back early: the pool still has it
+                    self._held(-e.nbytes)
+                    e.buf = None
+                elif e.fetching:
+                    e.unwanted = True
+                if not e.wanted:
+                    continue
+                e.wanted = False
+                if e.handle is not None and e.src is not None:  # put already: the pool has the bytes
+                    self._held(-e.nbytes)
+                    e.src = None
+                elif e.cancelled and e.src is not None:  # its put was cancelled: made after all
+                    e.cancelled = False
+                    e.queued = True
+                    self._pending += e.nbytes
+                    self.stats.cancelled -= 1
+                    requeue.append(e)
+        for e in requeue:
+            self._queue(self._puts, ("put", e))
+
     def _pack(self, t: torch.Tensor) -> Any:
+        if self._ended:
+            self._resume()
         if self._closed or not self._worth(t):
             with self._cv:
                 self.stats.saved += 1
@@ -430,8 +470,10 @@ class ActivationOffload:
         if type(s) is _Kept:  # kept in place at pack
             _check_version(s.t, s.version, s.t.dtype, s.t.size())
             return s.t
-        _check_version(s.base(), s.version, s.dtype, s.size)
         e = s.entry
+        # (its tensor gone: a detach() of it shares the counter, and so does ``src`` while held)
+        base = s.base()
+        _check_version(base if base is not None else e.src, s.version, s.dtype, s.size)
         with self._cv:
             buf = self._ready(e)
             if buf is None:
@@ -480,6 +522,7 @@ class ActivationOffload:
     def _cancel(self, e: _Entry) -> None:
         """(under _cv) The put of ``e`` will not be made (it has not started): its bytes stay here."""
         e.queued = False
+        e.cancelled = True
         self.stats.cancelled += 1
         self._pending -= e.nbytes
         self._cv.notify_all()
@@ -503,13 +546,17 @@ class ActivationOffload:
                 ahead += p.nbytes
                 if p.src is not None:
                     p.wanted = True  # a put running now does not let the bytes go: backward is near
-                    if keep and p.queued:
-                        self._cancel(p)
+                    if keep:
+                        self._ended.append(p)
+                        if p.queued:
+                            self._cancel(p)
                 elif p.src is None and p.buf is None and not p.fetching and p.handle is not None \
                         and not self._closed:  # (closed: no fetch workers; backward fetches on demand)
+                    if keep:
+                        self._ended.append(p)
                     p.fetching = True
                     self._jobs += 1  # (under _cv already)
-                    self._gets.put(p)
+                    self._gets.put((self, p))
             elif hinted < self.prefetch_bytes:
                 hinted += p.nbytes
                 if not p.hinted and p.handle is not None:
@@ -528,6 +575,9 @@ class ActivationOffload:
     # ------------------------------------------------------------------ free
     def _drop_ref(self, s: _Saved) -> None:
         e = s.entry
+        # (this thread inside a critical section already: a collection freed a graph there;
+        # the order is left as it is, the outer section may be walking it)
+        nested = self._cv._is_owned()
         with self._cv:
             e.refs -= 1
             if s.unread:
@@ -549,10 +599,13 @@ class ActivationOffload:
             if e.src is not None or e.buf is not None:
                 self._held(-e.nbytes)
             e.src = e.buf = None
-            if self._live == 0:  # a backward is over: start the order afresh
-                self._order.clear()
+            if nested:
+                pass
+            elif self._live == 0:  # a backward is over: start the order afresh
+                self._order = []
                 self._index.clear()
                 self._by_storage.clear()
+                self._ended = []
             else:
                 self._index.pop(id(e), None)
                 if len(self._order) > 2 * self._live + 64:  # graphs that never all go (1F1B): keep it short
@@ -582,7 +635,7 @@ class ActivationOffload:
         with self._cv:
             if not self._closed:
                 self._jobs += 1
-                jobs.put(job)
+                jobs.put((self, job))
                 return
             kind, what = job
             if kind == "put":
@@ -626,7 +679,7 @@ class ActivationOffload:
                     self._gone = err
                 return
             if isinstance(err, TierstoreError):
-                why = type(err).__name__ + str(err)[:60]
+                why = err.code
                 if why in self._warned:
                     log.debug("activation of %d bytes stays in memory: %s", e.nbytes, err)
                 else:
@@ -692,8 +745,11 @@ class ActivationOffload:
                 self._end_view(e, None)
         with self._cv:
             e.fetching = False
+            drop, e.unwanted = e.unwanted, False
             if err is not None:
                 e.error = err
+            elif buf is not None and drop:
+                pass  # (not kept: an in-place read is checked in once ``buf`` goes)
             elif buf is not None and not e.dead and e.src is None:
                 e.buf = buf
                 self._held(e.nbytes)
@@ -724,14 +780,19 @@ class ActivationOffload:
     def _view_gone(self, e: _Entry, lease: Any) -> None:
         """(any thread, maybe under ``_cv``) The last tensor over an in-place read is gone:
         its check-in (and the free it held back) goes to a put worker."""
-        with self._unview_lock:
+        with self._cv:
             self._unviews_sent += 1
             if not self._closed:  # (under the lock ``close`` sets it with: queued before the workers' stop)
-                self._puts.put(_Unview(e, lease))
+                self._puts.put((self, _Unview(e, lease)))
                 return
-        self._end_view(e, lease, locked=False)  # no workers left
+        try:
+            self._end_view(e, lease)  # no workers left
+        finally:
+            with self._cv:
+                self._unviews_done += 1
+                self._cv.notify_all()
 
-    def _end_view(self, e: _Entry, lease: Any, *, locked: bool = True) -> None:
+    def _end_view(self, e: _Entry, lease: Any) -> None:
         """Check an in-place read's object back in, then free it if it was dropped meanwhile.
         Given back as never written (backward only read it): after an ``rw`` check-in the
         object would be dirty, and a demotion in the moment before its free — a consumed
@@ -741,20 +802,16 @@ class ActivationOffload:
                 lease.give_back()
             except TierstoreError as err:  # the connection is gone: the daemon checked it in
                 log.debug("checking in an activation: %s", err)
-        if locked:
-            with self._cv:
-                handle = self._viewed(e)
-                last = self._live == 0
-        else:
+        with self._cv:
             handle = self._viewed(e)
-            self._unviews_done += 1
+            last = self._live == 0
+            self._cv.notify_all()
         if handle is not None:
             self._free(handle)
-            if locked:
-                self._report(force=last)  # (its bytes left the pool only now)
+            self._report(force=last)  # (its bytes left the pool only now)
 
     def _viewed(self, e: _Entry) -> Any:
-        """(under ``_cv``, or once closed) One in-place read of ``e`` is over: the handle to free now, if any."""
+        """(under ``_cv``) One in-place read of ``e`` is over: the handle to free now, if any."""
         e.views -= 1
         if e.views:
             return None
@@ -804,7 +861,7 @@ class ActivationOffload:
         self._last_report = now
         try:
             self._reporter(self.snapshot(), source=self._source, final=final)
-        except TierstoreError as err:  # counters only
+        except Exception as err:  # counters only: never the training's failure
             log.debug("reporting activation counters failed: %s", err)
 
     # ------------------------------------------------------------------ lifecycle
@@ -812,7 +869,7 @@ class ActivationOffload:
         """Stop the workers (after the puts and frees queued); later saves stay in memory.
         Objects of graphs still alive are freed as those graphs go (by the process's
         end at the latest: they are ephemeral)."""
-        with self._cv, self._unview_lock:  # every job queued so far is ahead of the stop
+        with self._cv:  # every job queued so far is ahead of the stop
             if self._closed:
                 return
             self._closed = True

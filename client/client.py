@@ -534,21 +534,25 @@ class Client:
         """Tell the daemon this process's activation-offload counters, for ``stat`` and the
         metrics (no reply awaited): those of ``source`` (one offload) added to the others'
         this client reported. ``final``: that offload is done; its totals stay counted, its
-        bytes in flight and held no longer."""
+        bytes in flight and held no longer (and its peaks as the largest of any)."""
         with self._act_lock:
             if final:
                 self._acts.pop(source, None)
                 done = self._acts_done
                 for k, v in counters.items():
-                    if k not in _ACT_GAUGES and isinstance(v, (int, float)):
-                        done[k] = done.get(k, 0) + v
+                    if k in _ACT_GAUGES or not isinstance(v, (int, float)):
+                        continue
+                    done[k] = max(done.get(k, 0), v) if k.startswith("peak_") else done.get(k, 0) + v
             else:
                 self._acts[source] = counters
-            total = dict(self._acts_done)
+            live: dict[str, Any] = {}
             for c in self._acts.values():
                 for k, v in c.items():
                     if isinstance(v, (int, float)):
-                        total[k] = total.get(k, 0) + v
+                        live[k] = live.get(k, 0) + v
+            total = dict(self._acts_done)
+            for k, v in live.items():  # a peak: the larger of a finished offload's and the live ones' together
+                total[k] = max(total.get(k, 0), v) if k.startswith("peak_") else total.get(k, 0) + v
         self._conn.submit("client_info", activations=total).add_done_callback(_log_hint_error)
 
     def stat(self, *, ops: bool = False) -> dict[str, Any]:

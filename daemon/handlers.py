@@ -368,7 +368,7 @@ class Handlers:
                 keys = cols[_KEY_COLUMN]
                 return {"fields": INFO_FIELDS, "n": len(keys), "columns": _columns(cols),
                         "next": keys[-1] if len(keys) == limit else None}
-            return page() if limit <= _INLINE_LS else Later(page)
+            return page() if min(limit, self.store.daemon.key_count(sess.namespace)) <= _INLINE_LS else Later(page)
         prefix, after, limit = self._page_args(msg, PAGE_LS)
         rows = self.store.ls_page(prefix, after, limit, namespace=sess.namespace)
         return {"objects": rows, "next": rows[-1]["key"] if len(rows) == limit else None}

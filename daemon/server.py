@@ -643,6 +643,7 @@ class Server:
         for sess in corked:
             if not sess.closed:
                 self._flush(sess)
+                self._check_budget(sess)
 
     def _drain_done_corked(self) -> None:
         while True:
@@ -697,10 +698,19 @@ class Server:
             return
         sess.queue(blob, fds, rid)
         if self._corked is not None and sess.joined:
-            self._corked.add(sess)  # sent when the burst (or the drain) ends
-        elif not sess.flush():
+            self._corked.add(sess)  # sent when the burst (or the drain) ends, then its budget checked
+            if sess.over_own_bound():  # (its own bound at once: one burst could be many large replies)
+                self._check_budget(sess)
+            return
+        if not sess.flush():
             self._close(sess)
-        if sess.closed or not sess.outbox:  # (a connection with nothing unread is not the one to close)
+            return
+        self._check_budget(sess)
+
+    def _check_budget(self, sess: Session) -> None:
+        """Close ``sess`` if it leaves replies unread past its, its uid's or everyone's
+        bound (a connection with nothing unread is not the one to close)."""
+        if sess.closed or not sess.outbox:
             return
         why = sess.over_budget()
         if why is not None:

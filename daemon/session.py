@@ -135,6 +135,10 @@ class Session:
             self.outbox.append((blob, fds, rid, self.joined and not fds and len(blob) <= _BATCH_ITEM_BYTES))
             self._count(len(blob) + _ENTRY_BYTES)
 
+    def over_own_bound(self) -> bool:
+        """Whether this connection alone leaves more reply bytes unread than it may."""
+        return self.outbox_bytes > _OUTBOX_BYTES
+
     def over_budget(self) -> str | None:
         """Why this connection leaves too many reply bytes unread (then it is closed), or None."""
         if self.outbox_bytes > _OUTBOX_BYTES:

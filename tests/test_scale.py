@@ -4,6 +4,7 @@ for root. Real daemon processes, real client processes, real sockets."""
 
 import json
 import os
+import selectors
 import pwd
 import signal
 import socket
@@ -365,6 +366,42 @@ def test_many_connections_of_one_uid_that_do_not_read_hold_a_bounded_total(daemo
     finally:
         flood.kill()
         flood.communicate()
+
+
+def test_a_connection_that_reads_its_replies_is_not_closed_for_its_uids_unread_bytes():
+    """Other connections of its uid leave more than their bound unread: a connection whose
+    replies all leave (here, a joined reply sent when its burst ends) is not the one closed;
+    one whose reply stays unread is."""
+    from tierstore.config import Config
+    from tierstore.daemon.server import Server
+    from tierstore.daemon.session import _UID_OUTBOX_BYTES, Session
+    from tierstore.protocol import reply_ok
+    from tierstore.daemon.auth import PeerCred
+
+    srv = Server(Config())
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    try:
+        srv._replies.add(1000, _UID_OUTBOX_BYTES + 1)  # what its uid's other connections leave unread
+        reader, stuck = (Session(i, a, PeerCred(pid=1, uid=1000, gid=1000), os.getpid(), srv._sel, srv._replies)
+                         for i, (a, _) in enumerate(pairs))
+        for sess in (reader, stuck):
+            sess.joined = True
+            sess.sock.setblocking(False)
+            srv._sessions[sess.cid] = sess
+            srv._sel.register(sess.sock, selectors.EVENT_READ, ("sess", sess))
+        srv._corked = {reader}  # a burst of its requests: replies leave when it ends
+        srv._send(reader, reply_ok(1, {}), rid=1)
+        srv._uncork()
+        assert not reader.closed and pairs[0][1].recv(100)
+        stuck.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        while not stuck.closed:  # its peer never reads: its replies stay queued, and it goes
+            srv._send(stuck, reply_ok(2, {"x": b"y" * 3000}), rid=2)
+        assert not reader.closed
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+        srv.discard()
 
 
 def test_a_handle_from_another_namespace_is_not_found(daemon):
