@@ -509,6 +509,8 @@ class Server:
                 self._reply_error(sess, rid, ProtocolError("hello was already sent on this connection"))
                 return
             sess.hello_pending = True
+        elif not sess.owns_namespace and op != "ping" and not self._may_use_namespace(sess, rid):
+            return
         sess.requests += 1
         t0 = time.perf_counter()
         try:
@@ -556,6 +558,20 @@ class Server:
             self._finish(job.sess, job.rid, *out, time.perf_counter() - job.t0)
         finally:
             self._let_go(job)
+
+    def _may_use_namespace(self, sess: Session, rid: int) -> bool:
+        """Whether ``sess`` may still use its namespace: no other uid has claimed it since its
+        hello (else the request is refused with ``PermissionDenied``)."""
+        uid = sess.cred.uid
+        owner = self.store.daemon.namespace_owner(sess.namespace)
+        if owner is None:
+            return True
+        if owner == uid or uid == 0:
+            sess.owns_namespace = True
+            return True
+        self._reply_error(sess, rid, PermissionDenied(f"namespace {sess.namespace.split('/')[0]!r} now belongs "
+                                                      f"to uid {owner}; use another namespace"))
+        return False
 
     def _let_go(self, job: Job) -> None:
         """A request that went on from leases it took has run, or given them back: its

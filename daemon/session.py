@@ -71,6 +71,10 @@ class Session:
     count_error: Callable[[str], None] = lambda code: None
     """Counts an error the session answers by itself (a reply too large to send)."""
     namespace: str | None = None
+    owns_namespace: bool = False
+    """Its uid owns its namespace (or is root): ownership never changes, so no request of it
+    needs to check again. Until then each request checks, since another uid may claim
+    the namespace after this hello."""
     hello_pending: bool = False
     opened: float = field(default_factory=time.monotonic)
     outbox: deque = field(default_factory=deque)

@@ -565,3 +565,46 @@ def test_a_non_root_client_sees_only_its_own_namespaces_and_sessions_in_stat(dae
             assert "secret-project" not in json.dumps(seen["pages"]), seen
         st = root_client.stat()  # root, the operator, sees every one
         assert {"mine", "secret-project"} <= set(st["namespaces"])
+
+
+_EARLY_HELLO = r"""
+import os, sys
+import torch
+from tierstore.client import Client
+os.setgroups([]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))
+with Client.connect(socket=sys.argv[1], namespace="victim") as c:  # unowned yet: admitted
+    print("ready", flush=True)
+    sys.stdin.readline()  # another uid claims the namespace meanwhile
+    for name, call in [("lookup", lambda: c.lookup("secret")), ("keys", lambda: c.keys()),
+                       ("put", lambda: c.put(torch.full((4,), -1.0), key="secret", replace=True, durable=True)),
+                       ("ping", lambda: c.ping())]:
+        try:
+            call()
+            print(name, "ok", flush=True)
+        except Exception as e:
+            print(name, type(e).__name__, flush=True)
+"""
+
+
+def test_a_connection_whose_namespace_another_uid_claims_after_its_hello_is_refused(daemon_factory):
+    """Ownership is checked at hello, and again on each request while the namespace is
+    unclaimed: a uid that said hello first cannot use it once another uid owns it."""
+    import grp
+
+    nobody = pwd.getpwnam("nobody")
+    d = daemon_factory("--allowed-group", grp.getgrgid(nobody.pw_gid).gr_name, public=True)
+    p = subprocess.Popen([sys.executable, "-c", _EARLY_HELLO, d.socket, str(nobody.pw_uid), str(nobody.pw_gid)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "HOME": "/tmp"})
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        with d.client("victim") as owner:  # root's first put claims it (uid 0)
+            owner.put(torch.full((4,), 7.0), key="secret", durable=True)
+            out, err = p.communicate("go\n", timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            assert out.split("\n")[:4] == ["lookup PermissionDenied", "keys PermissionDenied",
+                                            "put PermissionDenied", "ping ok"], out
+            assert torch.equal(owner.get(owner.lookup("secret")), torch.full((4,), 7.0))
+    finally:
+        p.kill()
+        p.communicate()
