@@ -36,7 +36,7 @@ from tierstore.arena import detach_mapping, map_arena_fd
 from tierstore.batch import LeaseGroup, check_each
 from tierstore._version import __version__
 from tierstore.errors import CapacityExceeded, Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
-from tierstore.names import Handle, validate_key, validate_namespace
+from tierstore.names import Handle, validate_key, validate_new_namespace
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
 from .connection import Connection
@@ -237,7 +237,7 @@ class Client:
             from tierstore.config import default_socket_path  # here: the settings module is not needed otherwise
 
             path = default_socket_path()
-        ns = validate_namespace(namespace)
+        ns = validate_new_namespace(namespace)
         try:
             conn = Connection(path, timeout_s=timeout_s)
         except DaemonUnavailable:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from tierstore._version import __version__
 from tierstore.errors import InvalidArgument, ProtocolError
 from tierstore.groupcommit import Pending
-from tierstore.index import Handle, validate_key, validate_namespace
+from tierstore.index import Handle, validate_key
+from tierstore.names import validate_new_namespace
 from tierstore.batch import MAX_EACH
 from tierstore.leasebatches import INLINE_BATCH
 from tierstore.leases import MAX_BATCH
@@ -173,7 +174,7 @@ class Handlers:
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}; "
                                 "install matching tierstore versions")
-        ns = validate_namespace(field(msg, "namespace", str))
+        ns = validate_new_namespace(field(msg, "namespace", str))
         # a namespace is claimed by its first put, so `tierstore stat` claims nothing
         self.store.daemon.check_namespace(ns, sess.cred.uid)
         sess.namespace = ns
@@ -277,8 +278,9 @@ class Handlers:
 
     def checkout_many(self, sess: "Session", msg: dict[str, Any]) -> Any:
         hs = field(msg, "handles", list)
-        if not 1 <= len(hs) <= MAX_BATCH:
-            raise InvalidArgument(f"a batch check-out takes 1 to {MAX_BATCH} objects, got {len(hs)}")
+        most = _batch_most(sess, MAX_BATCH)
+        if not 1 <= len(hs) <= most:
+            raise InvalidArgument(f"a batch check-out takes 1 to {most} objects, got {len(hs)}{_no_fragments(sess)}")
         modes = field(msg, "modes", (str, list), "r")
         if isinstance(modes, str):
             modes = [modes] * len(hs)
@@ -291,8 +293,9 @@ class Handlers:
 
     def checkout_each(self, sess: "Session", msg: dict[str, Any]) -> Any:
         reqs = field(msg, "requests", list)
-        if not 1 <= len(reqs) <= MAX_EACH:
-            raise InvalidArgument(f"checkout_each takes 1 to {MAX_EACH} check-outs, got {len(reqs)}")
+        most = _batch_most(sess, MAX_EACH)
+        if not 1 <= len(reqs) <= most:
+            raise InvalidArgument(f"checkout_each takes 1 to {most} check-outs, got {len(reqs)}{_no_fragments(sess)}")
         parsed = []
         for i, r in enumerate(reqs):
             if not isinstance(r, list) or len(r) != 3 or not isinstance(r[1], str) \
@@ -376,8 +379,13 @@ class Handlers:
     def namespaces(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """One page of the per-namespace table of ``stat``, in name order after ``after``."""
         after = field(msg, "after", str, None)
-        page = self.store.daemon.stat_namespaces_of(sess.cred.uid, after, PAGE_NAMESPACES + 1)
-        return _namespace_page(self.store.stat_namespaces(after, PAGE_NAMESPACES + 1) if page is None else page)
+
+        def page() -> dict[str, Any]:
+            mine = self.store.daemon.stat_namespaces_of(sess.cred.uid, after, PAGE_NAMESPACES + 1)
+            return _namespace_page(self.store.stat_namespaces(after, PAGE_NAMESPACES + 1) if mine is None else mine)
+        if sess.cred.uid != 0 and self.store.daemon.namespace_count() > PAGE_NAMESPACES:
+            return Later(page)  # (its uid's namespaces are found by a walk over all)
+        return page()
 
     def info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return self.store.info(_handle(msg), namespace=sess.namespace)
@@ -397,6 +405,11 @@ class Handlers:
         return _answer(self.store.try_step(owner=sess), lambda _: {})
 
     def stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
+        if sess.cred.uid != 0 and self.store.daemon.namespace_count() > PAGE_NAMESPACES:
+            return Later(lambda: self._stat(sess, msg))  # (its namespaces are found by a walk over all)
+        return self._stat(sess, msg)
+
+    def _stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
         st = self.store.stat(namespace_limit=PAGE_NAMESPACES + 1)
         st.update(self._server_stats(sess.cred.uid))
         mine = self.store.daemon.stat_namespaces_of(sess.cred.uid, None, PAGE_NAMESPACES + 1)
@@ -412,6 +425,20 @@ class Handlers:
 
     def ping(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return {}
+
+
+_UNFRAGMENTED_BATCH = 256
+"""The most check-outs in one batch for a client that takes no fragmented replies: their
+reply must fit one message (a lease's entry is at most a few hundred bytes), or the
+leases would be taken and the reply that names them could not be sent."""
+
+
+def _batch_most(sess: "Session", most: int) -> int:
+    return most if sess.fragments else min(most, _UNFRAGMENTED_BATCH)
+
+
+def _no_fragments(sess: "Session") -> str:
+    return "" if sess.fragments else " (a client that takes no fragmented replies; say fragments: true at hello)"
 
 
 def _namespace_page(table: dict[str, Any]) -> dict[str, Any]:

@@ -87,6 +87,25 @@ def test_a_reply_too_big_for_one_message_is_an_error_not_a_closed_connection(dae
     assert "does not fit one message" in daemon.log.read_text()
 
 
+def test_a_client_that_takes_no_fragments_cannot_take_leases_it_could_not_be_told_of(daemon):
+    """A batch check-out whose reply could not fit one message is refused before it takes
+    anything (else its leases would be held with the reply naming them unsendable)."""
+    with daemon.client("wide") as c:
+        hs = [str(c.put(torch.ones(2))) for _ in range(1000)]
+        s = _raw(daemon.socket, "wide", fragments=False)
+        s.send(msgpack.packb({"id": 1, "op": "checkout_many", "handles": hs, "modes": "rw"}))
+        reply = msgpack.unpackb(s.recv(1 << 24))
+        assert reply["id"] == 1 and reply["err"]["code"] == "InvalidArgument" and "fragments" in \
+            reply["err"]["message"], reply
+        assert c.stat()["leases"] == 0
+        s.send(msgpack.packb({"id": 2, "op": "checkout_many", "handles": hs[:200], "modes": "rw"}))
+        reply = msgpack.unpackb(s.recv(1 << 24))
+        assert len(reply["ok"]["leases"]) == 200, reply
+        s.close()
+        with c.checkout(hs[0], "rw", timeout_s=30):  # the closed connection's leases went with it
+            pass
+
+
 def test_ls_pages_travel_by_column_with_one_value_columns_sent_once(daemon):
     """A page of ``ls`` asked for by column is the fields once, one list per column, and a
     column whose every row holds the same scalar as ``{"all": value}``; the client turns
@@ -138,6 +157,30 @@ def test_a_large_ls_page_is_built_off_the_event_loop_and_a_small_one_on_it(make_
     assert not isinstance(small, Later) and small["n"] == _INLINE_LS and small["next"] == f"k{_INLINE_LS - 1:05d}"
     assert big["n"] == 2 * _INLINE_LS and big["next"] is None
     assert big["columns"][1][:_INLINE_LS] == small["columns"][1]
+
+
+def test_a_non_root_stat_among_many_namespaces_is_built_off_the_event_loop(make_store):
+    """A client not running as root sees its uid's namespaces only, found by a walk over
+    every namespace: with more than a page of them, its ``stat`` and ``namespaces`` run on
+    an op worker, not on the loop that serves everyone. Root's stay on the loop."""
+    from types import SimpleNamespace
+
+    from tierstore.daemon.handlers import PAGE_NAMESPACES, Handlers
+    from tierstore.daemon.auth import PeerCred
+    from tierstore.waits import Later
+
+    s = make_store(host_bytes="64MiB")
+    for i in range(PAGE_NAMESPACES + 1):
+        s.put(torch.zeros(1), namespace=f"ns{i:05d}")
+    h = Handlers(s, lambda uid: {})
+    stranger = SimpleNamespace(namespace="ns00000", cred=PeerCred(pid=1, uid=4242, gid=4242))
+    root = SimpleNamespace(namespace="ns00000", cred=PeerCred(pid=1, uid=0, gid=0))
+    for op in (h.stat, h.namespaces):
+        later = op(stranger, {})
+        assert isinstance(later, Later)
+        out = later.run()
+        assert not (out["namespaces"]), out["namespaces"]  # uid 4242 owns none of them
+        assert not isinstance(op(root, {}), Later)
 
 
 def test_the_replies_of_a_burst_of_requests_travel_joined_in_one_packet(daemon):
@@ -608,3 +651,26 @@ def test_a_connection_whose_namespace_another_uid_claims_after_its_hello_is_refu
     finally:
         p.kill()
         p.communicate()
+
+
+@pytest.mark.parametrize("name", ["job\nFAKE-NAMESPACE", "job\x1b[2K", "job\rx", "a\x7f", "a\u2028b"])
+def test_a_namespace_name_that_would_break_a_listing_is_refused_at_hello(daemon, name):
+    from tierstore.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="printable"):
+        daemon.client(name)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # the daemon's own check, past the client's
+    s.connect(daemon.socket)
+    s.settimeout(30)
+    s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": name}))
+    reply = msgpack.unpackb(s.recv(1 << 20))
+    s.close()
+    assert reply["err"]["code"] == "InvalidArgument" and "printable" in reply["err"]["message"], reply
+
+
+def test_stat_shows_a_name_that_is_not_printable_escaped():
+    from tierstore.client.cli.statview import render
+
+    st = {"namespaces": {"job\nFAKE 999 objects": {"objects": 1, "bytes": 8}}, "tiers": {}}
+    out = render(st)
+    assert "job\\nFAKE" in out and "\nFAKE" not in out

@@ -857,3 +857,21 @@ def test_a_volatile_commit_handed_on_and_ended_unrun_gives_its_reservation_up(ma
     assert s.lookup("k") is None
     s.daemon.release_owner("conn")  # (nothing left to end)
     s.put(torch.zeros(4), key="k")  # the key was never bound
+
+
+def test_objects_of_no_bytes_are_bounded_by_count_like_objects_of_one_byte(make_store):
+    """An object of no bytes takes no block: a flood of them would grow the store's
+    memory without bound. They are refused once the store holds as many objects as its
+    tiers have pages (what objects of one byte, a page each, could reach)."""
+    from tierstore.errors import CapacityExceeded
+
+    s = make_store(host_bytes="1MiB", nvme_bytes="1MiB", nvme_grow_bytes="1MiB")
+    pages = (s.placement.host.capacity + s.placement.nvme.capacity_bytes) // 4096
+    hs = []
+    with pytest.raises(CapacityExceeded, match="object of no bytes"):
+        for _ in range(pages + 1):
+            hs.append(s.put(torch.empty(0)))
+    assert len(hs) == pages
+    s.free(hs.pop())
+    hs.append(s.put(torch.empty(0), key="again"))  # room again once one goes
+    assert s.get(hs[-1]).numel() == 0

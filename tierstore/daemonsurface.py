@@ -91,6 +91,10 @@ class DaemonSurface:
         owners = self.durability.owners
         return self.index.stat_namespaces(after, limit, lambda ns: owners.get(ns.split("/")[0]) == uid)
 
+    def namespace_count(self) -> int:
+        """Namespaces holding objects, every uid's (O(1))."""
+        return len(self.index.objects.namespaces)
+
     def staging_area(self, owner: Any, nbytes: int, group: Any = None) -> tuple[int, int]:
         """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets
         through the daemon pass through it in one round trip. ``group``: whose share it

@@ -82,6 +82,17 @@ def validate_key(key: Any) -> str | None:
     return key
 
 
+def validate_new_namespace(ns: Any) -> str:
+    """``validate_namespace``, and printable: a name a client gives at hello is shown in
+    listings and ``tierstore stat`` (controls, escapes and line separators are refused, as
+    in keys). Names already in a journal are read back by ``validate_namespace`` alone."""
+    ns = validate_namespace(ns)
+    if not ns.isprintable() and any(unicodedata.category(ch) in _BAD_KEY_CHARS for ch in ns):
+        raise InvalidArgument(f"invalid namespace {ns[:80]!r}: control characters and line separators would break "
+                              "listings; use printable characters (e.g. 'job-42/rank3')")
+    return ns
+
+
 def validate_namespace(ns: Any) -> str:
     if not isinstance(ns, str) or not ns or len(ns) > 255:
         raise InvalidArgument("a namespace is a non-empty str of at most 255 characters")

@@ -168,9 +168,13 @@ class Puts:
                     f"{spec.nbytes} bytes exceed the host tier's usable {usable} bytes: a put through the daemon "
                     "stages the whole object in the host tier (the shared arena), whatever its tier; raise "
                     "host_bytes (an in-process Store writes larger objects to NVMe directly)")
-        if key is not None:
+        if key is not None or not spec.nbytes:
             with self.cv:
-                self.index.check_key(namespace, key, replace)
+                if key is not None:
+                    self.index.check_key(namespace, key, replace)
+                if not spec.nbytes and not self.placement.room_for_empty():
+                    raise CapacityExceeded(f"the store holds {len(self.index.objects)} objects, as many as its "
+                                           "tiers have pages: an object of no bytes counts as one page; free some")
         return tier
 
     def _open(self, spec: TensorSpec, loc: int, key: str | None, tier: str | None, durable: bool, replace: bool,

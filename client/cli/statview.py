@@ -75,7 +75,7 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     ns = st.get("namespaces", {})
     lines.append(f"  namespaces ({len(ns)}):")
     for name in sorted(ns):
-        lines.append(f"    {name:30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
+        lines.append(f"    {_shown(name):30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
     j = st.get("journal", {})
     if "checkpoint" in j:
         how = ("from the index checkpoint, then" if j["checkpoint"] == "used" else
@@ -120,3 +120,9 @@ def watch(connect: Callable[[], Any], interval_s: float, *, as_json: bool = Fals
             if iterations is None or n < iterations:
                 time.sleep(interval_s)
     return 0
+
+
+def _shown(name: str) -> str:
+    """A name as the terminal may print it: escapes for anything not printable (a name
+    journaled before such names were refused must not move the cursor or forge a line)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
