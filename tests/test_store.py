@@ -1,5 +1,6 @@
 """The in-process store against real files with O_DIRECT."""
 
+import os
 import threading
 import time
 
@@ -875,3 +876,47 @@ def test_objects_of_no_bytes_are_bounded_by_count_like_objects_of_one_byte(make_
     s.free(hs.pop())
     hs.append(s.put(torch.empty(0), key="again"))  # room again once one goes
     assert s.get(hs[-1]).numel() == 0
+
+
+@pytest.mark.parametrize("name", ["lock", "data.bin", "journal.log", "index.ckpt"])
+def test_a_link_planted_in_the_nvme_directory_is_refused_at_start_and_its_target_untouched(tmp_path, name):
+    from tierstore import Store
+    from tierstore.errors import InvalidArgument
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 10)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(mode=0o700)
+    os.symlink(victim, nvme / name)
+    with pytest.raises(InvalidArgument, match=f"symbolic link, {name}"):
+        Store(host_bytes="16MiB", nvme_bytes="64MiB", nvme_dirs=[str(nvme)])
+    assert victim.read_bytes() == b"precious" * 10
+
+
+def test_a_link_planted_at_a_temporary_name_while_the_store_runs_is_not_followed(tmp_path, caplog):
+    """The journal's compaction file and the index checkpoint's temporary file are made
+    anew: a link planted at their names is removed, never written through."""
+    import logging
+
+    from tierstore import Store
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 10)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(mode=0o777)
+    nvme.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="tierstore.preflight"):
+        s = Store(host_bytes="16MiB", nvme_bytes="64MiB", nvme_dirs=[str(nvme)])
+    assert "writable by other users" in caplog.text
+    h = s.put(torch.arange(8.0), key="k", durable=True)
+    for name in ("journal.log.compact", "index.ckpt.tmp", "index.ckpt.bg.tmp"):
+        os.symlink(victim, nvme / name)
+    s.durability.maybe_compact(force=True)
+    s.close()  # writes the index checkpoint through its temporary file
+    assert victim.read_bytes() == b"precious" * 10
+    assert not (nvme / "journal.log").is_symlink() and (nvme / "index.ckpt").is_file()
+    s = Store(host_bytes="16MiB", nvme_bytes="64MiB", nvme_dirs=[str(nvme)])
+    try:
+        assert torch.equal(s.get(s.lookup("k")), torch.arange(8.0)) and s.lookup("k") == h
+    finally:
+        s.close()

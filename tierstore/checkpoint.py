@@ -56,6 +56,7 @@ import numpy as np
 
 from .checksum import BLOCK_BYTES, crc32c
 from .errors import InvalidArgument
+from .files import create_fresh
 from .index import ObjectMeta, validate_key, validate_namespace
 from .journal import _fsync_dir, _write_all
 from .nvme import Extent
@@ -196,7 +197,7 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
     }, use_bin_type=True)
     path = path_in(directory)
     tmp = path + ".tmp" if tmp_name is None else os.path.join(directory, tmp_name)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = create_fresh(tmp)
     try:
         _write_all(fd, _HEAD.pack(_MAGIC, VERSION, crc32c(body), len(body)))
         _write_all(fd, body)

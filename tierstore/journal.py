@@ -36,6 +36,7 @@ import msgpack
 
 from .checksum import crc32c
 from .errors import StorageError
+from .files import create_fresh, open_own
 from .groupsync import GroupSync
 
 __all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "scan", "pack"]
@@ -163,7 +164,7 @@ class Journal:
 
     # -- append ----------------------------------------------------------------------------
     def open_for_append(self) -> None:
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._fd = open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self._pos = os.fstat(self._fd).st_size
         _fsync_dir(self.directory)
 
@@ -277,7 +278,7 @@ class Journal:
         already packed by ``pack``), atomically."""
         tmp = self.path + ".compact"
         with self.lock:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = create_fresh(tmp)
             try:
                 buf = bytearray()
                 for rec in records:
@@ -297,7 +298,7 @@ class Journal:
             with self._fd_guard:  # the new file holds every record so far, fsynced above
                 if self._fd >= 0:
                     os.close(self._fd)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                self._fd = open_own(self.path, os.O_WRONLY | os.O_APPEND)
             self._pos = os.fstat(self._fd).st_size
             self._echo.clear()  # the new file holds the state itself: nothing freed is in it
             self.rewrites += 1

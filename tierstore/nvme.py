@@ -33,6 +33,7 @@ from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, probe_direct_io
 from .extent import Extent
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
+from .files import open_own
 from .groupsync import GroupSync
 from .units import PAGE, align_up
 
@@ -54,7 +55,7 @@ class _Drive:
         self.index = index
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = open_own(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -73,6 +74,10 @@ class _Drive:
         if not self.direct:
             log.warning("NVMe dir %s: %s", directory, self.direct_reason)
         self.path = os.path.join(directory, DATA_FILE)
+        if os.path.islink(self.path):  # (the posix engine opens with O_NOFOLLOW; KvikIO takes a path)
+            os.close(self._lock_fd)
+            raise StorageError(f"{self.path} is a symbolic link; the store does not follow links among its own "
+                               "files (someone may have planted it): remove it")
         self.file = engine.open(self.path, direct=self.direct)
         self.file_size = os.fstat(self.file.fileno()).st_size
         # durable writes share fdatasyncs: each returns once one that began after its write completed

@@ -13,9 +13,11 @@ change. This module decides nothing about placement; it only reads the machine.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
+import stat
 
 from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes
 from .errors import InvalidArgument
@@ -38,6 +40,7 @@ def check_start(cfg: StoreConfig) -> StoreConfig:
     (64 GiB, or less with a warning where the filesystems have less room)."""
     for d in cfg.nvme_dirs:
         check_dir(d)
+        _check_private(d)
     for d in cfg.nvme_dirs:
         _check_unlocked(d)
     room = nvme_room(cfg.nvme_dirs)
@@ -126,12 +129,33 @@ def check_dir(d: str, *, mode: int = 0o700, what: str = "NVMe directory", flag: 
                               f"another {flag}")
 
 
+def _check_private(d: str) -> None:
+    """Refuse an NVMe directory holding a symbolic link (the store's files are its own:
+    a planted link would turn its writes onto another file; ``tierstore.files`` never
+    follows one anyway), and warn about one that other users may write in or that
+    another uid owns (they could plant one at any time)."""
+    with os.scandir(d) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                raise InvalidArgument(f"NVMe directory {d} holds a symbolic link, {entry.name}; the tier's directory "
+                                      "holds only its own files (someone may have planted it): remove it")
+    st = os.stat(d)
+    if st.st_mode & 0o022 or st.st_uid != os.geteuid():
+        log.warning("NVMe directory %s is %s (mode %o, owner uid %d): others could plant files or links there; "
+                    "tierstore follows no link among its files, but give it to uid %d with mode 0700", d,
+                    "writable by other users" if st.st_mode & 0o022 else "owned by another uid",
+                    stat.S_IMODE(st.st_mode), st.st_uid, os.geteuid())
+
+
 def _check_unlocked(d: str) -> None:
     """Fail now if another store holds ``d`` (the NVMe tier takes the lock for real later)."""
     path = os.path.join(d, LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidArgument(f"{path} is a symbolic link; the store does not follow links among its own "
+                                  "files (someone may have planted it): remove it") from None
         raise InvalidArgument(f"cannot open {path}: {e.strerror}; choose a directory you can write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..files import create_fresh, open_own
 from ..units import PAGE
 
 __all__ = ["PosixEngine", "PosixFile", "PriorityPool", "probe_direct_io"]
@@ -30,7 +31,7 @@ class PosixFile:
             flags |= os.O_DIRECT
         self.path = path
         self.direct = direct
-        self.fd = os.open(path, flags, 0o600)
+        self.fd = open_own(path, flags)
 
     def pread_into(self, buf: np.ndarray, offset: int) -> int:
         mv = memoryview(buf).cast("B")
@@ -150,7 +151,7 @@ def probe_direct_io(directory: str) -> tuple[bool, str]:
     path = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
     buf = mmap.mmap(-1, PAGE)  # page-aligned by construction
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        fd = create_fresh(path, os.O_RDWR | os.O_DIRECT)
     except OSError as e:
         return False, f"O_DIRECT open failed in {directory}: {os.strerror(e.errno)}; using buffered I/O"
     try:

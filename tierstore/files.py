@@ -1,0 +1,38 @@
+"""Opening the store's own files in its directories without following links: a link
+planted in an NVMe directory (one that others can write, or that was made by someone
+else) must never turn the daemon's writes, which may run as root, onto another file.
+
+``open_own`` opens a file of the store with ``O_NOFOLLOW``; ``create_fresh`` makes a
+temporary file anew (whatever held its name is removed first, a link included, never
+what the link points to; then ``O_EXCL``). A link found is ``StorageError`` naming it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from .errors import StorageError
+
+__all__ = ["create_fresh", "open_own"]
+
+
+def open_own(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` of one of the store's files, refusing to follow a symbolic link there."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StorageError(f"{path} is a symbolic link; the store does not follow links among its own files "
+                               "(someone may have planted it): remove it, and keep the directory writable by "
+                               "this uid only") from None
+        raise
+
+
+def create_fresh(path: str, flags: int = os.O_WRONLY, mode: int = 0o600) -> int:
+    """A new, empty file at ``path`` for writing (a temporary file, renamed into place later)."""
+    try:
+        os.unlink(path)  # (a link is removed itself, not what it points to)
+    except FileNotFoundError:
+        pass
+    return open_own(path, flags | os.O_CREAT | os.O_EXCL, mode)
