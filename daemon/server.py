@@ -172,6 +172,8 @@ class Server:
         if self.notifier.store_fd("arena", self.store.arena.fd) and \
                 self.notifier.store_fd("index", self.store.hostlog.fd):
             self.store.daemon.enable_host_index()
+        # one uid's connections share one bound on leases held (beside each connection's own)
+        self.store.daemon.group_lease_owners(_uid_of)
         self.handlers = Handlers(self.store, self._server_stats)
         try:
             self._listen = self._bind(path)
@@ -847,6 +849,11 @@ def _outcome(get, rid: int, op: str) -> tuple[bytes, str, str | None]:
     except Exception as e:
         log.exception("op %s failed", op)
         return reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal"
+
+
+def _uid_of(owner: Any) -> Any:
+    """Whose share of leases ``owner``'s count against: a connection's uid."""
+    return owner.cred.uid if isinstance(owner, Session) else owner
 
 
 def _root_reserve(max_clients: int) -> int:

@@ -920,3 +920,25 @@ def test_a_link_planted_at_a_temporary_name_while_the_store_runs_is_not_followed
         assert torch.equal(s.get(s.lookup("k")), torch.arange(8.0)) and s.lookup("k") == h
     finally:
         s.close()
+
+
+def test_leases_are_bounded_per_group_of_owners_and_in_all(make_store, monkeypatch):
+    """The daemon counts a connection's leases against its uid's share as well: many
+    connections of one uid cannot each hold a connection's most. Owners here are
+    ("uid", n) pairs grouped by uid, the bounds lowered to a few leases."""
+    from tierstore import leases as lmod
+
+    monkeypatch.setattr(lmod, "MAX_LEASES_PER_GROUP", 4)
+    monkeypatch.setattr(lmod, "MAX_LEASES", 6)
+    s = make_store()
+    s.daemon.group_lease_owners(lambda owner: owner[0])
+    hs = [s.put(torch.ones(2)) for _ in range(8)]
+    held = [s.daemon.checkout(hs[i], "r", owner=("a", i % 3)) for i in range(4)]  # uid a, 3 connections
+    with pytest.raises(CapacityExceeded, match="uid's connections hold 4"):
+        s.daemon.checkout(hs[4], "r", owner=("a", 3))  # a 4th connection of uid a
+    held += [s.daemon.checkout(hs[i], "r", owner=("b", 0)) for i in (5, 6)]  # uid b has its own share
+    with pytest.raises(CapacityExceeded, match="daemon holds 6"):
+        s.daemon.checkout(hs[7], "r", owner=("c", 0))
+    s.daemon.leases.release(held.pop(0).lid, owner=("a", 0))
+    s.daemon.checkout(hs[4], "r", owner=("a", 3))  # room again once one is checked in
+    assert len(s.daemon.leases) == 6

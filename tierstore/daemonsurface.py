@@ -13,7 +13,7 @@ now or returns ``Later``, the rest of the call for an op worker (``waits.py``).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from .durability import Durability
 from .errors import InvalidArgument
@@ -90,6 +90,11 @@ class DaemonSurface:
             return None
         owners = self.durability.owners
         return self.index.stat_namespaces(after, limit, lambda ns: owners.get(ns.split("/")[0]) == uid)
+
+    def group_lease_owners(self, group_of: Callable[[Any], Any]) -> None:
+        """Count each owner's leases against ``group_of(owner)``'s share as well (the
+        daemon: a connection's uid; ``LeaseTable.group_owners``)."""
+        self.leases.group_owners(group_of)
 
     def namespace_count(self) -> int:
         """Namespaces holding objects, every uid's (O(1))."""

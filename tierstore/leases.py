@@ -21,8 +21,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .errors import Busy, CapacityExceeded, InvalidArgument, NotFound, StaleHandle, TierstoreError
 from .index import Handle, ObjectMeta
@@ -71,6 +72,12 @@ MAX_BATCH = 4096
 MAX_LEASES_PER_OWNER = 1 << 17
 """Leases one connection may hold at once (each costs the daemon memory and its
 connection's clean-up time); the in-process store's own are not counted."""
+MAX_LEASES_PER_GROUP = 1 << 18
+"""... one group of owners together (the daemon's: one uid's connections), so that many
+connections cannot hold a connection's most each (about 400 bytes of the daemon's
+memory a lease)."""
+MAX_LEASES = 1 << 20
+"""... every owner together (but the in-process store's own)."""
 
 _MISSING = object()
 
@@ -82,10 +89,18 @@ class _Leases(dict):
     def __init__(self) -> None:
         super().__init__()
         self.by_owner: dict[Any, dict[int, None]] = {}
+        self.group_of: Callable[[Any], Any] = _itself
+        """Whose share an owner's leases count against (``LeaseTable.group_owners``)."""
+        self.by_group: Counter = Counter()
+        self.counted = 0
+        """Leases of owners other than the in-process store itself."""
 
     def __setitem__(self, lid: int, info: LeaseInfo) -> None:
         super().__setitem__(lid, info)
         self.by_owner.setdefault(info.owner, {})[lid] = None
+        if info.owner is not LOCAL:
+            self.by_group[self.group_of(info.owner)] += 1
+            self.counted += 1
 
     def __delitem__(self, lid: int) -> None:
         self._off(super().pop(lid))
@@ -105,6 +120,12 @@ class _Leases(dict):
             mine.pop(info.lid, None)
             if not mine:
                 del self.by_owner[info.owner]
+        if info.owner is not LOCAL:
+            group = self.group_of(info.owner)
+            self.by_group[group] -= 1
+            if not self.by_group[group]:
+                del self.by_group[group]
+            self.counted -= 1
 
     def of(self, owner: Any) -> list[int]:
         return list(self.by_owner.get(owner, ()))
@@ -130,6 +151,11 @@ class LeaseTable:
         info.lid = next(self._ids) + (1 << 40)
         self.leases[info.lid] = info
         return info
+
+    def group_owners(self, group_of: Callable[[Any], Any]) -> None:
+        """Count each owner's leases against ``group_of(owner)``'s share too (the daemon:
+        its connection's uid). Set before any lease is taken."""
+        self.leases.group_of = group_of
 
     def holds(self, meta: ObjectMeta, owner: Any) -> bool:
         """(under cv) Whether ``owner`` holds a lease on ``meta``."""
@@ -250,9 +276,17 @@ class LeaseTable:
         on_gpu = device and meta.gpu_loc is not None
         if not ((meta.host_valid or on_gpu) and not meta.moving and _lease_ok(meta, mode)):
             return None
-        if owner is not LOCAL and self.leases.count(owner) >= MAX_LEASES_PER_OWNER:
-            raise CapacityExceeded(f"this connection holds {MAX_LEASES_PER_OWNER} leases, the most one may hold; "
-                                   "check some in first")
+        if owner is not LOCAL:
+            leases = self.leases
+            if leases.count(owner) >= MAX_LEASES_PER_OWNER:
+                raise CapacityExceeded(f"this connection holds {MAX_LEASES_PER_OWNER} leases, the most one may "
+                                       "hold; check some in first")
+            if leases.by_group.get(leases.group_of(owner), 0) >= MAX_LEASES_PER_GROUP:
+                raise CapacityExceeded(f"this uid's connections hold {MAX_LEASES_PER_GROUP} leases together, the "
+                                       "most they may; check some in first")
+            if leases.counted >= MAX_LEASES:
+                raise CapacityExceeded(f"the daemon holds {MAX_LEASES} leases, the most it keeps; check some in "
+                                       "first")
         if mode != "w" and counted:  # a blind overwrite is no read: nothing to learn or count
             self.prefetcher.access(owner, stream, meta, hit, late, t0)
         if mode == "r":
@@ -609,3 +643,7 @@ def _writes_back(info: LeaseInfo) -> bool:
     """Whether checking in this lease writes a durable object back (syncs): a write lease
     on a durable object."""
     return info.mode != "r" and info.durable
+
+
+def _itself(owner: Any) -> Any:
+    return owner
