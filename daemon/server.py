@@ -723,7 +723,8 @@ class Server:
         if not sess.flush():
             self._close(sess)
             return
-        self._check_budget(sess)
+        if sess.outbox:  # (``_check_budget``'s first test, inline: most replies leave at once)
+            self._check_budget(sess)
 
     def _check_budget(self, sess: Session) -> None:
         """Close ``sess`` if it leaves replies unread past its, its uid's or everyone's

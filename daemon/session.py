@@ -136,8 +136,13 @@ class Session:
                 self.outbox.append((frag, None, rid, False))
                 self._count(len(frag) + _ENTRY_BYTES)
         else:
-            self.outbox.append((blob, fds, rid, self.joined and not fds and len(blob) <= _BATCH_ITEM_BYTES))
-            self._count(len(blob) + _ENTRY_BYTES)
+            n = len(blob)
+            self.outbox.append((blob, fds, rid, self.joined and not fds and n <= _BATCH_ITEM_BYTES))
+            n += _ENTRY_BYTES  # (``_count``, inline: once per reply)
+            self.outbox_bytes += n
+            b = self.budget
+            b.total += n
+            b.by_uid[self.cred.uid] += n
 
     def over_own_bound(self) -> bool:
         """Whether this connection alone leaves more reply bytes unread than it may."""
@@ -184,7 +189,14 @@ class Session:
                          e.strerror or e)
                 return False
             out.popleft()
-            self._count(-len(blob) - _ENTRY_BYTES)
+            n = len(blob) + _ENTRY_BYTES  # (``_count``, inline: once per packet)
+            self.outbox_bytes -= n
+            b = self.budget
+            b.total -= n
+            uid = self.cred.uid
+            b.by_uid[uid] -= n
+            if not b.by_uid[uid]:
+                del b.by_uid[uid]
         if self.eof:  # a half-closed peer has all its replies
             return False
         if self.writing:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,16 +90,18 @@ class _Leases(dict):
         self.by_owner: dict[Any, dict[int, None]] = {}
         self.group_of: Callable[[Any], Any] = _itself
         """Whose share an owner's leases count against (``LeaseTable.group_owners``)."""
-        self.by_group: Counter = Counter()
-        self.counted = 0
-        """Leases of owners other than the in-process store itself."""
+        self.groups: dict[Any, set[Any]] = {}
+        """Each group's owners that hold leases (changed only as an owner takes its first
+        lease or checks in its last: the check-out path pays nothing for it)."""
 
     def __setitem__(self, lid: int, info: LeaseInfo) -> None:
         super().__setitem__(lid, info)
-        self.by_owner.setdefault(info.owner, {})[lid] = None
-        if info.owner is not LOCAL:
-            self.by_group[self.group_of(info.owner)] += 1
-            self.counted += 1
+        mine = self.by_owner.get(info.owner)
+        if mine is None:
+            mine = self.by_owner[info.owner] = {}
+            if info.owner is not LOCAL:
+                self.groups.setdefault(self.group_of(info.owner), set()).add(info.owner)
+        mine[lid] = None
 
     def __delitem__(self, lid: int) -> None:
         self._off(super().pop(lid))
@@ -120,18 +121,28 @@ class _Leases(dict):
             mine.pop(info.lid, None)
             if not mine:
                 del self.by_owner[info.owner]
-        if info.owner is not LOCAL:
-            group = self.group_of(info.owner)
-            self.by_group[group] -= 1
-            if not self.by_group[group]:
-                del self.by_group[group]
-            self.counted -= 1
+                if info.owner is not LOCAL:
+                    group = self.group_of(info.owner)
+                    owners = self.groups.get(group)
+                    if owners is not None:
+                        owners.discard(info.owner)
+                        if not owners:
+                            del self.groups[group]
 
     def of(self, owner: Any) -> list[int]:
         return list(self.by_owner.get(owner, ()))
 
     def count(self, owner: Any) -> int:
         return len(self.by_owner.get(owner, ()))
+
+    def group_count(self, owner: Any) -> int:
+        """Leases held by ``owner``'s group (O(owners in the group))."""
+        by_owner = self.by_owner
+        return sum(len(by_owner.get(o, ())) for o in self.groups.get(self.group_of(owner), ()))
+
+    def counted(self) -> int:
+        """Leases of every owner but the in-process store itself."""
+        return len(self) - self.count(LOCAL)
 
 
 class LeaseTable:
@@ -278,13 +289,17 @@ class LeaseTable:
             return None
         if owner is not LOCAL:
             leases = self.leases
-            if leases.count(owner) >= MAX_LEASES_PER_OWNER:
+            n = leases.count(owner)
+            if n >= MAX_LEASES_PER_OWNER:
                 raise CapacityExceeded(f"this connection holds {MAX_LEASES_PER_OWNER} leases, the most one may "
                                        "hold; check some in first")
-            if leases.by_group.get(leases.group_of(owner), 0) >= MAX_LEASES_PER_GROUP:
+            # (a group's total is summed over its owners only for an owner holding many: with
+            # the default 128 connections a uid, those holding fewer stay below the group's bound;
+            # the bound on all leases holds whatever max_clients_per_uid is)
+            if n >= MAX_LEASES_PER_GROUP >> 8 and leases.group_count(owner) >= MAX_LEASES_PER_GROUP:
                 raise CapacityExceeded(f"this uid's connections hold {MAX_LEASES_PER_GROUP} leases together, the "
                                        "most they may; check some in first")
-            if leases.counted >= MAX_LEASES:
+            if leases.counted() >= MAX_LEASES:
                 raise CapacityExceeded(f"the daemon holds {MAX_LEASES} leases, the most it keeps; check some in "
                                        "first")
         if mode != "w" and counted:  # a blind overwrite is no read: nothing to learn or count
