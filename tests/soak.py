@@ -494,8 +494,8 @@ def soak_api_concurrent(seed: int, base: str) -> str:
             if isinstance(r, BaseException):
                 raise r
         want = {k: v for r in results for k, v in r.items()}
-        for _ in range(200):  # a closed connection's ephemeral objects go asynchronously
-            if sorted(s.keys()) == sorted(want):
+        for _ in range(500):  # a closed connection's ephemeral objects and leases go asynchronously
+            if sorted(s.keys()) == sorted(want) and s.stat()["leases"] == 0:
                 break
             time.sleep(0.02)
         assert sorted(s.keys()) == sorted(want), f"seed {seed}: keys at the end"
