@@ -645,8 +645,8 @@ def test_a_connection_whose_namespace_another_uid_claims_after_its_hello_is_refu
             owner.put(torch.full((4,), 7.0), key="secret", durable=True)
             out, err = p.communicate("go\n", timeout=120)
             assert p.returncode == 0, err[-2000:]
-            assert out.split("\n")[:4] == ["lookup PermissionDenied", "keys PermissionDenied",
-                                            "put PermissionDenied", "ping ok"], out
+            want = ["lookup PermissionDenied", "keys PermissionDenied", "put PermissionDenied", "ping ok"]
+            assert out.split("\n")[:4] == want, out
             assert torch.equal(owner.get(owner.lookup("secret")), torch.full((4,), 7.0))
     finally:
         p.kill()
