@@ -37,8 +37,10 @@ Life of a saved tensor:
    read it in place). Objects are ephemeral: a process
    that dies takes its activations with it.
 
-Length: one concept, the saved-tensor hooks with their put/fetch worker and the
-counters they report; the pieces share one lock and one queue.
+Length: one concept, the saved-tensor hooks (as a context or a module wrapper) with
+their put/fetch workers, the version checks autograd leaves to them, and the counters
+they report; the pieces share one lock and one queue of jobs, and split they would
+share them across files.
 """
 
 from __future__ import annotations
@@ -274,7 +276,8 @@ class ActivationOffload:
 
     def __init__(self, store: Pool, *, min_bytes: int | str, tier: str | None, inflight_bytes: int | str,
                  prefetch_bytes: int | str, threads: int, wait_s: float) -> None:
-        self._closed = True  # (until it is whole: ``__del__`` of one refused here does nothing)
+        # (until it is whole: ``__del__`` of one refused here does nothing)
+        self._closed, self._workers, self._reporter = True, [], None
         min_bytes, inflight_bytes, prefetch_bytes = _check_args(store, min_bytes, tier, inflight_bytes,
                                                                 prefetch_bytes, threads, wait_s)
         self.store = store
@@ -884,19 +887,14 @@ class ActivationOffload:
         self._report(force=True)
 
     def __del__(self) -> None:
-        # gone (closed or not: its workers, which hold it weakly, stop); nothing of it is in
-        # the pool, since every saved tensor of it held it. A client keeps its totals.
-        if not hasattr(self, "_workers"):
-            return  # (refused by the constructor)
+        # gone, closed or not: nothing of it is in the pool or queued (every saved tensor and
+        # every queued job held it); its workers stop, and a client keeps its totals
         if not self._closed:
             self._closed = True
             for _ in self._workers:
                 self._puts.put(None)
                 self._gets.put(None)
-        try:
-            self._report(force=True, final=True)
-        except Exception:  # (a client already closed, at the interpreter's exit)
-            pass
+        self._report(force=True, final=True)  # (never raises)
 
 
 def offload_activations(client: Pool, module: torch.nn.Module | None = None, *, min_bytes: int | str = 1 << 20,

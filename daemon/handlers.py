@@ -383,9 +383,7 @@ class Handlers:
         def page() -> dict[str, Any]:
             mine = self.store.daemon.stat_namespaces_of(sess.cred.uid, after, PAGE_NAMESPACES + 1)
             return _namespace_page(self.store.stat_namespaces(after, PAGE_NAMESPACES + 1) if mine is None else mine)
-        if sess.cred.uid != 0 and self.store.daemon.namespace_count() > PAGE_NAMESPACES:
-            return Later(page)  # (its uid's namespaces are found by a walk over all)
-        return page()
+        return self._off_loop_if_walking(sess, page)
 
     def info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return self.store.info(_handle(msg), namespace=sess.namespace)
@@ -405,9 +403,14 @@ class Handlers:
         return _answer(self.store.try_step(owner=sess), lambda _: {})
 
     def stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
+        return self._off_loop_if_walking(sess, lambda: self._stat(sess, msg))
+
+    def _off_loop_if_walking(self, sess: "Session", answer: Callable[[], Any]) -> Any:
+        """``answer()``, on an op worker when it walks more than a page of namespaces: a
+        client not running as root sees its uid's, found by a walk over every one."""
         if sess.cred.uid != 0 and self.store.daemon.namespace_count() > PAGE_NAMESPACES:
-            return Later(lambda: self._stat(sess, msg))  # (its namespaces are found by a walk over all)
-        return self._stat(sess, msg)
+            return Later(answer)
+        return answer()
 
     def _stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
         st = self.store.stat(namespace_limit=PAGE_NAMESPACES + 1)

@@ -14,7 +14,7 @@ import os
 
 from .errors import StorageError
 
-__all__ = ["create_fresh", "open_own"]
+__all__ = ["create_fresh", "open_own", "refuse_link"]
 
 
 def open_own(path: str, flags: int, mode: int = 0o600) -> int:
@@ -23,10 +23,20 @@ def open_own(path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise StorageError(f"{path} is a symbolic link; the store does not follow links among its own files "
-                               "(someone may have planted it): remove it, and keep the directory writable by "
-                               "this uid only") from None
+            raise _planted(path) from None
         raise
+
+
+def refuse_link(path: str) -> None:
+    """``StorageError`` if ``path`` is a symbolic link (for a file opened by a library that
+    takes a path, not a descriptor: KvikIO)."""
+    if os.path.islink(path):
+        raise _planted(path)
+
+
+def _planted(path: str) -> StorageError:
+    return StorageError(f"{path} is a symbolic link; the store does not follow links among its own files (someone "
+                        "may have planted it): remove it, and keep the directory writable by this uid only")
 
 
 def create_fresh(path: str, flags: int = os.O_WRONLY, mode: int = 0o600) -> int:

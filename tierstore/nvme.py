@@ -33,7 +33,7 @@ from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, probe_direct_io
 from .extent import Extent
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
-from .files import open_own
+from .files import open_own, refuse_link
 from .groupsync import GroupSync
 from .units import PAGE, align_up
 
@@ -74,10 +74,11 @@ class _Drive:
         if not self.direct:
             log.warning("NVMe dir %s: %s", directory, self.direct_reason)
         self.path = os.path.join(directory, DATA_FILE)
-        if os.path.islink(self.path):  # (the posix engine opens with O_NOFOLLOW; KvikIO takes a path)
+        try:
+            refuse_link(self.path)  # (the posix engine opens with O_NOFOLLOW; KvikIO takes a path)
+        except StorageError:
             os.close(self._lock_fd)
-            raise StorageError(f"{self.path} is a symbolic link; the store does not follow links among its own "
-                               "files (someone may have planted it): remove it")
+            raise
         self.file = engine.open(self.path, direct=self.direct)
         self.file_size = os.fstat(self.file.fileno()).st_size
         # durable writes share fdatasyncs: each returns once one that began after its write completed

@@ -13,14 +13,14 @@ change. This module decides nothing about placement; it only reads the machine.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
 import logging
 import os
 import stat
 
 from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes
-from .errors import InvalidArgument
+from .errors import InvalidArgument, StorageError
+from .files import open_own
 from .units import PAGE, format_size
 
 __all__ = ["check_start", "check_daemon_start", "check_dir", "nvme_room"]
@@ -151,11 +151,10 @@ def _check_unlocked(d: str) -> None:
     """Fail now if another store holds ``d`` (the NVMe tier takes the lock for real later)."""
     path = os.path.join(d, LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = open_own(path, os.O_RDWR | os.O_CREAT)
+    except StorageError as e:
+        raise InvalidArgument(e.message) from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise InvalidArgument(f"{path} is a symbolic link; the store does not follow links among its own "
-                                  "files (someone may have planted it): remove it") from None
         raise InvalidArgument(f"cannot open {path}: {e.strerror}; choose a directory you can write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
