@@ -15,8 +15,8 @@ holder). Each has ``threads`` threads, all connections together, and:
   namespace ``queue_per_namespace`` and a uid ``queue_per_uid``; one more is refused
   at once (``Busy``);
 - a job that ends without running (refused, out of time, its connection gone, the
-  daemon stopping) is handed to ``abandon`` with the error it ends in, which undoes
-  what the request had taken so far (``Later.undo``) and answers it.
+  daemon stopping) is handed to ``abandon`` with the error it ends in, which gives
+  back what the request had taken so far (``Later.give_back``) and answers it.
 
 Costs: queueing, starting and expiring a job are O(log queued) plus the shares
 skipped; a closed connection's queue goes in O(its jobs).
@@ -55,8 +55,8 @@ class Job:
     """``time.monotonic()`` from which its timeouts count."""
     deadline: float
     """``time.monotonic()`` by which a queued job that has not started ends (``Busy``)."""
-    undo: Callable[[], None] | None = None
-    """Gives back what the request took before it was queued (``Later.undo``)."""
+    give_back: Callable[[], None] | None = None
+    """Gives back what the request took before it was queued (``Later.give_back``)."""
     state: int = field(default=_QUEUED)
 
 

@@ -121,7 +121,7 @@ def _answer(result: Any, reply: Callable[[Any], Any]) -> Any:
     now; a ``Deferred`` of it for a durable commit's ``Pending``; for ``Later``, the rest,
     replying with ``reply`` of what it returns."""
     if isinstance(result, Later):
-        return Later(lambda: reply(result.run()), result.undo)
+        return Later(lambda: reply(result.run()), result.give_back)
     if isinstance(result, Pending):
         return Deferred(result, reply)
     return reply(result)

@@ -22,7 +22,7 @@ Three pools, so that no one's wait holds up anyone else's work:
   ends when it is satisfied, times out, its connection goes, or the daemon stops
   (``DaemonSurface.cancel_waits``). Both are ``FairPool``s: shared per connection,
   namespace and uid, with bounded queues whose requests' timeouts run; a request
-  that ends unrun gives back what it took (``Later.undo``).
+  that ends unrun gives back what it took (``Later.give_back``).
 - control threads run what releases memory and leases: a closed connection's
   clean-up, lease revocation and reservation expiry. They never queue behind requests.
 
@@ -94,7 +94,7 @@ class Server:
         self._listen: socket.socket | None = None
         self._sessions: dict[int, Session] = {}
         self._replies = ReplyBudget()
-        self._undo_lock = threading.Lock()  # guards every session's undos / release_waiting
+        self._holding_lock = threading.Lock()  # guards every session's holding / release_waiting
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
         ops = max(8, self.config.store.io_threads)
@@ -529,10 +529,10 @@ class Server:
             return
         if isinstance(result, Later):  # the rest may wait or touch the disk: on an op worker
             now = time.monotonic()
-            if result.undo is not None:
-                with self._undo_lock:
-                    sess.undos += 1  # (until it has run or given back: ``_let_go``)
-            self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.undo))
+            if result.give_back is not None:
+                with self._holding_lock:
+                    sess.holding += 1  # (until it has run or given back: ``_let_go``)
+            self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.give_back))
             return
         if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
             result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
@@ -554,7 +554,7 @@ class Server:
         except WouldWait:
             now = time.monotonic()
             self._waits.submit(Job(job.sess, job.rest, job.rid, job.op, job.t0, now,
-                                   now + (job.deadline - job.since), job.undo))
+                                   now + (job.deadline - job.since), job.give_back))
             return
         try:
             self._finish(job.sess, job.rid, *out, time.perf_counter() - job.t0)
@@ -578,12 +578,12 @@ class Server:
     def _let_go(self, job: Job) -> None:
         """A request that went on from leases it took has run, or given them back: its
         connection's clean-up, if it waits for the last such request, goes on."""
-        if job.undo is None:
+        if job.give_back is None:
             return
         sess = job.sess
-        with self._undo_lock:
-            sess.undos -= 1
-            release = not sess.undos and sess.release_waiting
+        with self._holding_lock:
+            sess.holding -= 1
+            release = not sess.holding and sess.release_waiting
             if release:
                 sess.release_waiting = False
         if release:
@@ -618,13 +618,13 @@ class Server:
         — on a control thread (a give-back may touch the disk); its connection's clean-up
         waits for the give-back. A closed connection's request that took nothing needs
         neither."""
-        if job.undo is not None or not job.sess.closed:
+        if job.give_back is not None or not job.sess.closed:
             self._control.submit(self._end_unrun, job, error)
 
     def _end_unrun(self, job: Job, error: TierstoreError) -> None:
         sess = job.sess
-        if job.undo is not None:
-            self._undo(job)
+        if job.give_back is not None:
+            self._give_back_job(job)
             self._let_go(job)
         if not sess.closed:  # (a closed one's other leases went with it)
             self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
@@ -770,22 +770,22 @@ class Server:
         """A closed connection's requests that ended unrun give back what they took, then
         the connection's leases and unfinished puts are released."""
         for job in ended:
-            if job.undo is not None:
-                self._undo(job)
+            if job.give_back is not None:
+                self._give_back_job(job)
                 self._let_go(job)
         self._release_owner(sess)
 
-    def _undo(self, job: Job) -> None:
+    def _give_back_job(self, job: Job) -> None:
         try:
-            job.undo()
+            job.give_back()
         except Exception:
             log.exception("giving back what '%s' took before it ended", job.op)
 
     def _release_owner(self, sess: Session) -> None:
         """(``sess`` closed) Release its leases and unfinished puts — once no give-back of
         its requests is under way (the last one to finish releases them then)."""
-        with self._undo_lock:
-            if sess.undos:
+        with self._holding_lock:
+            if sess.holding:
                 sess.release_waiting = True
                 return
         leases, puts = self.store.daemon.release_owner(sess)

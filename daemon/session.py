@@ -95,8 +95,8 @@ class Session:
     pinned_reason: str = ""
     activations: dict[str, float] | None = None
     """The client's activation-offload counters, as it last reported them (None: never)."""
-    undos: int = 0
-    """Its requests that went on from leases they took (``Later.undo``), from the moment
+    holding: int = 0
+    """Its requests that went on from leases they took (``Later.give_back``), from the moment
     they are handed to a pool until they have run or given back what they took: its
     clean-up waits for them (a batch's blank ``w`` lease must be given back, not checked in
     as written)."""

@@ -39,9 +39,9 @@ class _Harness:
         with self.lock:
             self.answered.append((job, error))
 
-    def job(self, sess, rid, wait_s=3600.0, undo=None):
+    def job(self, sess, rid, wait_s=3600.0, give_back=None):
         now = time.monotonic()
-        return Job(sess, lambda: None, rid, "checkout", time.perf_counter(), now, now + wait_s, undo)
+        return Job(sess, lambda: None, rid, "checkout", time.perf_counter(), now, now + wait_s, give_back)
 
     def running(self):
         with self.lock:
@@ -74,16 +74,15 @@ def test_a_queued_job_ends_at_its_deadline_with_what_it_took_given_back():
     undone = []
     h.threads.submit(h.job(s, 1))
     poll_until(lambda: h.running() == {1}, "the first job runs")
-    h.threads.submit(h.job(s, 2, wait_s=0.2, undo=lambda: undone.append(2)))
+    h.threads.submit(h.job(s, 2, wait_s=0.2, give_back=lambda: undone.append(2)))
     h.threads.submit(h.job(s, 3))
     h.threads.submit(h.job(s, 4))  # over the connection's queue: refused at once
     assert [(j.rid, type(e)) for j, e in h.answered] == [(4, Busy)]
-    time.sleep(0.3)
-    h.threads.expire()
+    h.threads.expire(now=time.monotonic() + 0.3)  # job 2's deadline has passed, job 3's has not
     assert [(j.rid, type(e)) for j, e in h.answered][1:] == [(2, Busy)] and h.threads.waiting(s) == 2
     for job, _ in h.answered:  # (the daemon gives back what the request took when it answers)
-        if job.undo:
-            job.undo()
+        if job.give_back:
+            job.give_back()
     assert undone == [2]
     gone = _Sess("a", closed=True)
     h.threads.submit(h.job(gone, 5))  # its connection is gone: ended at once
@@ -177,8 +176,7 @@ def test_a_deadline_that_is_not_a_time_stops_no_one_elses_expiry():
     h.threads.submit(bad)
     assert bad.deadline == bad.since + 86400
     h.threads.submit(h.job(_Sess("b"), 2, wait_s=0.1))
-    time.sleep(0.2)
-    h.threads.expire()
+    h.threads.expire(now=time.monotonic() + 0.2)  # past job 2's deadline
     assert [(j.rid, type(e)) for j, e in h.answered] == [(2, Busy)]
     h.release.set()
     h.threads.close()

@@ -166,6 +166,21 @@ def test_gpu_tier_put_get_checkout_free(gpu_store):
     assert s.stat()["tiers"]["gpu"]["used_bytes"] == 0 and s.stat()["tiers"]["gpu"]["objects"] == 0
 
 
+def test_a_host_write_lease_of_a_gpu_object_given_back_keeps_its_bytes(gpu_store):
+    """A ``w`` check-out to the host tier of an object whose only copy is in the GPU
+    tier, given back unwritten, leaves the object as it was (the check-out reads the
+    GPU copy down rather than dropping it)."""
+    s, _ = gpu_store
+    x = np.random.default_rng(1).standard_normal(50_000).astype(np.float32)
+    a, b = s.put(x, key="a", tier="gpu"), s.put(-x, key="b", tier="gpu")
+    assert s.info(a)["residency"] == ["gpu"] == s.info(b)["residency"]
+    s.checkout(a, "w").give_back()  # in-process
+    info = s.daemon.checkout(b, "w", owner="c")  # a connection's, as the daemon takes and gives it back
+    assert s.daemon.try_give_back(info.lid, owner="c") is None
+    np.testing.assert_array_equal(s.get(a), x)
+    np.testing.assert_array_equal(s.get(b), -x)
+
+
 def test_gpu_tier_refuses_durable_and_oversized(gpu_store):
     s, _ = gpu_store
     with pytest.raises(InvalidArgument, match="volatile"):

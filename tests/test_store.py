@@ -819,16 +819,16 @@ def test_a_large_batch_that_must_wait_goes_on_from_what_it_took_or_gives_it_back
             return s.daemon.try_checkout_each([(h, "r", None) for h in hs], owner=a)
         return s.daemon.try_checkout_many(hs, ["r"] * len(hs), owner=a)
 
-    for end in ("go on", "undo"):
+    for end in ("go on", "give back"):
         held = s.leases.checkout(hs[100], "w", owner=b)
         later = start()
-        assert isinstance(later, Later) and later.undo is not None
+        assert isinstance(later, Later) and later.give_back is not None
         with pytest.raises(WouldWait), wait_context(park=True):
             later.run()
         assert s.leases.leases.count(a) == 100
         s.leases.release(held.lid, owner=b)
-        if end == "undo":
-            later.undo()
+        if end == "give back":
+            later.give_back()
             assert s.leases.leases.count(a) == 0
             continue
         with wait_context(park=False):
@@ -852,8 +852,8 @@ def test_a_volatile_commit_handed_on_and_ended_unrun_gives_its_reservation_up(ma
     r = s.daemon.reserve_put(spec, key="k", tier="nvme", durable=False, replace=False, namespace="default",
                              owner="conn")
     later = s.daemon.try_commit_put(r.rid, owner="conn")
-    assert isinstance(later, Later) and later.undo is not None
-    later.undo()
+    assert isinstance(later, Later) and later.give_back is not None
+    later.give_back()
     assert s.stat()["tiers"]["host"]["used_bytes"] == used0
     assert s.lookup("k") is None
     s.daemon.release_owner("conn")  # (nothing left to end)
@@ -867,7 +867,7 @@ def test_objects_of_no_bytes_are_bounded_by_count_like_objects_of_one_byte(make_
     from tierstore.errors import CapacityExceeded
 
     s = make_store(host_bytes="1MiB", nvme_bytes="1MiB", nvme_grow_bytes="1MiB")
-    pages = (s.placement.host.capacity + s.placement.nvme.capacity_bytes) // 4096
+    pages = (s.host.capacity + s.nvme.capacity_bytes) // 4096
     hs = []
     with pytest.raises(CapacityExceeded, match="object of no bytes"):
         for _ in range(pages + 1):

@@ -98,7 +98,7 @@ class DaemonSurface:
 
     def namespace_count(self) -> int:
         """Namespaces holding objects, every uid's (O(1))."""
-        return len(self.index.objects.namespaces)
+        return self.index.namespace_count()
 
     def staging_area(self, owner: Any, nbytes: int, group: Any = None) -> tuple[int, int]:
         """``owner``'s staging area in the host arena, (offset, nbytes): small puts and gets

@@ -439,7 +439,7 @@ class Durability:
 
     def _host_live(self) -> list[list[Any]]:
         # an ephemeral object's connection does not outlive the daemon: not handed on
-        return [self._host_rec(m) for m in self.index.objects.values()
+        return [self._host_rec(m) for m in self.index.all_objects()
                 if m.host_valid and m.host_off is not None and not m.freeing and m.ephemeral is None
                 and not (m.durable and m.writer)]
 

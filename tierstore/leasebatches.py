@@ -58,9 +58,9 @@ class LeaseBatches:
             done: list[LeaseInfo] = []
 
             def rest() -> list[LeaseInfo]:
-                hs = self._checked(lambda: self._check_many(handles, modes, namespace), done, self._undo_many)
+                hs = self._checked(lambda: self._check_many(handles, modes, namespace), done, self._give_back_all)
                 return self._take_many(hs, modes, done, owner, namespace, timeout_s, stream, self.leases.checkout)
-            return Later(rest, lambda: self._undo_many(done))
+            return Later(rest, lambda: self._give_back_all(done))
         hs = self._check_many(handles, modes, namespace)
         return self._take_many(hs, modes, [], owner, namespace, timeout_s, stream, self.leases.try_checkout)
 
@@ -87,16 +87,16 @@ class LeaseBatches:
         try:
             while i < len(hs):
                 info = checkout(hs[i], modes[i], owner=owner, namespace=namespace,
-                                timeout_s=max(0.0, deadline - time.monotonic()), stream=stream, undoable=True)
+                                timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
                 if isinstance(info, Later):
                     return Later(lambda: self._take_many(hs, modes, done, owner, namespace, timeout_s, stream,
-                                                         self.leases.checkout), lambda: self._undo_many(done))
+                                                         self.leases.checkout), lambda: self._give_back_all(done))
                 done.append(info)
                 i += 1
         except WouldWait:
             raise  # (the rest goes on, from ``done``, on a thread that may wait)
         except BaseException as e:
-            self._undo_many(done)
+            self._give_back_all(done)
             if isinstance(e, TierstoreError):
                 raise type(e)(f"object #{i} of the batch ({hs[i]}): {e.message}; no object was checked out") \
                     from None
@@ -113,10 +113,10 @@ class LeaseBatches:
             give_back(done)
             raise
 
-    def _undo_many(self, done: list[LeaseInfo]) -> None:
-        """A batch's leases taken so far, given back as if never taken (``LeaseTable.undo``)."""
+    def _give_back_all(self, done: list[LeaseInfo]) -> None:
+        """A batch's leases taken so far, given back as if never taken (``LeaseTable.give_back_lease``)."""
         for info in reversed(done):
-            self.leases.undo(info)
+            self.leases.give_back_lease(info)
         done.clear()
 
     def _give_back_each(self, done: list[LeaseInfo], owner: Any) -> None:
@@ -181,7 +181,7 @@ class LeaseBatches:
                 h, mode, source = requests[i]
                 left = max(0.0, deadline - time.monotonic())
                 if source is None:
-                    info = checkout(h, mode, owner=owner, namespace=ns, timeout_s=left, stream=stream, undoable=True)
+                    info = checkout(h, mode, owner=owner, namespace=ns, timeout_s=left, stream=stream)
                 else:
                     info = checkout_from(h, source, owner=owner, namespace=ns, timeout_s=left, stream=stream)
                 if isinstance(info, Later):

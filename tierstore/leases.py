@@ -219,7 +219,7 @@ class LeaseTable:
 
     def checkout(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
                  timeout_s: float | None = None, stream: str = "default", device: bool = False,
-                 undoable: bool = False, counted: bool = True) -> LeaseInfo:
+                 counted: bool = True) -> LeaseInfo:
         """Lease an object in the host tier (promoting it first if needed).
 
         ``device=True`` (a CUDA caller): an object in the GPU tier is leased where it is
@@ -229,8 +229,8 @@ class LeaseTable:
         overwrites every byte (an NVMe-only object is given host memory without being
         read; its previous bytes are not visible through the lease).
 
-        ``undoable``: the lease may be taken back by ``undo`` (a failed batch), so a
-        ``w`` lease never discards the only other copy: a GPU-tier object is read up.
+        A ``w`` lease given back (``give_back``, or a failed batch's) leaves the object as
+        it was, so it never discards the only other copy: a GPU-tier object is read down.
         ``counted=False``: the access is not counted nor recorded with the prefetcher (it
         was, by an earlier attempt of the same request).
         """
@@ -259,14 +259,14 @@ class LeaseTable:
                     self.index.wait(remaining)
                     continue
             if promote:
-                read = mode != "w" or (undoable and meta.gpu_loc is not None)
+                read = mode != "w" or meta.gpu_loc is not None
                 promoted, blank = mode != "w", not read
                 self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
                 self.placement.to_host(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
 
     def try_checkout(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
-                     timeout_s: float | None = None, stream: str = "default", device: bool = False,
-                     undoable: bool = False) -> LeaseInfo | Later:
+                     timeout_s: float | None = None, stream: str = "default",
+                     device: bool = False) -> LeaseInfo | Later:
         """``checkout`` for a caller that must not wait (the daemon's event loop): the lease
         when the object is where it is wanted and no holder is in the way; otherwise
         ``Later`` of ``checkout`` (nothing taken or recorded)."""
@@ -278,7 +278,7 @@ class LeaseTable:
         if info is not None:
             return info
         return Later(lambda: self.checkout(h, mode, owner=owner, namespace=ns, timeout_s=timeout_s, stream=stream,
-                                           device=device, undoable=undoable))
+                                           device=device))
 
     def _take(self, meta: ObjectMeta, mode: str, owner: Any, stream: str, device: bool, t0: float,
               hit: bool, late: bool, blank: bool, counted: bool = True) -> LeaseInfo | None:
@@ -376,7 +376,7 @@ class LeaseTable:
             with self.cv:
                 while True:
                     dst = self.index.get_meta(dst_h, ns)
-                    src = self.index.objects[rd.oid]
+                    src = self.index.holder(rd.oid)
                     if not self._can_hand_over(src, dst, readers=1):
                         break
                     if not dst.moving and _lease_ok(dst, "w"):
@@ -390,10 +390,7 @@ class LeaseTable:
             info = self.checkout(dst_h, "w", owner=owner, namespace=ns,
                                  timeout_s=max(0.0, deadline - time.monotonic()), stream=stream)
             try:
-                n = src.nbytes
-                if n:
-                    view = self.placement.arena.view
-                    view(info.host_off, n)[:] = view(rd.host_off, n)
+                self.placement.host_copy(info.host_off, rd.host_off, src.nbytes)
             except BaseException:
                 self.release(info.lid, owner=owner)
                 raise
@@ -431,10 +428,10 @@ class LeaseTable:
         self.cv.notify_all()
         return info
 
-    def undo(self, info: LeaseInfo) -> None:
-        """Give back a lease of a failed batch as if it had never been taken: nothing is
-        marked dirty, and a blank ``w`` lease's host block is dropped (the object's bytes
-        are still its NVMe copy)."""
+    def give_back_lease(self, info: LeaseInfo) -> None:
+        """Give back a lease (its holder's give-back, or a lease of a failed batch) as if it
+        had never been taken: nothing is marked dirty, and a blank ``w`` lease's host block
+        is dropped (the object's bytes are still its NVMe copy)."""
         with self.cv:
             if self.leases.pop(info.lid, None) is None:
                 return
@@ -476,7 +473,7 @@ class LeaseTable:
                 raise NotFound(f"no lease {lid} held by this connection")
         if info.sourced:
             return self.try_release(lid, owner=owner)
-        self.undo(info)
+        self.give_back_lease(info)
         return None
 
     def release(self, lid: int, *, owner: Any = LOCAL) -> None:
@@ -573,7 +570,7 @@ class LeaseTable:
                         meta.writer = False
                         self.cv.notify_all()
             if stale:
-                self.placement.nvme.free(stale)  # (durable) only after the journal names the new copy
+                self.placement.nvme_free(stale)  # (durable) only after the journal names the new copy
             with self.cv:
                 if meta.durable:
                     self.durability.log_host(meta)  # the block is its bytes again: a restart may adopt it
@@ -594,10 +591,7 @@ class LeaseTable:
             info.revoked = True
             meta = self.index.holder(info.oid)
             if owner is not LOCAL:  # in-process, the holder is this process: nothing to fence
-                if info.gpu_loc is not None:
-                    self.placement.gpu.fence(owner, info.gpu_loc, info.spec.nbytes)
-                elif info.spec.nbytes:
-                    self.placement.host.fence(owner, info.host_off, info.spec.nbytes)
+                self.placement.fence(owner, info.host_off, info.gpu_loc, info.spec.nbytes)
             self.counters["leases_revoked"] += 1
             move = owner is not LOCAL and info.mode != "r" and meta is not None and not meta.freeing \
                 and meta.nbytes > 0

@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, StaleHandle
 from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
@@ -133,6 +133,18 @@ class ObjectIndex:
     def object_count(self) -> int:
         """Objects in the index."""
         return len(self.objects)
+
+    def resident_counts(self) -> tuple[int, int]:
+        """(under cv) Objects whose bytes are in the host tier, and on NVMe (O(1))."""
+        return self.objects.host_objects, self.objects.nvme_objects
+
+    def namespace_count(self) -> int:
+        """Namespaces holding objects, every uid's (O(1))."""
+        return len(self.objects.namespaces)
+
+    def all_objects(self) -> Iterator[ObjectMeta]:
+        """(under cv) Every object in the index (the caller reads them, not the table)."""
+        return iter(self.objects.values())
 
     def holder(self, oid: int) -> ObjectMeta | None:
         """The object with id ``oid``, if the index has it."""

@@ -1,14 +1,14 @@
 """Placement: where each object's bytes are, and moving them between tiers.
 
 ``Placement`` owns the tiers' space (the host arena and its allocator, the NVMe tier,
-the GPU tier where present) and the eviction order (the policy, and the GPU tier's
-LRU): it allocates blocks, demoting cold objects to make room, promotes and demotes
+the GPU tier where present): it allocates blocks, demoting cold objects to make room, promotes and demotes
 objects, reads an object from the fastest tier holding it, runs the prefetch fetches
 and the demoter's passes, and gives an object's space back when it goes (``discard``).
 Its two background workers are components of their own that it makes: the demoter's
 thread (``Demoter``) and the discard thread (``DiscardQueue``); the connections'
 staging areas (``StagingAreas``) are host space it is told about. Which object to move
-comes from the policy; what is durable is journaled through ``Durability``; its only
+comes from the eviction orders it is given (``policy.py``: the host tier's policy, the
+GPU tier's ``GpuOrder``); what is durable is journaled through ``Durability``; its only
 lock is the object index's ``cv``.
 
 Words: *promote* moves bytes up (NVMe -> host), *demote* down (host -> NVMe, GPU ->
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -40,7 +39,7 @@ from .index import Handle, ObjectMeta
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
 from .waits import waits_since
-from .policy import EvictionPolicy
+from .policy import EvictionPolicy, GpuOrder
 from .prefetch import Prefetcher
 from .staging import StagingAreas
 from .durability import Durability
@@ -72,7 +71,7 @@ class Placement:
     """The tiers' space and the moves between them; see the module docstring."""
 
     def __init__(self, config: StoreConfig, index: ObjectIndex, durability: Durability, prefetcher: Prefetcher,
-                 policy: EvictionPolicy, arena: Arena, host: ExtentAllocator, nvme: NvmeTier,
+                 policy: EvictionPolicy, gpu_order: GpuOrder, arena: Arena, host: ExtentAllocator, nvme: NvmeTier,
                  gpu: GpuTier | None, engine: IOEngine, staging: StagingAreas,
                  gpu_reason: str = "gpu_bytes is 0: no GPU tier") -> None:
         self.config, self.index, self.durability, self.prefetcher, self.policy = \
@@ -83,8 +82,7 @@ class Placement:
         self.counters = index.counters
         # kept for reading objects whose bytes are on NVMe when everything else is full
         self.read_reserve = min(READ_RESERVE_BYTES, host.capacity // 16) // PAGE * PAGE
-        self.gpu_lru: OrderedDict[int, None] = OrderedDict()
-        """GPU-tier objects, least recently used first."""
+        self.gpu_order = gpu_order
         self.staging = staging
         """The connections' staging areas: host space no object can use, freed at a connection's end."""
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
@@ -123,7 +121,7 @@ class Placement:
         block, so they are bounded by count instead, at one per page of the host and NVMe
         tiers together, as many as objects of one byte could be (each takes a page): the
         daemon's memory for them is bounded as for any small object."""
-        return len(self.index.objects) < (self.host.capacity + self.nvme.capacity_bytes) // PAGE
+        return self.index.object_count() < (self.host.capacity + self.nvme.capacity_bytes) // PAGE
 
     def check_fits(self, nbytes: int, tier: str | None) -> None:
         if tier == "gpu":
@@ -195,6 +193,41 @@ class Placement:
             return out
         return self.nvme.alloc_many(sizes)
 
+    # ------------------------------------------------------------------ bytes in the tiers
+    # (the components after placement reach the tiers' bytes only through these)
+    def host_view(self, off: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` of the host tier at ``off`` (a block the caller holds: reserved, leased or pinned)."""
+        return self.arena.view(off, nbytes)
+
+    def host_copy(self, dst_off: int, src_off: int, nbytes: int) -> None:
+        """Copy ``nbytes`` between two host blocks the caller holds."""
+        if nbytes:
+            self.arena.view(dst_off, nbytes)[:] = self.arena.view(src_off, nbytes)
+
+    def nvme_write(self, extents: list, data: np.ndarray, *, sync: bool) -> list[int]:
+        """(no lock held) Write ``data`` to the caller's ``extents`` (from ``nvme_take``); its blocks' CRCs."""
+        return self.nvme.write(extents, data, sync=sync)
+
+    def nvme_free(self, extents: list) -> None:
+        """(no lock held) Give NVMe extents back."""
+        self.nvme.free(extents)
+
+    def gpu_take(self, nbytes: int, device: int) -> int | None:
+        """(under cv) A GPU-tier block on ``device`` now, or None."""
+        return self.gpu.alloc(nbytes, device)
+
+    def gpu_write(self, loc: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at device or host address ``src`` into the GPU-tier block ``loc`` the caller holds."""
+        self.gpu.write(loc, src, nbytes)
+
+    def fence(self, owner: Any, host_off: int | None, gpu_loc: int | None, nbytes: int) -> None:
+        """(under cv) Hold a block ``owner`` still maps back from reuse until ``owner`` goes
+        (``drop_owner``): the GPU-tier block ``gpu_loc``, else the host block ``host_off``."""
+        if gpu_loc is not None:
+            self.gpu.fence(owner, gpu_loc, nbytes)
+        elif nbytes:
+            self.host.fence(owner, host_off, nbytes)
+
     def alloc_host(self, nbytes: int, *, wait_s: float, admit_distance: int | None = None,
                    reading: bool = False) -> int:
         """A host block, demoting cold objects synchronously if needed; CapacityExceeded otherwise.
@@ -262,9 +295,9 @@ class Placement:
         admits only victims needed later than that, and never another prefetch.
         ``clean_only``: only objects whose NVMe copy is current (they go without a write).
         """
-        objects = self.index.objects
+        holder = self.index.holder
         for oid in self.policy.candidates():
-            m = objects.get(oid)
+            m = holder(oid)
             if not _may_move(m) or (clean_only and not m.nvme_valid):
                 continue
             if admit_distance is not None:
@@ -282,9 +315,9 @@ class Placement:
         """(under cv) Victims that may move now, best first, marked moving: enough to free
         ``nbytes`` (at least one), at most ``_DEMOTE_BATCH`` objects and
         ``_DEMOTE_BATCH_BYTES``."""
-        objects, out, total = self.index.objects, [], 0
+        holder, out, total = self.index.holder, [], 0
         for oid in self.policy.candidates():
-            m = objects.get(oid)
+            m = holder(oid)
             if not _may_move(m):
                 continue
             m.moving = True
@@ -322,15 +355,14 @@ class Placement:
     def admit(self, meta: ObjectMeta) -> None:
         """(under cv) ``meta``'s GPU-tier or host block holds its bytes: it joins that tier's eviction order."""
         if meta.gpu_loc is not None:
-            self.gpu_lru[meta.id] = None
+            self.gpu_order.insert(meta.id)
         else:
             self.policy.insert(meta.id)
 
     def touch(self, meta: ObjectMeta) -> None:
         """(under cv) ``meta`` was used where it is: it goes to the back of its tier's eviction order."""
         if meta.gpu_loc is not None:
-            self.gpu_lru.pop(meta.id, None)
-            self.gpu_lru[meta.id] = None
+            self.gpu_order.touch(meta.id)
         else:
             self.policy.touch(meta.id)
 
@@ -593,7 +625,7 @@ class Placement:
             with ix.cv:
                 if meta.gpu_loc is not None:
                     self.gpu.free(meta.gpu_loc, n)
-                    self.gpu_lru.pop(meta.id, None)
+                    self.gpu_order.remove(meta.id)
                     meta.gpu_loc = None
                     self.counters["gpu_demotions"] += 1
                     self.counters["gpu_demoted_bytes"] += n
@@ -658,9 +690,9 @@ class Placement:
 
     def _pick_gpu_victim(self, device: int | None = None) -> ObjectMeta | None:
         """(under cv) The least recently used GPU-tier object that may move; marks it moving."""
-        objects = self.index.objects
-        for oid in self.gpu_lru:
-            m = objects.get(oid)
+        holder = self.index.holder
+        for oid in self.gpu_order.candidates():
+            m = holder(oid)
             if m is None or m.gpu_loc is None or (device is not None and loc_device(m.gpu_loc) != device):
                 continue
             if m.moving or m.pins or m.readers or m.writer or m.freeing:
@@ -738,7 +770,7 @@ class Placement:
             meta.host_off, meta.host_valid = None, False
         if meta.gpu_loc is not None:
             self.gpu.free(meta.gpu_loc, meta.nbytes)
-            self.gpu_lru.pop(meta.id, None)
+            self.gpu_order.remove(meta.id)
             meta.gpu_loc = None
         extents, meta.nvme = meta.nvme, None
         meta.nvme_valid = False

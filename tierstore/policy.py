@@ -1,5 +1,6 @@
-"""Eviction policies: which host-resident object to demote next. Policy only; the store
-moves the bytes.
+"""Eviction policies: which host-resident object to demote next, and which GPU-tier
+object to move down to the host tier next (``GpuOrder``). Policy only; placement moves
+the bytes.
 
 This is the whole surface a policy needs: it hears about inserts, accesses and
 removals of host-resident objects and yields candidates, best victim first. The
@@ -18,7 +19,7 @@ import numpy as np
 
 from .trace import HORIZON, Trace
 
-__all__ = ["EvictionPolicy", "LearnedOrder", "LRUPolicy", "TracePolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "GpuOrder", "LearnedOrder", "LRUPolicy", "TracePolicy", "make_policy"]
 
 
 class LearnedOrder(Protocol):
@@ -42,6 +43,31 @@ class EvictionPolicy(Protocol):
     def remove(self, oid: int) -> None: ...
     def candidates(self) -> Iterator[int]: ...
     def distance(self, oid: int) -> int | None: ...
+
+
+class GpuOrder:
+    """The GPU tier's eviction order: its objects, least recently used first. Placement
+    skips the candidates it cannot move (leased, in flight, on another device)."""
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def insert(self, oid: int) -> None:
+        self._lru[oid] = None
+
+    def touch(self, oid: int) -> None:
+        """``oid`` was used: it goes to the back (joining the order if it was not in it)."""
+        self._lru.pop(oid, None)
+        self._lru[oid] = None
+
+    def remove(self, oid: int) -> None:
+        self._lru.pop(oid, None)
+
+    def candidates(self) -> Iterator[int]:
+        return iter(self._lru)
 
 
 class LRUPolicy:

@@ -92,7 +92,7 @@ class Puts:
             try:
                 if spec.nbytes:
                     # the reservation keeps this block ours until commit; no lock needed to fill it
-                    self.placement.arena.view(res.host_off, spec.nbytes)[:] = u8
+                    self.placement.host_view(res.host_off, spec.nbytes)[:] = u8
             except BaseException:
                 self.abort(res.rid)
                 raise
@@ -114,7 +114,7 @@ class Puts:
                            owner=LOCAL, wait_s=wait_s, device=device, ephemeral=ephemeral)
         try:
             if spec.nbytes:
-                self.placement.gpu.write(res.gpu_loc, addr, spec.nbytes)
+                self.placement.gpu_write(res.gpu_loc, addr, spec.nbytes)
         except BaseException:
             self.abort(res.rid)
             raise
@@ -139,7 +139,7 @@ class Puts:
         tier = self._check_reserve(spec, key, tier, durable, replace, namespace, ephemeral)
         with self.cv:
             if tier == "gpu":
-                loc = self.placement.gpu.alloc(spec.nbytes, device)
+                loc = self.placement.gpu_take(spec.nbytes, device)
             else:
                 loc = self.placement.host_take(spec.nbytes) if spec.nbytes else -1
         if loc is None:
@@ -173,7 +173,7 @@ class Puts:
                 if key is not None:
                     self.index.check_key(namespace, key, replace)
                 if not spec.nbytes and not self.placement.room_for_empty():
-                    raise CapacityExceeded(f"the store holds {len(self.index.objects)} objects, as many as its "
+                    raise CapacityExceeded(f"the store holds {self.index.object_count()} objects, as many as its "
                                            "tiers have pages: an object of no bytes counts as one page; free some")
         return tier
 
@@ -214,9 +214,9 @@ class Puts:
         if res.meta.durable:
             return self._submit(res)
         # (a rest that ends unrun gives the reservation up: nothing else would, once taken up)
-        undo = partial(self._give_up, res.rid, res.owner)
+        give_back = partial(self._give_up, res.rid, res.owner)
         if res.tier == "nvme":
-            return Later(lambda: self._record(res, self._land(res)), undo)
+            return Later(lambda: self._record(res, self._land(res)), give_back)
         landing = self._land(res)  # (nothing to write for a host or GPU-tier object)
         try:
             done = self.durability.try_record_put(res.meta, replace=res.replace,
@@ -224,7 +224,7 @@ class Puts:
         except BaseException:
             self._give_up(res.rid, res.owner)
             raise
-        return self._count(res.meta) if done else Later(lambda: self._record(res, landing), undo)
+        return self._count(res.meta) if done else Later(lambda: self._record(res, landing), give_back)
 
     def _take_up(self, rid: int, owner: Any) -> Reservation:
         """The commit of reservation ``rid`` owns it from here: only it may still abort it."""
@@ -317,10 +317,7 @@ class Puts:
 
     def _fill(self, res: Reservation, area: tuple[int, int], src: int) -> None:
         """Copy the staged bytes into the reserved block (the reservation keeps it ours)."""
-        n = res.meta.nbytes
-        if n:
-            view = self.placement.arena.view
-            view(res.host_off, n)[:] = view(area[0] + src, n)
+        self.placement.host_copy(res.host_off, area[0] + src, res.meta.nbytes)
 
     def _fill_commit(self, res: Reservation, owner: Any, src: int, spec: TensorSpec) -> Handle:
         """The staged bytes copied into the reserved block, then the commit; the staging
@@ -352,8 +349,7 @@ class Puts:
                 return meta.spec
             if meta.host_valid and not meta.writer and not meta.moving:
                 # small (<= staging size) copy under the lock: cheaper than pinning around it
-                view = self.placement.arena.view
-                view(area[0], meta.nbytes)[:] = view(meta.host_off, meta.nbytes)
+                self.placement.host_copy(area[0], meta.host_off, meta.nbytes)
                 self.placement.touch(meta)
                 self.prefetcher.record(owner, stream, meta.id, "hit", 0.0)
                 self.counters["gets"] += 1
@@ -368,7 +364,7 @@ class Puts:
             area = self.staging.of(owner)  # (again: the connection may have gone meanwhile)
         if area is None:
             raise Closed("the connection that asked went away")
-        view = self.placement.arena.view
+        view = self.placement.host_view
         return self.placement.read_pinned(h, self.index.ns(namespace), owner, stream,
                                           lambda spec: (view(area[0], spec.nbytes), False))
 
@@ -392,7 +388,7 @@ class Puts:
             extents = self.placement.free_space(meta)
             self.cv.notify_all()
         if extents:
-            self.placement.nvme.free(extents)
+            self.placement.nvme_free(extents)
 
     def expire(self, max_age_s: float) -> int:
         """Drop reservations older than ``max_age_s`` that no commit has taken up (a client
@@ -431,7 +427,7 @@ class Puts:
         extents = placement.nvme_take(spec.nbytes, demoting=False)
         published = False
         try:
-            crcs = placement.nvme.write(extents, u8, sync=durable) if spec.nbytes else []
+            crcs = placement.nvme_write(extents, u8, sync=durable) if spec.nbytes else []
             with self.cv:
                 meta = ObjectMeta(id=ix.new_id(), gen=ix.epoch, namespace=ns, key=key, spec=spec,
                                   durable=durable, nvme=extents, crcs=crcs, nvme_valid=True, home=home,
@@ -446,7 +442,7 @@ class Puts:
             self.durability.record_put(meta, replace=replace, publish=publish)
         except BaseException:
             if not published:
-                placement.nvme.free(extents)
+                placement.nvme_free(extents)
             raise
         return self._count(meta)
 

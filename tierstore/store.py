@@ -48,7 +48,7 @@ from .leases import LOCAL, LeaseInfo, LeaseTable
 from .placement import Placement
 from .nvme import NvmeTier
 from .objectindex import ObjectIndex
-from .policy import make_policy
+from .policy import GpuOrder, make_policy
 from .prefetch import Prefetcher
 from .staging import StagingAreas
 from .preflight import check_start
@@ -197,8 +197,9 @@ class Store:
         self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
                                   self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
         self.staging = StagingAreas(ix, self.host)
-        self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.arena, self.host,
-                                   self.nvme, self.gpu, self.engine, self.staging, self.gpu_reason)
+        self.gpu_order = GpuOrder()
+        self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.gpu_order, self.arena,
+                                   self.host, self.nvme, self.gpu, self.engine, self.staging, self.gpu_reason)
         self.leases = LeaseTable(ix, self.placement, self.durability, self.prefetcher, cfg.lease_wait_s)
         self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher, self.staging)
@@ -217,7 +218,7 @@ class Store:
         self.placement.start()
         log.info("store open: host %s, nvme %s in %s, engine %s (%s); %d durable objects recovered",
                  format_size(self.arena.size), format_size(self.nvme.capacity_bytes), ", ".join(cfg.nvme_dirs),
-                 self.engine.name, self.engine.reason, len(ix.objects))
+                 self.engine.name, self.engine.reason, ix.object_count())
 
     def _nbytes_of(self, oid: int) -> int:
         """Bytes of object ``oid`` (0 once freed), for the eviction policy (under the index's lock)."""
@@ -414,7 +415,7 @@ class Store:
         ix = self.index
         with ix.cv:
             ix.cv.wait_for(lambda: ix.closed or self.prefetcher.settled(oids))
-            return sum(1 for o in oids if o in ix.objects and ix.objects[o].host_valid)
+            return sum(1 for m in map(ix.holder, oids) if m is not None and m.host_valid)
 
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         """Block until no prefetch is queued or in flight (benchmarks, tests). False on timeout."""
@@ -461,26 +462,27 @@ class Store:
         namespaces = self.stat_namespaces(limit=namespace_limit)
         ix = self.index
         with ix.cv:  # every figure from counters kept as objects change: O(1) in objects
+            host_objects, nvme_objects = ix.resident_counts()
             return {
                 "tiers": {
                     "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
                              "free_bytes": self.host.free_bytes, "fenced_bytes": self.host.held_bytes,
-                             "objects": ix.objects.host_objects,
+                             "objects": host_objects,
                              "pinned": self.host_pinned, "pinned_reason": self.host_pinned_reason},
                     "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
-                             "free_bytes": self.nvme.free_bytes, "objects": ix.objects.nvme_objects,
+                             "free_bytes": self.nvme.free_bytes, "objects": nvme_objects,
                              "engine": self.engine.name, "engine_reason": self.engine.reason,
                              "device_io": self.engine.device_reason,
                              "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "drives": self.nvme.describe()},
-                    **({"gpu": {**self.gpu.describe(), "objects": len(self.placement.gpu_lru)}}
+                    **({"gpu": {**self.gpu.describe(), "objects": len(self.gpu_order)}}
                        if self.gpu is not None else {}),
                 },
                 "prefetch": self.prefetcher.stat(),
                 "gpu_reason": self.gpu_reason,
                 "namespaces": namespaces,
-                "namespaces_total": len(ix.objects.namespaces),
+                "namespaces_total": ix.namespace_count(),
                 "leases": len(self.leases),
                 "reservations": len(self.puts.reservations),
                 "policy": self.policy.name,

@@ -32,7 +32,7 @@ class Later:
     a thread that may wait. Nothing the rest needs is lost: what was done is done once."""
 
     run: Callable[[], Any]
-    undo: Callable[[], None] | None = None
+    give_back: Callable[[], None] | None = None
     """Gives back what the call took before it returned (a batch's leases so far), for
     a caller that ends the call without running the rest; None: it took nothing."""
 
