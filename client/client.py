@@ -37,6 +37,7 @@ from tierstore.batch import LeaseGroup, check_each
 from tierstore._version import __version__
 from tierstore.errors import CapacityExceeded, Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
 from tierstore.names import Handle, validate_key, validate_new_namespace
+from tierstore.paths import default_socket_path
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
 from .connection import Connection
@@ -234,8 +235,6 @@ class Client:
         """
         path = socket or os.environ.get("TIERSTORE_SOCKET")
         if not path:
-            from tierstore.config import default_socket_path  # here: the settings module is not needed otherwise
-
             path = default_socket_path()
         ns = validate_new_namespace(namespace)
         try:

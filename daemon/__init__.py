@@ -14,6 +14,10 @@ __all__ = ["Server", "Session", "run"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Session":
+        from . import session
+
+        return session.Session
     if name in __all__:
         from . import server
 

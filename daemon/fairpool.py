@@ -104,7 +104,7 @@ class FairPool:
             elif job.sess.closed:
                 error = Closed("the connection that asked went away")
             elif q[s] >= self.queue_per_session or q[n] >= self.queue_per_namespace or q[u] >= self.queue_per_uid:
-                error = Busy(f"too many requests of this {_which(q, s, n, u, self)} are queued for the daemon's "
+                error = Busy(f"too many requests of this {_which(q, s, n, self)} are queued for the daemon's "
                              f"{self.name} threads; wait for some of them to finish")
             else:
                 jobs = self._jobs.get(job.sess)
@@ -278,7 +278,7 @@ def _keys(job: Job) -> tuple:
     return ("s", job.sess), ("n", job.sess.namespace), ("u", job.sess.cred.uid)
 
 
-def _which(q: Counter, s: Any, n: Any, u: Any, pool: FairPool) -> str:
+def _which(q: Counter, s: Any, n: Any, pool: FairPool) -> str:
     if q[s] >= pool.queue_per_session:
         return f"connection ({pool.queue_per_session})"
     if q[n] >= pool.queue_per_namespace:

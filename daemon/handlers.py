@@ -5,6 +5,10 @@ disk. Each returns its reply; or ``Later`` (``tierstore.waits``): the rest of th
 request, which the server runs on an op worker (decided up front for an op that always
 needs one, or what a store ``try_*`` call answered); or, for a durable put, a
 ``Deferred`` reply: the group committer makes it durable and the server answers then.
+
+Length: one short method per op of the protocol (``protocol.OPS`` builds the table),
+each a few lines of field checks and one store call; split by op family, the table
+and the shared field checks would be spread over several files.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from tierstore.trace import MAX_STREAM_CHARS
 from tierstore.waits import Later
 
 if TYPE_CHECKING:
-    from .server import Session
+    from .session import Session
 
 __all__ = ["Deferred", "Handlers", "ITEMSIZE"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 from typing import Any
 
@@ -199,7 +200,7 @@ def test_a_reply_packet_larger_than_the_protocol_allows_fails_the_connection_wit
         os.close(fd)
 
 
-def test_the_client_loads_only_the_core_modules_it_uses(daemon):
+def test_the_client_loads_only_the_core_modules_it_uses(daemon, tmp_path):
     """A process that only talks to a daemon imports the handles, the arena mapping, the
     wire codec and the tensor helpers of the core, not the store, its NVMe tier (and its
     checksum library), the I/O engines or the settings."""
@@ -211,7 +212,7 @@ from tierstore.client import Client
 def core():
     return {m for m in sys.modules if m.startswith("tierstore.") and not m.startswith(("tierstore.client", "tierstore.daemon"))}
 imported = core()
-with Client.connect(socket=sys.argv[1]) as c:
+with Client.connect() as c:  # the default socket path: $XDG_RUNTIME_DIR/tierstore/tierstore.sock
     h = c.put(np.ones(8), key="k")
     assert c.get(h).sum() == 8 and c.keys() == ["k"]
     with c.checkout(h, "rw") as t:
@@ -219,7 +220,11 @@ with Client.connect(socket=sys.argv[1]) as c:
     c.free(h)
 print(json.dumps([sorted(imported), sorted(core()), "sortedcontainers" in sys.modules]))
 """
-    r = run_py(code, daemon.socket, timeout=120)
+    runtime = tmp_path / "runtime"
+    (runtime / "tierstore").mkdir(parents=True)
+    os.symlink(daemon.socket, runtime / "tierstore" / "tierstore.sock")
+    env = {k: v for k, v in os.environ.items() if k != "TIERSTORE_SOCKET"}
+    r = run_py(code, timeout=120, env={**env, "XDG_RUNTIME_DIR": str(runtime)})
     assert r.returncode == 0, r.stderr
     imported, used, sorted_maps = json.loads(r.stdout.splitlines()[-1])
     imported, used = set(imported), set(used)
@@ -228,4 +233,5 @@ print(json.dumps([sorted(imported), sorted(core()), "sortedcontainers" in sys.mo
     assert not (imported | used) & heavy, sorted((imported | used) & heavy)
     assert not sorted_maps  # the index's key maps (sortedcontainers) are the daemon's
     assert imported <= {"tierstore._version", "tierstore.errors", "tierstore.arena", "tierstore.batch",
-                        "tierstore.names", "tierstore.protocol", "tierstore.tensors", "tierstore.units"}
+                        "tierstore.names", "tierstore.paths", "tierstore.protocol", "tierstore.tensors",
+                        "tierstore.units"}

@@ -490,6 +490,21 @@ def test_resume_reads_a_step_count_only_progress_record_and_rejects_a_malformed_
                           resume=True)
 
 
+def test_a_step_without_gradients_then_a_kill_resumes_without_the_unfinished_steps_state(make_store):
+    """A completed step in which no parameter had a gradient records no parameter; a
+    state tensor the next, unfinished step wrote (its process killed) is not taken up
+    by the resume as if an older record named every parameter."""
+    _, off, _, opt_o, s = _adamw_twin(make_store, Gated, "nograd", crash_consistent=True)
+    opt_o.step()  # no gradients: a step that completes with no state
+    assert opt_o.completed_steps == 1
+    first = next(off.parameters())
+    s.put(torch.ones_like(first), key="nograd/0.0/exp_avg@1")  # left by the next step, killed mid-way
+    resumed = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="nograd",
+                                resume=True, crash_consistent=True)
+    assert resumed.completed_steps == 1
+    assert not any(resumed.state_dict()["state"].values())
+
+
 def test_wrapping_an_optimizer_that_already_stepped_moves_its_state_into_the_pool(make_store):
     torch.manual_seed(0)
     plain = Gated()

@@ -27,9 +27,9 @@ import os
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from .paths import default_nvme_dir, default_socket_path
 from .units import format_size, parse_size
 
 __all__ = ["Config", "StoreConfig", "DaemonConfig", "SECTIONS", "ConfigError", "ArgumentParser", "daemon_parser",
@@ -60,18 +60,6 @@ class ConfigError(ValueError):
             message = problem
         super().__init__(message)
         self.problem, self.field, self.value, self.setting = problem, field, value, setting
-
-
-def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/tierstore/tierstore.sock``, else ``/run/tierstore/tierstore.sock``."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/run"
-    return str(Path(base) / "tierstore" / "tierstore.sock")
-
-
-def default_nvme_dir() -> str:
-    """``$XDG_DATA_HOME/tierstore/nvme`` (``~/.local/share/tierstore/nvme``)."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return str(Path(base) / "tierstore" / "nvme")
 
 
 def total_memory_bytes() -> int:

@@ -16,8 +16,6 @@ import logging
 from typing import Any, Callable
 
 from .durability import Durability
-from .errors import InvalidArgument
-from .gpu import GpuTier
 from .names import Handle
 from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
@@ -38,11 +36,9 @@ class DaemonSurface:
     """The calls the daemon makes on the store for its connections; see the module docstring."""
 
     def __init__(self, index: ObjectIndex, durability: Durability, placement: Placement, leases: LeaseTable,
-                 batches: LeaseBatches, puts: Puts, staging: StagingAreas, gpu: GpuTier | None,
-                 gpu_reason: str) -> None:
+                 batches: LeaseBatches, puts: Puts, staging: StagingAreas) -> None:
         self.index, self.durability, self.placement = index, durability, placement
         self.leases, self.batches, self.puts = leases, batches, puts
-        self.gpu, self.gpu_reason = gpu, gpu_reason
         self.staging = staging
         # the event loop's most frequent calls are the components' own methods, bound here:
         # no frame of this class (nor a keyword dict passed through) on every small op
@@ -88,8 +84,8 @@ class DaemonSurface:
         (root: every one, then None: the caller's table stands)."""
         if uid == 0:
             return None
-        owners = self.durability.owners
-        return self.index.stat_namespaces(after, limit, lambda ns: owners.get(ns.split("/")[0]) == uid)
+        owner_of = self.durability.owner_of
+        return self.index.stat_namespaces(after, limit, lambda ns: owner_of(ns) == uid)
 
     def group_lease_owners(self, group_of: Callable[[Any], Any]) -> None:
         """Count each owner's leases against ``group_of(owner)``'s share as well (the
@@ -184,14 +180,14 @@ class DaemonSurface:
         """Keys in ``namespace`` (O(1)): whether an unpaged listing is worth a worker thread."""
         return self.index.key_count(namespace)
 
+    @property
+    def gpu_reason(self) -> str:
+        """Why the store has no GPU tier (when it has none)."""
+        return self.placement.gpu_reason
+
     def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
-        """``owner`` is about to open the GPU slabs: they stay allocated until it goes
-        (``release_owner``). Returns what it needs to open them."""
-        if self.gpu is None:
-            raise InvalidArgument(f"this store has no GPU tier: {self.gpu_reason}")
-        with self.index.cv:
-            self.gpu.attach(owner)
-            return self.gpu.export()
+        """``owner`` is about to open the GPU slabs (``Placement.gpu_attach``)."""
+        return self.placement.gpu_attach(owner)
 
     def enable_host_index(self) -> None:
         """Start recording host residency in the index log (``Durability.enable_host_index``)."""

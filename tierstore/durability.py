@@ -420,7 +420,16 @@ class Durability:
 
     def namespace_owner(self, namespace: str) -> int | None:
         with self.index.cv:
-            return self.owners.get(namespace.split("/")[0])
+            return self.owner_of(namespace)
+
+    def owner_of(self, namespace: str) -> int | None:
+        """(under cv) The uid that claimed ``namespace``'s root, if any."""
+        return self.owners.get(namespace.split("/")[0])
+
+    def journal_stat(self) -> dict[str, int]:
+        """The journal's size, the bytes the index checkpoint covers and the checkpoints written (``stat``)."""
+        return {"bytes": self.journal.size(), "checkpoint_covers_bytes": self.checkpoint_at,
+                "checkpoints_written": self.checkpoints_written}
 
     # ------------------------------------------------------------------ host index log
     @staticmethod
@@ -562,7 +571,7 @@ class Durability:
         """The journal applied to a ``Replay``: from the index checkpoint and the records
         after the point it covers when it is usable, else every record. Also what was
         used (``checkpoint``: None, or why not; ``records_replayed``)."""
-        ndrives, drive_bytes = len(self.nvme.drives), self.nvme.drives[0].alloc.capacity
+        ndrives, drive_bytes = self.nvme.geometry()
         directory, path = self.journal.directory, self.journal.path
         checkpoint.remove_temp(directory)  # (a background one a crash cut short)
         try:

@@ -252,11 +252,16 @@ class GpuTier:
         """Copy ``nbytes`` from address ``src`` (host or device) into a block."""
         self.backend.copy(loc_device(loc), self.ptr(loc), src, nbytes)
 
+    def copy_block(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from GPU-tier block ``src`` to block ``dst`` (both on one device)."""
+        self.backend.copy(loc_device(dst), self.ptr(dst), self.ptr(src), nbytes)
+
     def rounded(self, nbytes: int) -> int:
         return max(nbytes, 1) + (-max(nbytes, 1)) % GPU_ALIGN
 
-    def fits(self, nbytes: int, device: int = 0) -> bool:
-        return any(self.rounded(nbytes) <= s.size for s in self.slabs.get(device, []))
+    def fits(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` fits in a slab (every device's slabs are the same sizes)."""
+        return any(self.rounded(nbytes) <= s.size for s in self.slabs.get(0, []))
 
     def _slab(self, loc: int) -> tuple[Slab, int]:
         d, i, off = decode_loc(loc)

@@ -97,7 +97,6 @@ class Pending:
 class _Commit:
     meta: ObjectMeta
     tier: str | None
-    gpu_loc: int | None
     replace: bool
     publish: Callable[[Landing], None]
     """(under the index's cv) Make the object visible (and hand what it replaced to its discard)."""
@@ -145,7 +144,7 @@ class GroupCommit:
         self._writer.start()
         self._journaler.start()
 
-    def submit(self, meta: ObjectMeta, *, tier: str | None, gpu_loc: int | None, replace: bool,
+    def submit(self, meta: ObjectMeta, *, tier: str | None, replace: bool,
                publish: Callable[[Landing], None], finish: Callable[[], Any],
                failed: Callable[[], None]) -> "Pending":
         """Queue the durable commit of ``meta`` (reserved, filled, flagged ``moving``). Once
@@ -153,7 +152,7 @@ class GroupCommit:
         and the future's result is what it returns; if it fails, ``failed()`` runs and the
         future gets the error (nothing was published then, unless the journal sync failed
         after the publish, as with ``Durability.record_put``)."""
-        c = _Commit(meta, tier, gpu_loc, replace, publish, finish, failed)
+        c = _Commit(meta, tier, replace, publish, finish, failed)
         with self._cv:
             if self._closing:
                 raise Closed("the store is closing; no more durable puts are taken")
@@ -200,7 +199,7 @@ class GroupCommit:
 
     def _land(self, batch: list[_Commit]) -> list[_Commit]:
         """Stage 1: every object's bytes written and synced; the commits that got there."""
-        landed = self.placement.land_many([(c.meta, c.tier, c.gpu_loc) for c in batch])
+        landed = self.placement.land_many([(c.meta, c.tier) for c in batch])
         live = []
         for c, landing in zip(batch, landed):
             if isinstance(landing, Exception):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .batch import check_each
 from .errors import CapacityExceeded, InvalidArgument, NotFound, TierstoreError
 from .names import Handle
-from .leases import LOCAL, MAX_BATCH, LeaseInfo, LeaseTable
+from .leases import LOCAL, MAX_BATCH, LeaseInfo, LeaseTable, check_mode
 from .placement import Placement
 from .objectindex import ObjectIndex
 from .units import PAGE, align_up
@@ -70,8 +70,7 @@ class LeaseBatches:
         if len(modes) != len(handles):
             raise InvalidArgument(f"{len(modes)} modes for {len(handles)} objects")
         for m in modes:
-            if m not in ("r", "rw", "w"):
-                raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {m!r}")
+            check_mode(m)
         hs = [Handle.parse(h) for h in handles]
         self._check_batch(hs, modes, self.index.ns(namespace))
         return hs
@@ -229,7 +228,7 @@ class LeaseBatches:
     def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:
         """``release_many`` for a caller that must not wait: a batch with a durable object's
         write lease in it (a write-back syncs) or more than ``INLINE_BATCH`` leases is
-        ``Later``, whole; any other is checked in now (``LeaseTable.try_release``)."""
+        ``Later``, whole; any other is checked in now (``LeaseTable.check_in_now``)."""
         self._check_count(lids)
         if len(lids) > INLINE_BATCH or self.leases.writes_back_any(lids, owner):
             return Later(lambda: self.release_many(lids, owner=owner))

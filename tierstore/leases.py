@@ -33,7 +33,7 @@ from .durability import Durability
 from .tensors import TensorSpec
 from .waits import Later, waits_since
 
-__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH"]
+__all__ = ["LeaseTable", "LeaseInfo", "LOCAL", "MAX_BATCH", "check_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,8 @@ class LeaseTable:
                 ix.rebind(meta)
                 self.cv.notify_all()
             raise type(e)(f"free of {h} failed, the object is unchanged: {e.message}") from None
-        self.counters["frees"] += 1
+        with self.cv:
+            self.counters["frees"] += 1
 
     def wait_unheld(self, meta: ObjectMeta, owner: Any) -> None:
         """(under cv) Wait until nothing holds ``meta`` (before a free): copies and moves in
@@ -235,7 +236,7 @@ class LeaseTable:
         was, by an earlier attempt of the same request).
         """
         h, ns = Handle.parse(handle), self.index.ns(namespace)
-        _check_mode(mode)
+        check_mode(mode)
         t0 = time.monotonic()
         deadline = waits_since() + (self.lease_wait_s if timeout_s is None else timeout_s)
         late = promoted = blank = False
@@ -250,6 +251,7 @@ class LeaseTable:
                 if not meta.host_valid and not meta.moving:
                     meta.moving = True
                     promote = True
+                    self.counters["nvme_reads"] += mode != "w" and meta.gpu_loc is None
                 else:
                     promote = False
                     remaining = deadline - time.monotonic()
@@ -261,7 +263,6 @@ class LeaseTable:
             if promote:
                 read = mode != "w" or meta.gpu_loc is not None
                 promoted, blank = mode != "w", not read
-                self.counters["nvme_reads"] += promoted and meta.gpu_loc is None
                 self.placement.to_host(meta, wait_s=max(0.0, deadline - time.monotonic()), read=read)
 
     def try_checkout(self, handle: Handle | int | str, mode: str, *, owner: Any, namespace: str | None = None,
@@ -271,7 +272,7 @@ class LeaseTable:
         when the object is where it is wanted and no holder is in the way; otherwise
         ``Later`` of ``checkout`` (nothing taken or recorded)."""
         h, ns = Handle.parse(handle), self.index.ns(namespace)
-        _check_mode(mode)
+        check_mode(mode)
         with self.cv:
             info = self._take(self.index.get_meta(h, ns), mode, owner, stream, device, time.monotonic(),
                               True, False, False)  # (hit, late, blank)
@@ -636,7 +637,8 @@ class LeaseTable:
         return len(old)
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: str) -> None:
+    """``InvalidArgument`` unless ``mode`` is a check-out's mode."""
     if mode not in ("r", "rw", "w"):
         raise InvalidArgument(f"mode must be 'r', 'rw' or 'w', got {mode!r}")
 

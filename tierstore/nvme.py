@@ -166,6 +166,10 @@ class NvmeTier:
                         drv.alloc.capacity, os.strerror(err))
         return ok
 
+    def geometry(self) -> tuple[int, int]:
+        """How many drives, and the bytes each holds (the index checkpoint records both)."""
+        return len(self.drives), self.drives[0].alloc.capacity
+
     @property
     def used_bytes(self) -> int:
         return sum(d.alloc.used_bytes for d in self.drives)

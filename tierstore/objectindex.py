@@ -6,8 +6,7 @@ id and generation allocation, the store's counters, and the waits for another ho
 to let go (``wait``; the daemon's rules for them are in ``tierstore.waits``). It reads
 and changes bookkeeping only: no bytes move here, nothing is journaled.
 
-Rules: a method named ``*_locked`` or documented "(under cv)" is called with ``cv``
-held; every other one takes it itself. Disk I/O and large copies run with it
+Rules: a method documented "(under cv)" is called with ``cv`` held; every other one takes it itself. Disk I/O and large copies run with it
 released; an object being moved is flagged ``moving``, one being copied holds a
 ``pin``, and whoever waits for those waits on ``cv``.
 """
@@ -137,6 +136,15 @@ class ObjectIndex:
     def resident_counts(self) -> tuple[int, int]:
         """(under cv) Objects whose bytes are in the host tier, and on NVMe (O(1))."""
         return self.objects.host_objects, self.objects.nvme_objects
+
+    def close(self) -> bool:
+        """Mark the index closed and wake every wait; False if it already was."""
+        with self.cv:
+            if self.closed:
+                return False
+            self.closed = True
+            self.cv.notify_all()
+            return True
 
     def namespace_count(self) -> int:
         """Namespaces holding objects, every uid's (O(1))."""

@@ -367,6 +367,15 @@ class Placement:
             self.policy.touch(meta.id)
 
     # ------------------------------------------------------------------ a connection's end
+    def gpu_attach(self, owner: Any) -> list[dict[str, Any]]:
+        """``owner`` is about to open the GPU slabs: they stay allocated until it goes
+        (``drop_owner``). Returns what it needs to open them."""
+        if self.gpu is None:
+            raise InvalidArgument(f"this store has no GPU tier: {self.gpu_reason}")
+        with self.index.cv:
+            self.gpu.attach(owner)
+            return self.gpu.export()
+
     def drop_owner(self, owner: Any) -> None:
         """``owner`` went away: its staging area, its GPU-slab mappings and the blocks fenced for it go."""
         with self.index.cv:
@@ -475,19 +484,20 @@ class Placement:
             self.write_down(meta, sync=meta.durable)
         return Landing(self, meta, tier, gpu_loc)
 
-    def land_many(self, puts: list[tuple[ObjectMeta, str | None, int | None]]) -> list["Landing | Exception"]:
-        """``land`` for a batch of durable commits (``meta, tier, gpu_loc`` each): every
+    def land_many(self, puts: list[tuple[ObjectMeta, str | None]]) -> list["Landing | Exception"]:
+        """``land`` for a batch of durable commits (``meta, tier`` each; durable objects are
+        never in the GPU tier): every
         object's bytes written to fresh NVMe extents, then one sync per drive written to;
         per commit its ``Landing``, or the error that failed it. A failed sync fails every
         commit of the batch (none of them is published; their extents go back)."""
         out: list[Landing | Exception] = []
         taken: list[tuple[int, ObjectMeta, list]] = []
-        for (meta, tier, gpu_loc), ext in zip(puts, self.nvme_take_many([m.nbytes for m, _, _ in puts])):
+        for (meta, tier), ext in zip(puts, self.nvme_take_many([m.nbytes for m, _ in puts])):
             if isinstance(ext, Exception):  # this commit fails; the others go on
                 out.append(ext)
             else:
                 taken.append((len(out), meta, ext))
-                out.append(Landing(self, meta, tier, gpu_loc))
+                out.append(Landing(self, meta, tier, None))
         views = self.arena.view
         crcs = self.nvme.write_many([(ext, views(m.host_off, m.nbytes), views(m.host_off, align_up(m.nbytes, PAGE)))
                                      if m.nbytes else (ext, np.empty(0, np.uint8), None) for _, m, ext in taken])
@@ -551,15 +561,14 @@ class Placement:
             if host_off is not None:
                 self.policy.touch(meta.id)
             gpu_loc = meta.gpu_loc
+            self.counters["gpu_hits" if gpu_loc is not None else "host_hits" if host_off is not None
+                          else "nvme_reads"] += 1
         if gpu_loc is not None:  # the pin holds it in the GPU tier while we copy
-            self.counters["gpu_hits"] += 1
             self.gpu.read(gpu_loc, dst.ctypes.data, n)
             return True
         if host_off is not None:
-            self.counters["host_hits"] += 1
             dst[:] = self.arena.view(host_off, n)
             return True
-        self.counters["nvme_reads"] += 1
         if self.config.promote_on_get and meta.home != "nvme" and self.host_has_room(n):
             with ix.cv:
                 # a check-out may have brought it up since (pins keep it there once it is)
@@ -587,9 +596,9 @@ class Placement:
 
         u8 = out.reshape(-1).view(torch.uint8)
         with self.index.cv:
-            nvme_only = meta.gpu_loc is None and not meta.host_valid and meta.nvme_valid
-        if nvme_only and self.engine.gds:
-            self.counters["nvme_reads"] += 1
+            direct = meta.gpu_loc is None and not meta.host_valid and meta.nvme_valid and self.engine.gds
+            self.counters["nvme_reads"] += direct
+        if direct:
             self.nvme.read_device(meta.nvme, u8, meta.crcs, lambda v: v.cpu().numpy())
             return False
         tmp = aligned_empty(meta.nbytes)
@@ -598,8 +607,8 @@ class Placement:
         return hit
 
     # ------------------------------------------------------------------ moving up
-    def to_host(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0,
-                admit_distance: int | None = None, read: bool = True, block: int | None = None) -> None:
+    def to_host(self, meta: ObjectMeta, *, wait_s: float, priority: int = 0, read: bool = True,
+                block: int | None = None) -> None:
         """Bring an object (flagged moving by the caller) into the host tier: promoted from
         NVMe, or demoted from the GPU tier (``read=False``: only give it host memory; the
         caller overwrites it; ``block``: a host block the caller already allocated)."""
@@ -610,8 +619,8 @@ class Placement:
                 off = block
             else:
                 # a read of bytes on NVMe may use the read reserve: it must work when all is full
-                reading = read and meta.nvme_valid and meta.gpu_loc is None and admit_distance is None
-                off = self.alloc_host(n, wait_s=wait_s, admit_distance=admit_distance, reading=reading) if n else -1
+                reading = read and meta.nvme_valid and meta.gpu_loc is None
+                off = self.alloc_host(n, wait_s=wait_s, reading=reading) if n else -1
             try:
                 if n and read and meta.gpu_loc is not None:  # down from the GPU tier
                     self.gpu.read(meta.gpu_loc, self.arena.view(off, n).ctypes.data, n)
@@ -735,7 +744,7 @@ class Placement:
                 log.error("revoked lease %d: no GPU-tier room to move object %d off the holder's block",
                           lid, meta.id)
                 return
-            self.gpu.backend.copy(device, self.gpu.ptr(new), self.gpu.ptr(gpu_loc), n)
+            self.gpu.copy_block(new, gpu_loc, n)
             with self.index.cv:
                 if not held() or meta.gpu_loc != gpu_loc:
                     self.gpu.free(new, n)  # checked in meanwhile: the object is not ours to move
@@ -764,7 +773,7 @@ class Placement:
     # ------------------------------------------------------------------ giving space back
     def free_space(self, meta: ObjectMeta) -> list:
         """(under cv) Give back ``meta``'s host and GPU blocks; returns its NVMe extents,
-        which the caller frees with the lock released (``nvme.free``)."""
+        which the caller frees with the lock released (``nvme_free``)."""
         if meta.host_off is not None:
             self.host.free(meta.host_off, meta.nbytes)
             meta.host_off, meta.host_valid = None, False

@@ -3,8 +3,8 @@ object to move down to the host tier next (``GpuOrder``). Policy only; placement
 the bytes.
 
 This is the whole surface a policy needs: it hears about inserts, accesses and
-removals of host-resident objects and yields candidates, best victim first. The
-store skips candidates it cannot move (leased, in flight). Objects prefetched but
+removals of host-resident objects and yields candidates, best victim first.
+Placement skips candidates it cannot move (leased, in flight). Objects prefetched but
 not yet used are offered only after every other candidate (no prefetch thrash).
 """
 

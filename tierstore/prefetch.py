@@ -2,7 +2,7 @@
 next, within a byte budget, and serves them on its own worker threads.
 
 Its dependencies are two callables given at construction: ``lookup`` (the object
-index's ``objects.get``: what an object id names now) and ``fetch`` (placement's
+index's ``holder``: what an object id names now) and ``fetch`` (placement's
 promotion of one queued object, whose reads run at prefetch priority so demand reads
 overtake them on the I/O engine). State here is guarded by the object index's lock
 (every method but the worker loop is called with it held); the rest of the store

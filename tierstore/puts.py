@@ -251,7 +251,7 @@ class Puts:
     def _submit(self, res: Reservation) -> Pending:
         """A durable commit, to the group committer; its outcome."""
         try:
-            return self.committer.submit(res.meta, tier=res.tier, gpu_loc=res.gpu_loc, replace=res.replace,
+            return self.committer.submit(res.meta, tier=res.tier, replace=res.replace,
                                          publish=lambda landing: self._publish(res, landing),
                                          finish=lambda: self._count(res.meta),
                                          failed=lambda: self._give_up(res.rid, res.owner))
@@ -275,9 +275,10 @@ class Puts:
         return self._count(res.meta)
 
     def _count(self, meta: ObjectMeta) -> Handle:
-        """The commit is done (durable, if asked): count it; the put's handle."""
-        self.counters["puts"] += 1
-        self.counters["put_bytes"] += meta.nbytes
+        """(no lock held) The commit is done (durable, if asked): count it; the put's handle."""
+        with self.cv:
+            self.counters["puts"] += 1
+            self.counters["put_bytes"] += meta.nbytes
         return meta.handle
 
     def close(self) -> None:
@@ -389,6 +390,10 @@ class Puts:
             self.cv.notify_all()
         if extents:
             self.placement.nvme_free(extents)
+
+    def open_count(self) -> int:
+        """Reservations open now."""
+        return len(self.reservations)
 
     def expire(self, max_age_s: float) -> int:
         """Drop reservations older than ``max_age_s`` that no commit has taken up (a client

@@ -204,7 +204,7 @@ class Store:
         self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher, self.staging)
         self.daemon = DaemonSurface(ix, self.durability, self.placement, self.leases, self.batches, self.puts,
-                                    self.staging, self.gpu, self.gpu_reason)
+                                    self.staging)
         """The calls only the daemon makes, for its connections (``tierstore.daemonsurface``)."""
         self.replay_info = self.durability.replay()
         self.replay_info["adopted"] = 0
@@ -484,11 +484,10 @@ class Store:
                 "namespaces": namespaces,
                 "namespaces_total": ix.namespace_count(),
                 "leases": len(self.leases),
-                "reservations": len(self.puts.reservations),
+                "reservations": self.puts.open_count(),
                 "policy": self.policy.name,
                 "counters": dict(self.counters),
-                "journal": {"bytes": self.journal.size(), "checkpoint_covers_bytes": self.durability.checkpoint_at,
-                            "checkpoints_written": self.durability.checkpoints_written,
+                "journal": {**self.durability.journal_stat(),
                             **{k: v for k, v in self.replay_info.items() if k not in ("objects", "adopted")}},
                 "uptime_s": time.monotonic() - self._started,
                 "version": __version__,
@@ -496,12 +495,8 @@ class Store:
 
     def close(self) -> None:
         """Stop background work, drain in-flight I/O, flush the journal, release memory."""
-        ix = self.index
-        with ix.cv:
-            if ix.closed:
-                return
-            ix.closed = True
-            ix.cv.notify_all()
+        if not self.index.close():
+            return
         self.puts.close()  # durable commits already queued finish first
         self.placement.close()
         self.prefetcher.close()

@@ -25,6 +25,11 @@ __all__ = ["Progress", "TornState"]
 log = logging.getLogger(__name__)
 
 
+_NO_STATE = [-1, -1, -1]
+"""The progress record's one triple when no parameter has state (so it is not read as
+the older record of the step count alone)."""
+
+
 class TornState(TierstoreError):
     """A resume found single-version optimizer state that a process stopped updating in
     the middle of a step (``crash_consistent=False``): it cannot continue from it."""
@@ -70,12 +75,16 @@ class Progress:
 
     def write(self, keep_previous: bool = False) -> None:
         """The progress record: [completed steps, then (group, index, current version) per
-        parameter with state]. One put, so it names one consistent set of versions.
+        parameter with state; with none, the one triple ``_NO_STATE``]. One put, so it names
+        one consistent set of versions (a record of the step count alone is an older
+        format's, every parameter at the step's parity).
         ``keep_previous`` (a step's end, two versions kept): the record it replaces is kept
         first as the previous one, whose versions the step left intact (``rewind``)."""
         rec = [self.completed]
         for (gi, pi), v in sorted(self.states.cur.items()):
             rec += [gi, pi, v]
+        if len(rec) == 1:
+            rec += _NO_STATE
         if keep_previous and self.states.versions == 2 and self._last_record is not None:
             # before the new record: a crash between the two leaves both naming the old step
             self.states.store.put(torch.tensor(self._last_record, dtype=torch.int64), key=self._prev_key,
