@@ -6,9 +6,10 @@ id and generation allocation, the store's counters, and the waits for another ho
 to let go (``wait``; the daemon's rules for them are in ``tierstore.waits``). It reads
 and changes bookkeeping only: no bytes move here, nothing is journaled.
 
-Rules: a method documented "(under cv)" is called with ``cv`` held; every other one takes it itself. Disk I/O and large copies run with it
-released; an object being moved is flagged ``moving``, one being copied holds a
-``pin``, and whoever waits for those waits on ``cv``.
+Rules: a method documented "(under cv)" is called with ``cv`` held; every other one
+takes it itself. Disk I/O and large copies run with it released; an object being
+moved is flagged ``moving``, one being copied holds a ``pin``, and whoever waits for
+those waits on ``cv``.
 """
 
 from __future__ import annotations
