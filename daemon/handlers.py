@@ -329,7 +329,7 @@ class Handlers:
     def free(self, sess: "Session", msg: dict[str, Any]) -> Any:
         h = _handle(msg)
         # always on an op worker: it may append to the journal or wait for a copy in flight
-        return Later(lambda: _empty_reply(self.store.free(h, namespace=sess.namespace, owner=sess)))
+        return Later(lambda: _empty_reply(self.store.daemon.free(h, sess.namespace, sess)))
 
     def lookup(self, sess: "Session", msg: dict[str, Any]) -> Any:
         h = self.store.daemon.lookup(field(msg, "key", str), sess.namespace)
@@ -371,7 +371,7 @@ class Handlers:
             prefix, after, limit = self._page_args(msg, PAGE_ROWS)
 
             def page() -> dict[str, Any]:
-                cols = self.store.ls_columns(prefix, after, limit, namespace=sess.namespace)
+                cols = self.store.daemon.ls_columns(prefix, after, limit, sess.namespace)
                 keys = cols[_KEY_COLUMN]
                 return {"fields": INFO_FIELDS, "n": len(keys), "columns": _columns(cols),
                         "next": keys[-1] if len(keys) == limit else None}
@@ -398,13 +398,13 @@ class Handlers:
             raise InvalidArgument("at most 65536 handles per prefetch")
 
         def hint() -> dict:
-            self.store.prefetch([Handle.parse(h) for h in hs], namespace=sess.namespace, owner=sess, wait=False)
+            self.store.daemon.prefetch([Handle.parse(h) for h in hs], sess.namespace, sess)
             return {}
         # a long hint is looked up on an op worker: tens of thousands of handles would hold the loop up
         return Later(hint) if len(hs) > INLINE_BATCH else hint()
 
     def step(self, sess: "Session", msg: dict[str, Any]) -> Any:
-        return _answer(self.store.try_step(owner=sess), lambda _: {})
+        return _answer(self.store.daemon.try_step(sess), lambda _: {})
 
     def stat(self, sess: "Session", msg: dict[str, Any]) -> Any:
         return self._off_loop_if_walking(sess, lambda: self._stat(sess, msg))

@@ -1193,11 +1193,11 @@ def test_long_steps_and_large_batches_through_the_daemon_learn_the_order(daemon)
     itself both run on op workers; the order is learned all the same (its length is every
     access of the step) and prefetching follows it."""
     from tierstore.leasebatches import INLINE_BATCH
-    from tierstore.store import _INLINE_STEP
+    from tierstore.hints import INLINE_STEP
 
     with daemon.client("long") as c:
         hs = [f.result() for f in [c.put_async(np.zeros(4, np.float32)) for _ in range(3000)]]
-        passes = _INLINE_STEP // len(hs) + 1
+        passes = INLINE_STEP // len(hs) + 1
         batch = 4 * INLINE_BATCH
         for _step in range(3):
             for _ in range(passes):

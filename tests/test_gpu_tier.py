@@ -155,7 +155,7 @@ def test_gpu_tier_put_get_checkout_free(gpu_store):
     assert s.counters["gpu_hits"] == 1 and s.stat()["tiers"]["gpu"]["objects"] == 1
     lease = s.daemon.checkout(h, "r", owner="c", device=True)  # a CUDA caller leases it where it is
     assert lease.gpu_loc is not None and s.gpu.used() > 0
-    s.release(lease.lid, owner="c")
+    assert s.daemon.try_release(lease.lid, owner="c") is None
     with s.checkout(h, "rw") as v:  # a host check-out moves it down to the host tier
         np.testing.assert_array_equal(v, x)
         v *= 2
@@ -220,7 +220,7 @@ def test_leased_gpu_objects_never_move(full_store):
         s.put(np.zeros(1 << 20, np.uint8), tier="gpu", wait_s=0.1)
     assert all(s.index.objects[h.id].gpu_loc is not None for h in hs)
     for ls in leases:
-        s.release(ls.lid, owner="c")
+        assert s.daemon.try_release(ls.lid, owner="c") is None
     s.daemon.release_owner("c")
 
 

@@ -240,9 +240,9 @@ def test_learned_orders_are_bounded_all_owners_together():
 
 def test_a_long_step_is_compared_off_the_daemons_event_loop(make_store):
     """The daemon's loop steps a short trace itself; a step whose comparison covers more
-    than ``_INLINE_STEP`` accesses is ``Later`` (an op worker compares it, without the
+    than ``INLINE_STEP`` accesses is ``Later`` (an op worker compares it, without the
     store's lock held) and learns the same order."""
-    from tierstore import store as smod
+    from tierstore.hints import INLINE_STEP
     from tierstore.waits import Later
 
     s = make_store(host_bytes="64MiB", policy="trace", prefetch=True)
@@ -255,16 +255,16 @@ def test_a_long_step_is_compared_off_the_daemons_event_loop(make_store):
     for _ in range(2):
         for h in hs:
             access(owner, h)
-        assert s.try_step(owner=owner) is None
+        assert s.daemon.try_step(owner) is None
     small = s.prefetcher.book.get(owner, "default")
     assert small.state == "learned" and len(small.learned) == 100
     big = object()
-    n = smod._INLINE_STEP // len(hs) + 1
+    n = INLINE_STEP // len(hs) + 1
     for step in range(2):
         for _ in range(n):
             for h in hs:
                 access(big, h)
-        later = s.try_step(owner=big)
+        later = s.daemon.try_step(big)
         assert isinstance(later, Later)
         later.run()
     t = s.prefetcher.book.get(big, "default")

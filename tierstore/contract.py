@@ -11,8 +11,7 @@ signatures of both classes with these, so a change to one side that the other do
 not follow fails there.
 
 Each side may add keyword-only parameters with defaults after the contract's own
-(``Store``'s ``namespace=`` and the daemon-only ``owner=``; ``Client.stat``'s
-``ops=``): a caller written against the contract never passes them.
+(``Store``'s ``namespace=``; ``Client.stat``'s ``ops=``): a caller written against the contract never passes them.
 
 This module is the whole surface; it imports nothing at run time, so either side
 imports it without importing the other.

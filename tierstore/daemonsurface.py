@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from .durability import Durability
 from .names import Handle
+from .hints import Hints
 from .leasebatches import LeaseBatches
 from .leases import LOCAL, LeaseInfo, LeaseTable
 from .objectindex import ObjectIndex
@@ -36,9 +37,13 @@ class DaemonSurface:
     """The calls the daemon makes on the store for its connections; see the module docstring."""
 
     def __init__(self, index: ObjectIndex, durability: Durability, placement: Placement, leases: LeaseTable,
-                 batches: LeaseBatches, puts: Puts, staging: StagingAreas) -> None:
+                 batches: LeaseBatches, puts: Puts, staging: StagingAreas, hints: Hints) -> None:
         self.index, self.durability, self.placement = index, durability, placement
-        self.leases, self.batches, self.puts = leases, batches, puts
+        self.leases, self.batches, self.puts, self.hints = leases, batches, puts, hints
+        self.try_step = hints.try_step
+        """``Hints.try_step``: an iteration boundary of ``owner``'s loop (``Later`` when long)."""
+        self.ls_columns = index.ls_columns
+        """``ObjectIndex.ls_columns``: a page of ``ls`` by column of ``objectindex.INFO_FIELDS``."""
         self.staging = staging
         # the event loop's most frequent calls are the components' own methods, bound here:
         # no frame of this class (nor a keyword dict passed through) on every small op
@@ -175,6 +180,15 @@ class DaemonSurface:
 
     def namespace_owner(self, namespace: str) -> int | None:
         return self.durability.namespace_owner(namespace)
+
+    def free(self, handle: Handle | int | str, namespace: str, owner: Any) -> None:
+        """``Store.free`` for a connection: a lease ``owner`` holds on the object is ``Busy``
+        at once; one another holder has is waited for, up to ``lease_wait_s``."""
+        self.leases.free(Handle.parse(handle), self.index.ns(namespace), owner)
+
+    def prefetch(self, handles: list[Handle | int | str], namespace: str, owner: Any) -> None:
+        """``Store.prefetch`` for a connection's loop (``owner``'s trace)."""
+        self.hints.hint(handles, self.index.ns(namespace), owner)
 
     def key_count(self, namespace: str) -> int:
         """Keys in ``namespace`` (O(1)): whether an unpaged listing is worth a worker thread."""

@@ -155,6 +155,11 @@ class ObjectIndex:
         """(under cv) Every object in the index (the caller reads them, not the table)."""
         return iter(self.objects.values())
 
+    def nbytes_of(self, oid: int) -> int:
+        """(under cv) Bytes of object ``oid`` (0 once freed): the eviction policy's sizes."""
+        meta = self.objects.get(oid)
+        return meta.nbytes if meta is not None else 0
+
     def holder(self, oid: int) -> ObjectMeta | None:
         """The object with id ``oid``, if the index has it."""
         return self.objects.get(oid)

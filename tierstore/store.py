@@ -9,6 +9,7 @@
 - ``LeaseTable`` (``leases``): who holds what, and ``LeaseBatches`` (``leasebatches``)
   over it: several check-outs or check-ins in one call;
 - ``Puts`` (``puts``): reservations, commits, staging-area transfers;
+- ``Hints`` (``hints``): prefetch hints and the loop's iteration boundaries;
 
 and last ``DaemonSurface`` (``daemonsurface``, as ``Store.daemon``): the calls only the
 daemon makes (two-phase puts, leases by owner, expiry, a closed connection's cleanup).
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Iterable, Literal, Sequence
@@ -40,6 +40,7 @@ from .config import Config, StoreConfig
 from .engine import select_engine
 from .errors import InvalidArgument
 from .gpu import GpuTier, detect_backend
+from .hints import Hints
 from .hostindex import HostIndexLog, index_bytes_for
 from .index import Handle, validate_key
 from .journal import Journal
@@ -57,7 +58,6 @@ from .daemonsurface import DaemonSurface
 from .durability import Durability
 from .tensors import TensorSpec, aligned_empty, cuda_out, from_bytes, out_bytes
 from .units import format_size
-from .waits import Later
 
 __all__ = ["Store", "Lease", "Reservation", "LeaseInfo"]
 
@@ -66,8 +66,6 @@ log = logging.getLogger(__name__)
 SMALL_BLOCK_BYTES = 1 << 20
 """Host blocks below this size are placed apart from larger ones (less fragmentation)."""
 
-_INLINE_STEP = 8192
-"""Accesses a step's comparison may cover and still run on the daemon's event loop."""
 _LIST_PAGE = 4096
 """Entries a whole-namespace listing takes under the lock at a time."""
 
@@ -193,9 +191,8 @@ class Store:
         self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes,
                                      cfg.checkpoint_tail_bytes)
         self.prefetcher = Prefetcher(cfg, ix.holder, lambda oid: self.placement.fetch(oid))
-        self._step_lock = threading.Lock()
         self.policy = make_policy(cfg.policy, self.prefetcher.learned_order, self.prefetcher.protected_ids,
-                                  self.prefetcher.reach, self._nbytes_of, cfg.prefetch_budget_bytes)
+                                  self.prefetcher.reach, ix.nbytes_of, cfg.prefetch_budget_bytes)
         self.staging = StagingAreas(ix, self.host)
         self.gpu_order = GpuOrder()
         self.placement = Placement(cfg, ix, self.durability, self.prefetcher, self.policy, self.gpu_order, self.arena,
@@ -203,8 +200,9 @@ class Store:
         self.leases = LeaseTable(ix, self.placement, self.durability, self.prefetcher, cfg.lease_wait_s)
         self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher, self.staging)
+        self.hints = Hints(ix, self.prefetcher, self.placement.later)
         self.daemon = DaemonSurface(ix, self.durability, self.placement, self.leases, self.batches, self.puts,
-                                    self.staging)
+                                    self.staging, self.hints)
         """The calls only the daemon makes, for its connections (``tierstore.daemonsurface``)."""
         self.replay_info = self.durability.replay()
         self.replay_info["adopted"] = 0
@@ -219,11 +217,6 @@ class Store:
         log.info("store open: host %s, nvme %s in %s, engine %s (%s); %d durable objects recovered",
                  format_size(self.arena.size), format_size(self.nvme.capacity_bytes), ", ".join(cfg.nvme_dirs),
                  self.engine.name, self.engine.reason, ix.object_count())
-
-    def _nbytes_of(self, oid: int) -> int:
-        """Bytes of object ``oid`` (0 once freed), for the eviction policy (under the index's lock)."""
-        meta = self.index.holder(oid)
-        return meta.nbytes if meta is not None else 0
 
     # ------------------------------------------------------------------ puts and gets
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
@@ -245,7 +238,7 @@ class Store:
         return self.puts.put(tensor, key, tier, durable, replace, ns, wait_s, ephemeral)
 
     def get(self, handle: Handle | int | str, out: Any = None, *, namespace: str | None = None,
-            stream: str = "default", owner: Any = LOCAL) -> Any:
+            stream: str = "default") -> Any:
         """A new CPU tensor with the object's bytes, or the bytes copied into ``out``.
 
         ``stream`` names the access sequence this get belongs to (e.g. "params",
@@ -259,16 +252,16 @@ class Store:
             made.append(out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes))
             return made[0], False
 
-        spec = self.placement.read_pinned(Handle.parse(handle), self.index.ns(namespace), owner, stream, into)
+        spec = self.placement.read_pinned(Handle.parse(handle), self.index.ns(namespace), LOCAL, stream, into)
         return out if out is not None else from_bytes(made[0], spec)
 
-    def free(self, handle: Handle | int | str, *, namespace: str | None = None, owner: Any = LOCAL) -> None:
+    def free(self, handle: Handle | int | str, *, namespace: str | None = None) -> None:
         """Delete the object. Once this returns, the object is gone for good (also after a crash).
 
-        A lease ``owner`` (the caller: a daemon connection) holds on it is ``Busy`` at once;
-        one another owner holds is waited for, up to ``lease_wait_s``, as a check-out waits.
+        A lease this process holds on it is ``Busy`` at once; one a daemon connection
+        holds is waited for, up to ``lease_wait_s``, as a check-out waits.
         """
-        self.leases.free(Handle.parse(handle), self.index.ns(namespace), owner)
+        self.leases.free(Handle.parse(handle), self.index.ns(namespace), LOCAL)
 
     # ------------------------------------------------------------------ check-outs
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, namespace: str | None = None,
@@ -316,17 +309,17 @@ class Store:
                                            stream=stream)
         return LeaseGroup([self._lease(info) for info in infos], self.release_many)
 
-    def release(self, lid: int, *, owner: Any = LOCAL) -> None:
+    def release(self, lid: int) -> None:
         """Check a lease in. After ``rw`` the object is dirty; a durable one is written back first."""
-        self.leases.release(lid, owner=owner)
+        self.leases.release(lid)
 
-    def release_many(self, lids: list[int], *, owner: Any = LOCAL) -> None:
+    def release_many(self, lids: list[int]) -> None:
         """Check several leases in (``release`` each); see ``LeaseBatches.release_many``."""
-        self.batches.release_many(lids, owner=owner)
+        self.batches.release_many(lids, owner=LOCAL)
 
-    def give_back(self, lid: int, *, owner: Any = LOCAL) -> None:
+    def give_back(self, lid: int) -> None:
         """End a lease its holder never wrote through, as if it had never been taken."""
-        self.leases.give_back(lid, owner=owner)
+        self.leases.give_back(lid)
 
     # ------------------------------------------------------------------ the index
     def lookup(self, key: str, *, namespace: str | None = None) -> Handle | None:
@@ -367,11 +360,6 @@ class Store:
         """One page of ``ls``: as ``key_names``, each object's ``info``."""
         return self.index.ls_page(prefix, after, limit, namespace)
 
-    def ls_columns(self, prefix: str = "", after: str | None = None, limit: int | None = None, *,
-                   namespace: str | None = None) -> list[list[Any]]:
-        """``ls_page`` by column of ``objectindex.INFO_FIELDS`` (``ObjectIndex.ls_columns``)."""
-        return self.index.ls_columns(prefix, after, limit, namespace)
-
     def snapshot(self, dest: str, *, prefix: str = "", namespace: str | None = None,
                  progress: bool | None = None) -> dict[str, Any]:
         """Export the namespace (keys under ``prefix``) as a Zarr v3 store; see ``tierstore.snapshot``."""
@@ -389,66 +377,25 @@ class Store:
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None,
-                 owner: Any = LOCAL, wait: bool = True) -> None:
+                 wait: bool = True) -> None:
         """Hint: bring these objects into the host tier now, through the prefetch queue
         (and within its byte budget). In process the hint is queued before this returns,
         ``wait`` or not (the contract's ``wait=False`` matters through a daemon);
         ``prefetch_tracked`` also says when the fetches are done."""
-        self._queue_hint(handles, namespace, owner)
+        self.hints.hint(handles, self.index.ns(namespace), LOCAL)
 
-    def prefetch_tracked(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None,
-                         owner: Any = LOCAL) -> Future:
+    def prefetch_tracked(self, handles: Iterable[Handle | int | str], *, namespace: str | None = None) -> Future:
         """``prefetch``, with a future that resolves, once the fetches issued for this hint
         are done, to how many of the objects are host-resident (benchmarks, tests)."""
-        return self.placement.later(self._await_prefetch, self._queue_hint(handles, namespace, owner))
-
-    def _queue_hint(self, handles: Iterable[Handle | int | str], namespace: str | None, owner: Any) -> list[int]:
-        hs = [Handle.parse(h) for h in handles]
-        ix = self.index
-        ns = ix.ns(namespace)
-        with ix.cv:
-            oids = [ix.get_meta(h, ns).id for h in hs]
-            self.prefetcher.hint(owner, oids)
-        return oids
-
-    def _await_prefetch(self, oids: list[int]) -> int:
-        ix = self.index
-        with ix.cv:
-            ix.cv.wait_for(lambda: ix.closed or self.prefetcher.settled(oids))
-            return sum(1 for m in map(ix.holder, oids) if m is not None and m.host_valid)
+        return self.hints.hint_tracked(handles, self.index.ns(namespace), LOCAL)
 
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         """Block until no prefetch is queued or in flight (benchmarks, tests). False on timeout."""
-        ix = self.index
-        with ix.cv:
-            return ix.cv.wait_for(lambda: self.prefetcher.idle() or ix.closed, timeout=timeout_s)
+        return self.hints.wait_idle(timeout_s)
 
-    def step(self, *, owner: Any = LOCAL) -> None:
-        """Iteration boundary of ``owner``'s loop: the prefetcher compares it with the last
-        (without the store's lock: a long step's comparison holds up no other call)."""
-        with self._step_lock:  # one step at a time: a trace's steps apply in order
-            with self.index.cv:
-                self.counters["steps"] += 1
-                works = self.prefetcher.close_step(owner)
-            for w in works:
-                w.decide()
-            with self.index.cv:
-                self.prefetcher.apply_step(owner, works)
-
-    def try_step(self, *, owner: Any) -> None | Later:
-        """``step`` for a caller that must not wait (the daemon's event loop): done at once
-        when the comparison is short (at most ``_INLINE_STEP`` accesses) and no other step
-        is under way; otherwise ``Later`` of ``step``."""
-        if self._step_lock.acquire(blocking=False):
-            try:
-                with self.index.cv:
-                    if self.prefetcher.step_cost(owner) <= _INLINE_STEP:
-                        self.counters["steps"] += 1
-                        self.prefetcher.step(owner)
-                        return None
-            finally:
-                self._step_lock.release()
-        return Later(lambda: self.step(owner=owner))
+    def step(self) -> None:
+        """Iteration boundary of this process's loop: the prefetcher compares it with the last."""
+        self.hints.step(LOCAL)
 
     # ------------------------------------------------------------------ state
     def stat_namespaces(self, after: str | None = None, limit: int | None = None) -> dict[str, dict[str, int]]:
