@@ -15,7 +15,7 @@ log = logging.getLogger("tierstore.daemon")
 
 def main(argv: list[str] | None = None) -> int:
     args = daemon_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg, sources = sourced_config_from_args(args)
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("invalid configuration: %s; fix or unset it (tierstore config shows every setting and its "
                   "source)", e)
         return 2
+    logging.getLogger().setLevel(cfg.daemon.log_level)
     given = {k: v for k, v in sources.items() if v != "default"}
     log.info("settings: %s", "; ".join(f"{k}={describe_value(k, cfg.get(k))} ({v})" for k, v in given.items())
              if given else "all defaults")

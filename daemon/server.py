@@ -94,7 +94,7 @@ class Server:
         self._listen: socket.socket | None = None
         self._sessions: dict[int, Session] = {}
         self._replies = ReplyBudget()
-        self._holding_lock = threading.Lock()  # guards every session's holding / release_waiting
+        self._holding_lock = threading.Lock()  # guards every session's holding / drop_waiting
         self._refused: dict[socket.socket, float] = {}
         self._cids = itertools.count(1)
         ops = max(8, self.config.store.io_threads)
@@ -583,11 +583,11 @@ class Server:
         sess = job.sess
         with self._holding_lock:
             sess.holding -= 1
-            release = not sess.holding and sess.release_waiting
+            release = not sess.holding and sess.drop_waiting
             if release:
-                sess.release_waiting = False
+                sess.drop_waiting = False
         if release:
-            self._release_owner(sess)
+            self._drop_owner(sess)
 
     def _wait_budget(self, msg: dict) -> float:
         """How long a request may wait for a thread, queued: its ``timeout_s`` if it has
@@ -643,7 +643,7 @@ class Server:
     def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
         if sess.closed:
             # the client went away while this ran: whatever it acquired is released now
-            self._release_owner(sess)
+            self._drop_owner(sess)
         self._done.put((sess, rid, (blob, op, code), seconds))
         self._wake()
 
@@ -773,7 +773,7 @@ class Server:
             if job.give_back is not None:
                 self._give_back_job(job)
                 self._let_go(job)
-        self._release_owner(sess)
+        self._drop_owner(sess)
 
     def _give_back_job(self, job: Job) -> None:
         try:
@@ -781,14 +781,14 @@ class Server:
         except Exception:
             log.exception("giving back what '%s' took before it ended", job.op)
 
-    def _release_owner(self, sess: Session) -> None:
+    def _drop_owner(self, sess: Session) -> None:
         """(``sess`` closed) Release its leases and unfinished puts — once no give-back of
         its requests is under way (the last one to finish releases them then)."""
         with self._holding_lock:
             if sess.holding:
-                sess.release_waiting = True
+                sess.drop_waiting = True
                 return
-        leases, puts = self.store.daemon.release_owner(sess)
+        leases, puts = self.store.daemon.drop_owner(sess)
         if leases or puts:
             log.info("session %d ended holding %d leases and %d unfinished puts; released", sess.cid, leases, puts)
 

@@ -100,7 +100,7 @@ class Session:
     they are handed to a pool until they have run or given back what they took: its
     clean-up waits for them (a batch's blank ``w`` lease must be given back, not checked in
     as written)."""
-    release_waiting: bool = False
+    drop_waiting: bool = False
     """It closed while such requests were under way: the last one releases what it holds."""
 
     # ------------------------------------------------------------------ reads

@@ -74,7 +74,7 @@ def test_every_field_has_a_flag_a_variable_and_help():
 
     p = _parser()
     names = [f.name for section in SECTIONS.values() for f in fields(section)]
-    assert names == Config.field_names() and len(names) == len(set(names)) == 29  # unique across sections
+    assert names == Config.field_names() and len(names) == len(set(names)) == 30  # unique across sections
     for name in names:
         flag = flag_name(name)
         args = p.parse_args([flag, "1"])  # every setting has its flag, and the flag sets that setting
@@ -149,6 +149,16 @@ def test_choices_are_literal_types():
 
     assert typing.get_origin(typing.get_type_hints(StoreConfig)["policy"]) is typing.Literal
     assert choices("policy") == ("trace", "lru") and choices("direct_io") == ("auto", "on", "off")
+
+
+def test_the_daemons_log_level_is_a_setting_with_its_variable_and_choices():
+    from tierstore.config import ConfigError, choices
+
+    assert choices("log_level") == ("DEBUG", "INFO", "WARNING", "ERROR") and Config().daemon.log_level == "INFO"
+    cfg, sources = Config.load_sourced(None, env={"TIERSTORE_LOG_LEVEL": "WARNING"})
+    assert cfg.daemon.log_level == "WARNING" and "TIERSTORE_LOG_LEVEL" in sources["log_level"]
+    with pytest.raises(ConfigError, match="TIERSTORE_LOG_LEVEL=.LOUD.: expected one of DEBUG"):
+        Config.load_sourced(None, env={"TIERSTORE_LOG_LEVEL": "LOUD"})
 
 
 def test_host_bytes_zero_is_refused_and_auto_is_explicit():

@@ -221,7 +221,7 @@ def test_leased_gpu_objects_never_move(full_store):
     assert all(s.index.objects[h.id].gpu_loc is not None for h in hs)
     for ls in leases:
         assert s.daemon.try_release(ls.lid, owner="c") is None
-    s.daemon.release_owner("c")
+    s.daemon.drop_owner("c")
 
 
 def test_background_demoter_brings_the_gpu_tier_under_its_watermark(tmp_path):
@@ -269,7 +269,7 @@ def test_a_revoked_gpu_write_lease_moves_the_object_off_the_holders_block(gpu_st
     np.testing.assert_array_equal(s.get(h), want)
     np.testing.assert_array_equal(s.get(other), np.full(300_000, 7, np.float32))
     s.free(other)
-    s.daemon.release_owner("c")  # its connection ends: the block is reused again
+    s.daemon.drop_owner("c")  # its connection ends: the block is reused again
     assert s.stat()["tiers"]["gpu"]["fenced_bytes"] == 0
     on_gpu = s.info(h)["residency"] == ["gpu"]  # (the put above may have moved it down)
     assert s.gpu.used() == (s.gpu.rounded(x.nbytes) if on_gpu else 0)
@@ -289,7 +289,7 @@ def test_a_revoked_host_read_lease_keeps_its_block_from_reuse(full_store):
     s.arena.view(lease.host_off, 1 << 20)[:] = 99  # a stale view's write
     for i, o in enumerate(hs):
         assert (s.get(o) == i).all()
-    s.daemon.release_owner("c")
+    s.daemon.drop_owner("c")
     assert s.stat()["tiers"]["host"]["fenced_bytes"] == 0
 
 
@@ -400,4 +400,4 @@ def test_a_staged_put_to_the_gpu_tier_is_refused_and_writes_no_host_block(full_s
                                 namespace="default")
     np.testing.assert_array_equal(s.get(victim), np.full(1 << 20, 7, np.uint8))
     assert not s.puts.reservations
-    s.daemon.release_owner("c")
+    s.daemon.drop_owner("c")

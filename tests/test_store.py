@@ -286,13 +286,13 @@ def test_the_rest_of_a_staged_transfer_looks_up_its_staging_area_again(make_stor
     h = s.put(np.full(1000, 5, np.uint8), tier="nvme")
     rest = s.daemon.try_get_staged(owner, h)  # on NVMe: read through a pin, off the loop
     assert isinstance(rest, Later)
-    s.daemon.release_owner(owner)
+    s.daemon.drop_owner(owner)
     off, _ = s.daemon.staging_area(other, 64 << 10)
     s.arena.view(off, 1000)[:] = 9
     with pytest.raises(Closed):
         rest.run()
     assert (s.arena.view(off, 1000) == 9).all()
-    s.daemon.release_owner(other)
+    s.daemon.drop_owner(other)
 
     s.daemon.staging_area(owner, 64 << 10)
     full = s.put(np.zeros(s.host.free_bytes, np.uint8), tier="host")  # the rest of the tier, checked out
@@ -301,7 +301,7 @@ def test_the_rest_of_a_staged_transfer_looks_up_its_staging_area_again(make_stor
     rest = s.daemon.try_put_staged(owner, 0, spec, key="k", tier=None, durable=False, replace=False,
                                    namespace="default")
     assert isinstance(rest, Later)  # no room now
-    s.daemon.release_owner(owner)  # its staging area goes: room for the put, but no bytes of its own
+    s.daemon.drop_owner(owner)  # its staging area goes: room for the put, but no bytes of its own
     with pytest.raises(InvalidArgument, match="staging area"):
         rest.run()
     assert s.lookup("k") is None and s.stat()["reservations"] == 0
@@ -482,7 +482,7 @@ def test_a_client_dying_mid_commit_leaves_a_whole_object(make_store, tier, durab
     committer = threading.Thread(target=lambda: out.setdefault("h", s.daemon.commit_put(res.rid, owner="c1")))
     committer.start()
     assert written.wait(10)
-    s.daemon.release_owner("c1")  # the client's connection closed while its commit was under way
+    s.daemon.drop_owner("c1")  # the client's connection closed while its commit was under way
     go.set()
     committer.join(10)
     assert torch.equal(s.get(out["h"]), t) and torch.equal(s.get(s.lookup("k")), t)
@@ -754,7 +754,7 @@ def test_a_sourced_durable_lease_given_back_on_the_event_loop_path_writes_back_l
     assert torch.equal(s.get(dst), torch.full((4096,), 3.0))
     plain = s.daemon.checkout(dst, "rw", owner="c")
     assert s.daemon.try_give_back(plain.lid, owner="c") is None and not s.info(dst)["writer"]
-    s.daemon.release_owner("c")
+    s.daemon.drop_owner("c")
 
 
 def test_a_large_batch_is_taken_off_the_event_loop_whole(make_store):
@@ -856,7 +856,7 @@ def test_a_volatile_commit_handed_on_and_ended_unrun_gives_its_reservation_up(ma
     later.give_back()
     assert s.stat()["tiers"]["host"]["used_bytes"] == used0
     assert s.lookup("k") is None
-    s.daemon.release_owner("conn")  # (nothing left to end)
+    s.daemon.drop_owner("conn")  # (nothing left to end)
     s.put(torch.zeros(4), key="k")  # the key was never bound
 
 

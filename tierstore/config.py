@@ -178,6 +178,8 @@ class DaemonConfig:
     metrics_port: int = _knob(-1, "serve Prometheus metrics on this port (-1: off, 0: any free port, shown by "
                                   "stat)", minimum=-1)
     metrics_addr: str = _knob("127.0.0.1", "address the metrics endpoint binds")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _knob("INFO", "daemon log level (to stderr, the "
+                                                                            "journal under systemd)")
 
     def __post_init__(self) -> None:
         _check(self)
@@ -463,8 +465,6 @@ def daemon_parser() -> ArgumentParser:
                        "Stops cleanly on SIGTERM (drains I/O, flushes the journal). Precedence of settings: "
                        "flags > TIERSTORE_* variables > TOML file > defaults.")
     p.add_argument("--version", action="version", version=f"tierstore {__version__}")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="daemon log level (default: INFO)")
     add_config_flags(p)
     return p
 

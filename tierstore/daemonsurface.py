@@ -145,7 +145,7 @@ class DaemonSurface:
         """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``)."""
         return self.puts.expire(max_age_s)
 
-    def release_owner(self, owner: Any) -> tuple[int, int]:
+    def drop_owner(self, owner: Any) -> tuple[int, int]:
         """``owner`` (a connection) went away: its leases are checked in, its reservations
         aborted, its staging area and fenced blocks freed, its ephemeral objects freed.
         Returns (leases, reservations) ended."""

@@ -3,7 +3,7 @@
 ``Demoter`` owns the thread, its wake-up event and the list of objects to return to
 NVMe (home-NVMe objects nobody uses any more). What one pass does is placement's
 (``Passes``): it wakes on ``wake`` (a tier went over its high watermark, an object was
-queued with ``spill``) or once a second, and runs the passes until the index closes.
+queued with ``demote_soon``) or once a second, and runs the passes until the index closes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class Passes(Protocol):
     """What the demoter runs on each wake-up (placement provides them)."""
 
-    def return_to_nvme(self, oids: list[int]) -> None:
+    def demote_home_nvme(self, oids: list[int]) -> None:
         """Move these home-NVMe objects back down, where nobody uses them."""
 
     def demote_gpu_tiers(self) -> None:
@@ -36,8 +36,8 @@ class Demoter:
     def __init__(self, passes: Passes, closed: Callable[[], bool]) -> None:
         self._passes, self._closed = passes, closed
         self._wake = threading.Event()
-        self._spill: list[int] = []
-        self._spill_lock = threading.Lock()
+        self._soon: list[int] = []
+        self._soon_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="tierstore-demoter", daemon=True)
 
     def start(self) -> None:
@@ -53,10 +53,10 @@ class Demoter:
         """Run a pass now."""
         self._wake.set()
 
-    def spill(self, oid: int) -> None:
+    def demote_soon(self, oid: int) -> None:
         """Return ``oid`` (a home-NVMe object released from use) to NVMe on the next pass."""
-        with self._spill_lock:
-            self._spill.append(oid)
+        with self._soon_lock:
+            self._soon.append(oid)
         self._wake.set()
 
     def _loop(self) -> None:
@@ -66,10 +66,10 @@ class Demoter:
             self._wake.clear()
             if self._closed():
                 break
-            with self._spill_lock:
-                spill, self._spill = self._spill, []
-            if spill:
-                self._passes.return_to_nvme(spill)
+            with self._soon_lock:
+                soon, self._soon = self._soon, []
+            if soon:
+                self._passes.demote_home_nvme(soon)
             self._passes.demote_gpu_tiers()
             self._passes.demote_host_tier()
         log.info("demoter stopped")

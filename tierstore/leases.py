@@ -445,11 +445,11 @@ class LeaseTable:
                 meta.writer = False
             if info.blank and meta.host_valid and meta.nvme_valid and meta.host_off is not None \
                     and not meta.moving and not meta.readers:
-                self.placement.release_host(meta)
+                self.placement.drop_host(meta)
             else:
                 if info.mode != "r" and meta.durable and not info.blank:
                     self.durability.log_host(meta)  # nothing was written: the block is still its bytes
-                self.placement.spill_if_home_nvme(meta)
+                self.placement.demote_if_home_nvme(meta)
             self.cv.notify_all()
             drop = self.index.droppable(meta)
         if drop:
@@ -534,7 +534,7 @@ class LeaseTable:
             written = False  # a check-in of new bytes: they become the object's (below)
             if info.mode == "r":
                 meta.readers -= 1
-                self.placement.spill_if_home_nvme(meta)
+                self.placement.demote_if_home_nvme(meta)
                 self.cv.notify_all()
                 drop = self.index.droppable(meta)
             elif meta.freeing:
@@ -575,7 +575,7 @@ class LeaseTable:
             with self.cv:
                 if meta.durable:
                     self.durability.log_host(meta)  # the block is its bytes again: a restart may adopt it
-                self.placement.spill_if_home_nvme(meta)
+                self.placement.demote_if_home_nvme(meta)
         return meta if drop else None
 
     def revoke(self, lid: int, *, owner: Any) -> bool:

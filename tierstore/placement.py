@@ -328,7 +328,7 @@ class Placement:
                 break
         return out
 
-    def release_host(self, meta: ObjectMeta) -> None:
+    def drop_host(self, meta: ObjectMeta) -> None:
         """(under cv) ``meta`` leaves the host tier: its block goes back, the eviction order
         and the prefetcher forget it there."""
         self.policy.remove(meta.id)
@@ -348,7 +348,7 @@ class Placement:
         src.host_off, src.host_valid = None, False
         self.prefetcher.demoted(src.id)
         if dst.host_valid and dst.host_off is not None:  # overwritten whole by the lease: its block goes
-            self.release_host(dst)
+            self.drop_host(dst)
         dst.host_off, dst.host_valid = off, True
         return off
 
@@ -397,7 +397,7 @@ class Placement:
                 if meta.durable:
                     self.durability.record_write_back(meta)
             with ix.cv:
-                self.release_host(meta)
+                self.drop_host(meta)
                 self.counters["demotions"] += 1
                 self.counters["demoted_bytes"] += meta.nbytes
         finally:
@@ -443,7 +443,7 @@ class Placement:
                         m.nvme, m.crcs, m.nvme_valid = ext, c, True
                 for m in metas:
                     if m.nvme_valid:
-                        self.release_host(m)
+                        self.drop_host(m)
                         self.counters["demotions"] += 1
                         self.counters["demoted_bytes"] += m.nbytes
             for ext in stale:
@@ -855,12 +855,12 @@ class Placement:
                 self.gpu is not None and self.gpu.over(self.config.high_watermark)):
             self.demoter.wake()
 
-    def spill_if_home_nvme(self, meta: ObjectMeta) -> None:
+    def demote_if_home_nvme(self, meta: ObjectMeta) -> None:
         """(under cv) An object that lives on NVMe goes back down once nobody uses it."""
         if meta.home == "nvme" and meta.readers == 0 and not meta.writer and meta.host_valid and not meta.freeing:
-            self.demoter.spill(meta.id)
+            self.demoter.demote_soon(meta.id)
 
-    def return_to_nvme(self, oids: list[int]) -> None:
+    def demote_home_nvme(self, oids: list[int]) -> None:
         """Move these home-NVMe objects back down where nobody uses them now (a demoter pass)."""
         ix = self.index
         for oid in oids:

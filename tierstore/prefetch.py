@@ -275,7 +275,7 @@ class Prefetcher:
         return oid in self.queued
 
     def is_protected(self, oid: int) -> bool:
-        """Whether ``oid`` was prefetched and not yet used (eviction and spill leave it be)."""
+        """Whether ``oid`` was prefetched and not yet used (eviction and demotion leave it be)."""
         return oid in self.protected
 
     def idle(self) -> bool:

@@ -126,7 +126,7 @@ class Puts:
         """Allocate a host block (``tier="gpu"``: a GPU-tier block on ``device``) for a new
         object, demoting others to make room (waiting up to ``wait_s``); the caller fills
         it, then ``commit``. ``ephemeral``: the object is freed when ``owner`` goes
-        (``DaemonSurface.release_owner``)."""
+        (``DaemonSurface.drop_owner``)."""
         tier = self._check_reserve(spec, key, tier, durable, replace, namespace, ephemeral)
         return self._open(spec, self._alloc(spec, tier, device, wait_s), key, tier, durable, replace, namespace,
                           owner, ephemeral)
