@@ -81,14 +81,18 @@ class Puts:
 
     def put(self, tensor: Any, key: str | None, tier: str | None, durable: bool, replace: bool, ns: str,
             wait_s: float, ephemeral: bool) -> Handle:
-        """An in-process put (``Store.put``; arguments checked there)."""
+        """An in-process put (``Store.put``; its key and namespace checked there): each
+        check once, then a host block (a reservation filled and committed) or NVMe."""
+        tier = self.placement.check_tier(tier)
+        self._check_ephemeral(ephemeral, durable)
         if tier == "gpu":
             return self._put_gpu(tensor, key, durable, replace, ns, wait_s, ephemeral)
         u8, spec = to_bytes(tensor)
         self.placement.check_fits(spec.nbytes, tier)
         if tier == "host" or (tier is None and self.placement.host_has_room(spec.nbytes)):
-            res = self.reserve(spec, key=key, tier=tier, durable=durable, replace=replace, namespace=ns,
-                               owner=LOCAL, wait_s=wait_s, ephemeral=ephemeral)
+            self._check_room(spec, key, tier, replace, ns)
+            res = self._open(spec, self._alloc(spec, tier, 0, wait_s), key, tier, durable, replace, ns, LOCAL,
+                             ephemeral)
             try:
                 if spec.nbytes:
                     # the reservation keeps this block ours until commit; no lock needed to fill it
@@ -109,9 +113,10 @@ class Puts:
         else:
             t, spec = to_bytes(tensor)
             device, addr = 0, t.ctypes.data
-        self.placement.check_fits(spec.nbytes, "gpu")
-        res = self.reserve(spec, key=key, tier="gpu", durable=durable, replace=replace, namespace=ns,
-                           owner=LOCAL, wait_s=wait_s, device=device, ephemeral=ephemeral)
+        self._check_gpu(spec, durable)
+        self._check_room(spec, key, "gpu", replace, ns)
+        res = self._open(spec, self._alloc(spec, "gpu", device, wait_s), key, "gpu", durable, replace, ns, LOCAL,
+                         ephemeral)
         try:
             if spec.nbytes:
                 self.placement.gpu_write(res.gpu_loc, addr, spec.nbytes)
@@ -158,9 +163,22 @@ class Puts:
         """The checks of a reservation, before anything is taken; its tier."""
         tier = self.placement.check_tier(tier)
         self._check_ephemeral(ephemeral, durable)
-        self.placement.check_fits(spec.nbytes, tier)
-        if tier == "gpu" and durable:
+        if tier == "gpu":
+            self._check_gpu(spec, durable)
+        else:
+            self.placement.check_fits(spec.nbytes, tier)
+        self._check_room(spec, key, tier, replace, namespace)
+        return tier
+
+    def _check_gpu(self, spec: TensorSpec, durable: bool) -> None:
+        self.placement.check_fits(spec.nbytes, "gpu")
+        if durable:
             raise InvalidArgument("the gpu tier is volatile: put durable objects to 'host' or 'nvme'")
+
+    def _check_room(self, spec: TensorSpec, key: str | None, tier: str | None, replace: bool,
+                    namespace: str) -> None:
+        """A reservation's checks of what the store holds now: the host tier's usable
+        bytes, the key, the count of objects of no bytes."""
         if tier != "gpu":
             usable = self.placement.host_usable()
             if align_up(max(spec.nbytes, 1), PAGE) > usable:
@@ -175,7 +193,6 @@ class Puts:
                 if not spec.nbytes and not self.placement.room_for_empty():
                     raise CapacityExceeded(f"the store holds {self.index.object_count()} objects, as many as its "
                                            "tiers have pages: an object of no bytes counts as one page; free some")
-        return tier
 
     def _open(self, spec: TensorSpec, loc: int, key: str | None, tier: str | None, durable: bool, replace: bool,
               namespace: str, owner: Any, ephemeral: bool) -> Reservation:

@@ -230,12 +230,8 @@ class Store:
         index record are on NVMe. ``ephemeral=True``: freed when the connection that put
         it ends (through a daemon); in-process, it lives as long as the store.
         """
-        ns = self.index.ns(namespace)
-        key = validate_key(key)
-        tier = self.placement.check_tier(tier)
-        if ephemeral and durable:
-            raise InvalidArgument("an ephemeral object is freed when its connection ends: it cannot be durable")
-        return self.puts.put(tensor, key, tier, durable, replace, ns, wait_s, ephemeral)
+        return self.puts.put(tensor, validate_key(key), tier, durable, replace, self.index.ns(namespace), wait_s,
+                             ephemeral)
 
     def get(self, handle: Handle | int | str, out: Any = None, *, namespace: str | None = None,
             stream: str = "default") -> Any:
