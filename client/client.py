@@ -41,6 +41,7 @@ from tierstore.paths import default_socket_path
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
 from .connection import Connection
+from .gpu import cuda_usable, current_device, is_cuda, on_callers_stream, wait_on
 
 __all__ = ["Client", "ClientLease"]
 
@@ -267,7 +268,7 @@ class Client:
         eph = {"ephemeral": True} if ephemeral else {}  # the field only when set: most puts stay one field shorter
         if self._closing:  # (a put copies into the arena before its first message: say why here)
             raise Closed("this client is closed: connect again")
-        if _is_cuda(tensor) or tier == "gpu":
+        if is_cuda(tensor) or tier == "gpu":
             return self._put_cuda(tensor, key, tier, durable, replace, wait_s, eph)
         u8, spec = to_bytes(tensor)
         key = validate_key(key)
@@ -300,7 +301,7 @@ class Client:
     def get(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Any:
         """A new CPU tensor (copy), or the bytes copied into ``out`` (CPU or CUDA).
         ``stream`` tags the access sequence for the prefetcher (e.g. "params" vs "optim")."""
-        if _is_cuda(out):
+        if is_cuda(out):
             return self._get_cuda(handle, out, stream)
         dev = self._gpu_readable()  # then a GPU-tier object is read where it is, not moved down
         r = None
@@ -409,13 +410,13 @@ class Client:
         fut = self._put_pipelined(tensor, key, tier, durable, kw)
         if fut is not None:
             return fut
-        return self._pool().submit(_on_callers_stream(tensor), self.put, tensor, key, tier, durable, **kw)
+        return self._pool().submit(on_callers_stream(tensor), self.put, tensor, key, tier, durable, **kw)
 
     def _put_pipelined(self, tensor: Any, key: str | None, tier: str | None, durable: bool,
                        kw: dict[str, Any]) -> Future | None:
         """A small put sent from a staging slot without waiting, or None (no slot free, or
         not such a put)."""
-        if _is_cuda(tensor) or tier == "gpu" or kw.get("ephemeral") or set(kw) - {"replace", "wait_s", "ephemeral"}:
+        if is_cuda(tensor) or tier == "gpu" or kw.get("ephemeral") or set(kw) - {"replace", "wait_s", "ephemeral"}:
             return None
         u8, spec = to_bytes(tensor)
         if spec.nbytes > _SLOT_BYTES:
@@ -452,7 +453,7 @@ class Client:
     def get_async(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Future:
         """``get`` on a background thread; a CUDA ``out`` is written after the work queued so
         far on the caller's current stream (which may still be reading it)."""
-        return self._pool().submit(_on_callers_stream(out), self.get, handle, out, stream=stream)
+        return self._pool().submit(on_callers_stream(out), self.get, handle, out, stream=stream)
 
     # ------------------------------------------------------------------ index
     def free(self, handle: Handle | int | str) -> None:
@@ -639,12 +640,7 @@ class Client:
     def _gpu_readable(self) -> bool:
         """Can this process read the daemon's GPU tier (it has one, and CUDA works here)?"""
         if self._gpu_ok is None:
-            import importlib.util
-
-            torch = sys.modules.get("torch")
-            # (is_available asks for the device count; it creates no CUDA context)
-            self._gpu_ok = bool(self.server.get("gpu_tier")) and torch is not None and torch.cuda.is_available() \
-                and importlib.util.find_spec("cupy") is not None
+            self._gpu_ok = bool(self.server.get("gpu_tier")) and cuda_usable()
         return self._gpu_ok
 
     def _streams(self) -> Any:
@@ -693,7 +689,7 @@ class Client:
         t = t.detach().contiguous()  # on the current stream: the caller's (put_async runs under it)
         dtype = str(t.dtype).removeprefix("torch.")
         nbytes = t.numel() * t.element_size()
-        device = (t.device.index or 0) if t.is_cuda else torch.cuda.current_device()
+        device = (t.device.index or 0) if t.is_cuda else current_device()
         where = {"device": self._slabs().devices.daemon(device)} if tier == "gpu" else {}
         side = self._streams()
         r = self._conn.request("put_reserve", kind="torch", dtype=dtype, shape=list(t.shape), nbytes=nbytes,
@@ -730,7 +726,7 @@ class Client:
                 else:
                     pairs = self._arena_pairs(dst, r["offset"], spec.nbytes, to_arena=False)
                 ev = side.copy(pairs, out.device)
-                torch.cuda.current_stream(out.device).wait_event(ev)  # later work on out sees the bytes
+                wait_on(out.device, ev)  # later work on out sees the bytes
                 ev.synchronize()  # the read lease covers the copy: wait for it before releasing
         finally:
             self._conn.submit("release", lid=r["lid"])
@@ -845,38 +841,12 @@ def _gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _is_cuda(t: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(t, torch.Tensor) and t.device.type == "cuda"
-
-
 def _last_error(log_path: Path) -> str:
     """The last ERROR line of a daemon log (the reason it stopped), without its timestamp."""
     lines = log_path.read_text(errors="replace").splitlines()[-200:]
     errors = [ln for ln in lines if " ERROR " in ln]
     line = errors[-1] if errors else next((ln for ln in reversed(lines) if ln.strip()), "no log output")
     return line.split(": ", 1)[-1].strip() if " ERROR " in line else line.strip()
-
-
-def _call(fn: Any, *args: Any, **kw: Any) -> Any:
-    return fn(*args, **kw)
-
-
-def _on_callers_stream(t: Any) -> Any:
-    """A runner for a pool thread: for a CUDA tensor, it runs the call with the calling
-    thread's current stream of ``t``'s device (captured now) as the current stream, so the
-    copies order after the caller's work on ``t`` — a pool thread's own current stream is
-    the default stream, which a caller on another stream does not order with."""
-    if not _is_cuda(t):
-        return _call
-    import torch
-
-    caller = torch.cuda.current_stream(t.device)
-
-    def run(fn: Any, *args: Any, **kw: Any) -> Any:
-        with torch.cuda.stream(caller):
-            return fn(*args, **kw)
-    return run
 
 
 def _autostart(path: str, timeout_s: float) -> Connection:

@@ -32,9 +32,61 @@ from typing import Any
 from tierstore.errors import InvalidArgument, TierstoreError
 
 __all__ = ["ArenaPinning", "register_host_memory", "unregister_host_memory", "REGISTER_CHUNK", "DeviceMap",
-           "SlabMap", "SideStreams"]
+           "SlabMap", "SideStreams", "is_cuda", "cuda_usable", "current_device", "on_callers_stream", "wait_on"]
 
 log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- the caller's tensors and streams
+def is_cuda(t: Any) -> bool:
+    """Whether ``t`` is a CUDA tensor (never imports torch: a process without it has none)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+
+def cuda_usable() -> bool:
+    """Whether this process can use CUDA and CuPy (the GPU tier's slabs need both); it
+    asks for the device count only, which creates no CUDA context."""
+    import importlib.util
+
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+
+
+def current_device() -> int:
+    """This thread's current CUDA device."""
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def wait_on(device: Any, event: Any) -> None:
+    """Later work on ``device``'s current stream waits for ``event`` (a side-stream copy)."""
+    import torch
+
+    torch.cuda.current_stream(device).wait_event(event)
+
+
+def on_callers_stream(t: Any) -> Any:
+    """A runner for a pool thread: for a CUDA tensor, it runs the call with the calling
+    thread's current stream of ``t``'s device (captured now) as the current stream, so the
+    copies order after the caller's work on ``t`` — a pool thread's own current stream is
+    the default stream, which a caller on another stream does not order with. For any
+    other tensor, the call as it is."""
+    if not is_cuda(t):
+        return _call
+    import torch
+
+    caller = torch.cuda.current_stream(t.device)
+
+    def run(fn: Any, *args: Any, **kw: Any) -> Any:
+        with torch.cuda.stream(caller):
+            return fn(*args, **kw)
+    return run
+
+
+def _call(fn: Any, *args: Any, **kw: Any) -> Any:
+    return fn(*args, **kw)
 
 
 # ---------------------------------------------------------------------------- page-locking the arena

@@ -159,6 +159,7 @@ def test_put_async_copies_on_the_callers_current_stream(daemon, monkeypatch):
     the caller's work on its stream, so the call runs under the caller's stream, captured
     on the calling thread."""
     from tierstore.client import client as client_mod
+    from tierstore.client import gpu as gpu_mod
 
     local = threading.local()
 
@@ -176,7 +177,8 @@ def test_put_async_copies_on_the_callers_current_stream(daemon, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "stream", stream)
     marker = torch.zeros(4)
-    monkeypatch.setattr(client_mod, "_is_cuda", lambda t: t is marker)
+    for mod in (client_mod, gpu_mod):  # the client's choice of path, and the stream runner's
+        monkeypatch.setattr(mod, "is_cuda", lambda t: t is marker)
     seen = []
     with daemon.client("async") as c:
         monkeypatch.setattr(c, "put", lambda t, *a, **k: seen.append((threading.current_thread().name,
