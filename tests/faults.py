@@ -148,7 +148,9 @@ lx, ly, lz = c.checkout(hx, "rw"), c.checkout(hy, "w"), c.checkout(hz, "r")
 cut = int(rng.integers(0, nx))
 lx.tensor[:cut] = data("x", 1, nx)[:cut]  # part of an update, then it stops answering
 ly.tensor[:] = data("y", 1, ny)
+deadline = time.monotonic() + 120
 while c.stat()["counters"]["leases_revoked"] < revoked + 3:  # this client's three: the only long holds
+    assert time.monotonic() < deadline, "the daemon did not revoke the stalled client's leases"
     time.sleep(0.1)
 end = time.monotonic() + 1.5
 while time.monotonic() < end:  # it resumes and goes on writing through its old views
