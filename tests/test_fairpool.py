@@ -4,8 +4,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from conftest import poll_until
-
 from tierstore.daemon.fairpool import FairPool, Job
 from tierstore.errors import Busy, Closed
 
@@ -27,17 +25,25 @@ class _Harness:
         self.release = threading.Event()
         self.ran: list[Job] = []
         self.answered: list[tuple[Job, Exception]] = []
-        self.lock = threading.Lock()
+        self.lock = threading.Condition(threading.RLock())
+        """Guards ``ran`` and ``answered``; notified when either grows."""
         self.threads = FairPool("test", self._run, self._answer, **shares)
 
     def _run(self, job):
         with self.lock:
             self.ran.append(job)
+            self.lock.notify_all()
         self.release.wait(30)
 
     def _answer(self, job, error):
         with self.lock:
             self.answered.append((job, error))
+            self.lock.notify_all()
+
+    def wait_until(self, ok, what):
+        """Wait until ``ok()`` holds: woken as each job starts or is answered."""
+        with self.lock:
+            assert self.lock.wait_for(ok, timeout=30), f"{what}: not within 30 s"
 
     def job(self, sess, rid, wait_s=3600.0, give_back=None):
         now = time.monotonic()
@@ -53,17 +59,17 @@ def test_a_crowded_namespace_and_uid_leave_threads_to_others():
     crowd = [_Sess("a"), _Sess("a"), _Sess("a")]
     for i in range(12):
         h.threads.submit(h.job(crowd[i % 3], i))
-    poll_until(lambda: len(h.running()) == 4, "the namespace's share running")
+    h.wait_until(lambda: len(h.running()) == 4, "the namespace's share running")
     same_uid = _Sess("b")
     for i in range(100, 103):
         h.threads.submit(h.job(same_uid, i))
-    poll_until(lambda: len(h.running()) == 5, "the uid's share running")
+    h.wait_until(lambda: len(h.running()) == 5, "the uid's share running")
     stranger = _Sess("c", _Cred(2000))
     h.threads.submit(h.job(stranger, 200))
-    poll_until(lambda: 200 in h.running(), "a stranger's wait runs at once")
+    h.wait_until(lambda: 200 in h.running(), "a stranger's wait runs at once")
     assert h.threads.waiting() == 16 and h.threads.waiting(stranger) == 1 and h.threads.waiting(crowd[0]) == 4
     h.release.set()
-    poll_until(lambda: len(h.running()) == 16, "every wait ran once threads were free")
+    h.wait_until(lambda: len(h.running()) == 16, "every wait ran once threads were free")
     h.threads.close()
     assert not h.answered
 
@@ -73,7 +79,7 @@ def test_a_queued_job_ends_at_its_deadline_with_what_it_took_given_back():
     s = _Sess("a")
     undone = []
     h.threads.submit(h.job(s, 1))
-    poll_until(lambda: h.running() == {1}, "the first job runs")
+    h.wait_until(lambda: h.running() == {1}, "the first job runs")
     h.threads.submit(h.job(s, 2, wait_s=0.2, give_back=lambda: undone.append(2)))
     h.threads.submit(h.job(s, 3))
     h.threads.submit(h.job(s, 4))  # over the connection's queue: refused at once
@@ -89,7 +95,7 @@ def test_a_queued_job_ends_at_its_deadline_with_what_it_took_given_back():
     assert type(h.answered[-1][1]) is Closed and h.threads.waiting() == 2
     h.threads.submit(h.job(s, 6))
     h.release.set()
-    poll_until(lambda: h.running() == {1, 3, 6}, "the queue ran in order")
+    h.wait_until(lambda: h.running() == {1, 3, 6}, "the queue ran in order")
     h.threads.close()
 
 
@@ -97,7 +103,7 @@ def test_a_closed_connections_queue_ends_and_others_go_on():
     h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1)
     a, b = _Sess("a"), _Sess("a")
     h.threads.submit(h.job(a, 1))
-    poll_until(lambda: h.running() == {1}, "the first job runs")
+    h.wait_until(lambda: h.running() == {1}, "the first job runs")
     for i in range(2, 6):
         h.threads.submit(h.job(a, i))
     h.threads.submit(h.job(b, 10))
@@ -106,7 +112,7 @@ def test_a_closed_connections_queue_ends_and_others_go_on():
     assert h.threads.drop(a) == [] and not h.answered
     assert h.threads.waiting(a) == 1 and h.threads.waiting(b) == 1
     h.release.set()
-    poll_until(lambda: h.running() == {1, 10}, "the other connection's job ran")
+    h.wait_until(lambda: h.running() == {1, 10}, "the other connection's job ran")
     h.threads.close()
 
 
@@ -118,11 +124,11 @@ def test_connections_and_namespaces_take_turns():
     hog, one, other = _Sess("a"), _Sess("a"), _Sess("b", _Cred(2000))
     for i in range(100, 110):
         h.threads.submit(h.job(hog, i))
-    poll_until(lambda: h.running() == {100}, "the hog's first job runs")
+    h.wait_until(lambda: h.running() == {100}, "the hog's first job runs")
     h.threads.submit(h.job(one, 200))
     h.threads.submit(h.job(other, 300))
     h.release.set()
-    poll_until(lambda: len(h.running()) == 12, "every job ran")
+    h.wait_until(lambda: len(h.running()) == 12, "every job ran")
     order = [j.rid for j in h.ran]
     assert order.index(200) <= 3 and order.index(300) <= 3, order
     h.threads.close()
@@ -133,7 +139,7 @@ def test_closing_returns_what_is_queued():
     s = _Sess("a")
     for i in range(3):
         h.threads.submit(h.job(s, i))
-    poll_until(lambda: h.running() == {0}, "the first wait runs")
+    h.wait_until(lambda: h.running() == {0}, "the first wait runs")
     threading.Timer(0.2, h.release.set).start()
     assert sorted(j.rid for j in h.threads.close()) == [1, 2] and not h.answered
     h.threads.submit(h.job(s, 9))
@@ -146,7 +152,7 @@ def test_queues_are_bounded_per_namespace_and_uid():
     h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1, queue_per_session=10,
                  queue_per_namespace=3, queue_per_uid=5)
     h.threads.submit(h.job(_Sess("z", _Cred(3000)), 0))
-    poll_until(lambda: h.running() == {0}, "the first job runs")
+    h.wait_until(lambda: h.running() == {0}, "the first job runs")
     ns_a = [_Sess("a"), _Sess("a")]
     for i in range(3):
         h.threads.submit(h.job(ns_a[i % 2], i + 1))
@@ -160,7 +166,7 @@ def test_queues_are_bounded_per_namespace_and_uid():
     h.threads.submit(h.job(_Sess("e", _Cred(2000)), 13))
     assert len(h.answered) == 2 and h.threads.waiting() == 7
     h.release.set()
-    poll_until(lambda: len(h.running()) == 7, "the queued ones ran")
+    h.wait_until(lambda: len(h.running()) == 7, "the queued ones ran")
     h.threads.close()
 
 
@@ -170,7 +176,7 @@ def test_a_deadline_that_is_not_a_time_stops_no_one_elses_expiry():
     stopped every expiry behind it)."""
     h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1)
     h.threads.submit(h.job(_Sess("z"), 0))
-    poll_until(lambda: h.running() == {0}, "the first job runs")
+    h.wait_until(lambda: h.running() == {0}, "the first job runs")
     bad = h.job(_Sess("a"), 1)
     bad.deadline = float("nan")
     h.threads.submit(bad)
@@ -204,12 +210,12 @@ def test_jobs_ended_behind_a_queued_one_do_not_pile_up():
     h = _Harness(threads=1, per_session=1, per_namespace=1, per_uid=1, queue_per_session=100000)
     s = _Sess("a")
     h.threads.submit(h.job(_Sess("z", _Cred(2)), 0))
-    poll_until(lambda: h.running() == {0}, "the first job runs")
+    h.wait_until(lambda: h.running() == {0}, "the first job runs")
     h.threads.submit(h.job(s, 1))  # queued, a long deadline
     for i in range(2, 5002):
         h.threads.submit(h.job(s, i, wait_s=0.0))
         h.threads.expire()
     assert h.threads.waiting(s) == 1 and len(h.threads._jobs[s]) < 200
     h.release.set()
-    poll_until(lambda: 1 in h.running(), "the front job ran")
+    h.wait_until(lambda: 1 in h.running(), "the front job ran")
     h.threads.close()
