@@ -103,7 +103,7 @@ def work(k):
                     pass
 ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
 [t.start() for t in ts]; [t.join() for t in ts]
-print(s.durability.checkpoints_written, flush=True)
+print(s.stat()["journal"]["checkpoints_written"], flush=True)
 sys.stdin.readline()
 """
     p = subprocess.Popen([sys.executable, "-c", code, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -36,7 +36,7 @@ def _fill(s, n=40):
         hs[f"k{i}"] = s.put(_val(i), key=f"k{i}", durable=True, tier="nvme" if i % 3 == 0 else None)
     hs["big"] = s.put(_val(7, 600_000), key="big", durable=True, tier="nvme")  # 2.3 MiB: 3 block CRCs
     hs["anon"] = s.put(_val(5), durable=True)
-    s.durability.claim_namespace("team", 4242)
+    s.daemon.claim_namespace("team", 4242)
     s.put(_val(9), key="t", durable=True, namespace="team")
     s.put(_val(11), key="k1", durable=True, replace=True)
     s.free(hs.pop("k2"))
@@ -96,9 +96,9 @@ def _check_contents(s, hs, extra=(), gone=()):
         assert s.lookup(k) is None, k
     for k, v in extra:
         assert torch.equal(s.get(s.lookup(k)), v), k
-    assert s.durability.namespace_owner("team") == 4242
+    assert s.daemon.namespace_owner("team") == 4242
     with pytest.raises(PermissionDenied):
-        s.durability.check_namespace("team", 1000)
+        s.daemon.check_namespace("team", 1000)
 
 
 def test_a_clean_close_writes_a_checkpoint_the_next_start_uses(tmp_path):
@@ -125,7 +125,7 @@ s.put(v(50), key="tail-new", durable=True)
 s.put(v(51), key="k3", durable=True, replace=True)       # a replace of a checkpointed object
 s.free(s.lookup("k4"))                                   # a free of one
 s.put(v(52, 300_000), key="tail-big", durable=True, tier="nvme")  # in the space k4 gave back, maybe
-s.durability.claim_namespace("tail-team", 777)
+s.daemon.claim_namespace("tail-team", 777)
 s.put(v(53), key="x", durable=True, namespace="tail-team")
 h = s.put(v(54), key="tail-gone", durable=True)
 s.free(h)
@@ -160,7 +160,7 @@ def test_changes_after_the_checkpoint_are_replayed_from_the_journal_tail_after_k
                         gone=["k4"])
         assert torch.equal(s.get(s.lookup("x", namespace="tail-team"), namespace="tail-team"), _val(53))
         with pytest.raises(PermissionDenied):
-            s.durability.check_namespace("tail-team", 1000)
+            s.daemon.check_namespace("tail-team", 1000)
         for k in s.keys():  # every object freed: no space is left held
             s.free(s.lookup(k))
         for ns in ("team", "tail-team"):
