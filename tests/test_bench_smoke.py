@@ -35,6 +35,12 @@ def test_io_throughput_smoke(tmp_path):
     assert all(v > 0 for kind in paths["gbps"].values() for v in kind.values())
 
 
+def test_nvme_files_smoke(tmp_path):
+    out = _run("nvme_files.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
+    assert out["bench"] == "nvme_files" and len(out["results"]) == 2
+    assert all(len(r["put_gbps"]) == 2 and min(r["get_gbps"]) > 0 for r in out["results"])
+
+
 def test_latency_smoke(tmp_path):
     out = _run("latency.py", "--quick", "--png", str(tmp_path / "lat.png"), cwd=tmp_path)
     assert (tmp_path / "lat.png").stat().st_size > 0

@@ -1,0 +1,105 @@
+"""How much of an NVMe path's speed comes from where its data file lies.
+
+Several in-process stores with the same settings, each with its own data file, put
+the same ordinary (unaligned) tensor to NVMe and read it back with ``get(out=)``, in
+rotating order, the page cache dropped before each read (root; elsewhere the reads
+may come from the cache, and the table says so). On a real NVMe drive every file
+moves bytes at one speed; on a virtual disk they can differ by more than the gap
+between two I/O engines, and a comparison of two engines (or of the tier with
+DeepSpeed's aio, ``bench/nvme_paths.py``) carries that difference. With ``--configs``
+each store gets its own chunk size and thread count instead, in the order given.
+
+    python bench/nvme_files.py --stores 4 --size 1GiB --rounds 5
+    python bench/nvme_files.py --configs 16x16,1x8,4x8 --size 1GiB --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import emit_json, machine, print_table  # noqa: E402
+from nvme_paths import drop_caches  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tierstore.units import format_size, parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="./bench-io-tmp", help="directory on the drive to test")
+    ap.add_argument("--stores", type=int, default=4, help="stores with the engine's default settings")
+    ap.add_argument("--configs", default="", help="CHUNK_MIBxTHREADS per store instead, e.g. 16x16,1x8")
+    ap.add_argument("--size", default="1GiB")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round")
+    ap.add_argument("--quick", action="store_true", help="2 stores, 8 MiB, 2 rounds (smoke test)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.stores, a.size, a.rounds, a.configs = 2, "8MiB", 2, ""
+    import numpy as np
+    import torch
+
+    from tierstore import Config, Store
+
+    n = parse_size(a.size)
+    configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")] if a.configs else [None] * a.stores
+    base = os.path.join(os.path.abspath(a.dir), f"nvme-files-{os.getpid()}")
+    stores = []
+    try:
+        for i, c in enumerate(configs):
+            d = os.path.join(base, f"store{i}")
+            os.makedirs(d)
+            kw = {} if c is None else {"io_chunk_bytes": c[0] << 20, "io_threads": c[1]}
+            stores.append(Store(Config(host_bytes=64 << 20, nvme_dirs=[d], nvme_bytes=max(2 * n, 256 << 20), **kw)))
+        src = torch.empty(n, dtype=torch.uint8)
+        src.numpy()[:] = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+        out = torch.empty(n, dtype=torch.uint8)
+        out.fill_(0)
+        kept: dict[int, object] = {}
+        times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(stores))}
+        dropped = True
+        for r in range(a.rounds + 1):
+            k = r % len(stores)
+            for i in list(range(len(stores)))[k:] + list(range(len(stores)))[:k]:
+                s = stores[i]
+                if i in kept:
+                    s.free(kept.pop(i))
+                t0 = time.perf_counter()
+                kept[i] = s.put(src, tier="nvme")
+                w = time.perf_counter() - t0
+                dropped = drop_caches() and dropped
+                t0 = time.perf_counter()
+                s.get(kept[i], out=out)
+                g = time.perf_counter() - t0
+                if not torch.equal(out, src):
+                    raise SystemExit(f"store {i} read back wrong bytes")
+                if r:
+                    times[i].append((w, g))
+        rows, results = [], []
+        for i, v in times.items():
+            put = [n / w / 1e9 for w, _ in v]
+            get = [n / g / 1e9 for _, g in v]
+            c = configs[i]
+            label = "defaults" if c is None else f"{c[0]} MiB x {c[1]}"
+            rows.append([i, label, f"{statistics.median(put):.2f}", f"{min(put):.2f}-{max(put):.2f}",
+                         f"{statistics.median(get):.2f}", f"{min(get):.2f}-{max(get):.2f}"])
+            results.append({"store": i, "settings": label, "put_gbps": put, "get_gbps": get})
+        print(f"# nvme_files on {machine()}: {len(stores)} stores, {format_size(n)}, {a.rounds} rounds after a "
+              f"warm-up, {'page cache dropped before reads' if dropped else 'page cache NOT dropped (not root)'}")
+        print_table(["store", "settings", "put GB/s", "range", "get(out=) GB/s", "range"], rows)
+        emit_json({"bench": "nvme_files", "machine": machine(), "size": n, "rounds": a.rounds,
+                   "cache_dropped": dropped, "results": results})
+    finally:
+        for s in stores:
+            s.close()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
