@@ -806,7 +806,7 @@ def test_a_connection_holds_a_bounded_number_of_leases(make_store, monkeypatch):
 def test_a_large_batch_that_must_wait_goes_on_from_what_it_took_or_gives_it_back(make_store, each):
     """A batch too large for the event loop that parks half-way (another holder writes
     object #100) runs again from the leases it took, not from the start (no lease
-    taken twice), and ``undo`` gives back what it took when it ends without running on."""
+    taken twice), and ``give_back`` gives back what it took when it ends without running on."""
     from tierstore.leasebatches import INLINE_BATCH
     from tierstore.waits import Later, WouldWait, wait_context
 
@@ -841,7 +841,7 @@ def test_a_large_batch_that_must_wait_goes_on_from_what_it_took_or_gives_it_back
 def test_a_volatile_commit_handed_on_and_ended_unrun_gives_its_reservation_up(make_store):
     """A volatile commit that must write to NVMe (or finds the journal lock held) answers
     ``Later``; a daemon that ends it without running it (its connection gone, its queue
-    timeout) calls its ``undo``: the reservation and its host block go, nothing is left
+    timeout) calls its ``give_back``: the reservation and its host block go, nothing is left
     committing forever."""
     from tierstore.tensors import to_bytes
     from tierstore.waits import Later

@@ -254,8 +254,8 @@ class Store:
     def free(self, handle: Handle | int | str, *, namespace: str | None = None) -> None:
         """Delete the object. Once this returns, the object is gone for good (also after a crash).
 
-        A lease this process holds on it is ``Busy`` at once; one a daemon connection
-        holds is waited for, up to ``lease_wait_s``, as a check-out waits.
+        Any lease on it (this process's, or a daemon connection's) makes it ``Busy`` at
+        once; copies and moves in flight are waited for.
         """
         self.leases.free(Handle.parse(handle), self.index.ns(namespace), LOCAL)
 
