@@ -7,10 +7,14 @@ may come from the cache, and the table says so). On a real NVMe drive every file
 moves bytes at one speed; on a virtual disk they can differ by more than the gap
 between two I/O engines, and a comparison of two engines (or of the tier with
 DeepSpeed's aio, ``bench/nvme_paths.py``) carries that difference. With ``--configs``
-each store gets its own chunk size and thread count instead, in the order given.
+each store gets its own chunk size and thread count instead, in the order given. With
+``--chunks`` one store (one file, whose freed extents each put reuses) alternates the
+NVMe tier's chunk size between puts, for an ordinary (unaligned) tensor and a
+page-aligned one: chunk sizes compared on the same bytes of the disk.
 
     python bench/nvme_files.py --stores 4 --size 1GiB --rounds 5
     python bench/nvme_files.py --configs 16x16,1x8,4x8 --size 1GiB --rounds 5
+    python bench/nvme_files.py --chunks 16,2,1 --size 1GiB --rounds 5
 """
 
 from __future__ import annotations
@@ -35,18 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="./bench-io-tmp", help="directory on the drive to test")
     ap.add_argument("--stores", type=int, default=4, help="stores with the engine's default settings")
     ap.add_argument("--configs", default="", help="CHUNK_MIBxTHREADS per store instead, e.g. 16x16,1x8")
+    ap.add_argument("--chunks", default="", help="CHUNK_MIB,...: one store, its chunk size alternated")
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round")
     ap.add_argument("--quick", action="store_true", help="2 stores, 8 MiB, 2 rounds (smoke test)")
     a = ap.parse_args(argv)
     if a.quick:
         a.stores, a.size, a.rounds, a.configs = 2, "8MiB", 2, ""
+        a.chunks = "2,1" if a.chunks else ""
     import numpy as np
     import torch
 
     from tierstore import Config, Store
 
     n = parse_size(a.size)
+    if a.chunks:
+        return _same_file(a, n, [int(c) << 20 for c in a.chunks.split(",")])
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")] if a.configs else [None] * a.stores
     base = os.path.join(os.path.abspath(a.dir), f"nvme-files-{os.getpid()}")
     stores = []
@@ -98,6 +106,69 @@ def main(argv: list[str] | None = None) -> int:
         for s in stores:
             s.close()
         shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def _same_file(a: argparse.Namespace, n: int, chunks: list[int]) -> int:
+    """One store; each round puts and reads back both tensors at every chunk size, in rotating order."""
+    import numpy as np
+    import torch
+
+    from tierstore import Config, Store
+    from tierstore.tensors import aligned_empty
+    from tierstore.units import format_size
+
+    base = os.path.join(os.path.abspath(a.dir), f"nvme-files-{os.getpid()}")
+    os.makedirs(base)
+    data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    bufs = {}
+    for kind, make in (("unaligned", lambda: torch.empty(n, dtype=torch.uint8)),
+                       ("page-aligned", lambda: torch.from_numpy(aligned_empty(n)))):
+        src, out = make(), make()
+        src.numpy()[:] = data
+        out.fill_(0)
+        bufs[kind] = (src, out)
+    variants = [(k, c) for k in bufs for c in chunks]
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {v: [] for v in variants}
+    dropped = True
+    # (made at the largest chunk: its staging buffers are that size)
+    s = Store(Config(host_bytes=64 << 20, nvme_dirs=[base], nvme_bytes=max(2 * n, 256 << 20),
+                     io_chunk_bytes=max(chunks)))
+    try:
+        h = None
+        for r in range(a.rounds + 1):
+            k = r % len(variants)
+            for kind, chunk in variants[k:] + variants[:k]:
+                src, out = bufs[kind]
+                s.nvme.chunk_bytes = chunk  # (the tier reads it per transfer)
+                if h is not None:
+                    s.free(h)
+                t0 = time.perf_counter()
+                h = s.put(src, tier="nvme")
+                w = time.perf_counter() - t0
+                dropped = drop_caches() and dropped
+                t0 = time.perf_counter()
+                s.get(h, out=out)
+                g = time.perf_counter() - t0
+                if not torch.equal(out, src):
+                    raise SystemExit(f"{kind} at chunk {chunk} read back wrong bytes")
+                if r:
+                    times[(kind, chunk)].append((w, g))
+    finally:
+        s.close()
+        shutil.rmtree(base, ignore_errors=True)
+    rows, results = [], []
+    for (kind, chunk), v in times.items():
+        put = [n / w / 1e9 for w, _ in v]
+        get = [n / g / 1e9 for _, g in v]
+        rows.append([kind, f"{chunk >> 20} MiB", f"{statistics.median(put):.2f}", f"{min(put):.2f}-{max(put):.2f}",
+                     f"{statistics.median(get):.2f}", f"{min(get):.2f}-{max(get):.2f}"])
+        results.append({"source": kind, "chunk": chunk, "put_gbps": put, "get_gbps": get})
+    print(f"# nvme_files on {machine()}: one store, chunk sizes alternated, {format_size(n)}, {a.rounds} rounds "
+          f"after a warm-up, {'page cache dropped before reads' if dropped else 'page cache NOT dropped (not root)'}")
+    print_table(["tensor", "chunk", "put GB/s", "range", "get(out=) GB/s", "range"], rows)
+    emit_json({"bench": "nvme_files", "machine": machine(), "size": n, "rounds": a.rounds, "same_file": True,
+               "cache_dropped": dropped, "results": results})
     return 0
 
 

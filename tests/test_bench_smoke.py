@@ -39,6 +39,9 @@ def test_nvme_files_smoke(tmp_path):
     out = _run("nvme_files.py", "--quick", "--dir", str(tmp_path), cwd=tmp_path)
     assert out["bench"] == "nvme_files" and len(out["results"]) == 2
     assert all(len(r["put_gbps"]) == 2 and min(r["get_gbps"]) > 0 for r in out["results"])
+    out = _run("nvme_files.py", "--quick", "--chunks", "2,1", "--dir", str(tmp_path), cwd=tmp_path)
+    assert out["same_file"] and {(r["source"], r["chunk"]) for r in out["results"]} == {
+        (k, c << 20) for k in ("unaligned", "page-aligned") for c in (2, 1)}
 
 
 def test_latency_smoke(tmp_path):
