@@ -942,3 +942,26 @@ def test_leases_are_bounded_per_group_of_owners_and_in_all(make_store, monkeypat
     s.daemon.leases.release(held.pop(0).lid, owner=("a", 0))
     s.daemon.checkout(hs[4], "r", owner=("a", 3))  # room again once one is checked in
     assert len(s.daemon.leases) == 6
+
+
+@pytest.mark.parametrize("shift", [64, 512, 1024])
+def test_memory_at_the_drives_dma_alignment_goes_to_the_kernel_without_a_staging_copy(make_store, shift):
+    """A put from, and a ``get(out=)`` into, memory ``shift`` bytes past a page: direct
+    O_DIRECT I/O where the drive's DMA alignment (``statx``) allows that address, through
+    a staging buffer where it does not; the bytes round-trip either way."""
+    from tierstore.tensors import aligned_empty
+
+    s = make_store()
+    drive = s.stat()["tiers"]["nvme"]["drives"][0]
+    if not drive["direct"]:
+        pytest.skip(f"the test directory refuses O_DIRECT: {drive['reason']}")
+    n = 4 << 20
+    src = aligned_empty(n + 4096)[shift:shift + n]
+    src[:] = np.random.default_rng(shift).integers(0, 256, n, dtype=np.uint8)
+    out = aligned_empty(n + 4096)[shift:shift + n]
+    before = s.stat()["tiers"]["nvme"]["staged_bytes"]
+    h = s.put(src, tier="nvme")
+    s.get(h, out=out)
+    staged = s.stat()["tiers"]["nvme"]["staged_bytes"] - before
+    assert np.array_equal(out, src)
+    assert staged == (0 if shift % drive["dio_mem_align"] == 0 else 2 * n), (shift, drive["dio_mem_align"], staged)

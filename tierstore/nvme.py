@@ -30,7 +30,7 @@ import numpy as np
 
 from .allocator import ExtentAllocator
 from .checksum import BLOCK_BYTES, crc32c
-from .engine import IOEngine, probe_direct_io
+from .engine import IOEngine, dio_memory_alignment, probe_direct_io
 from .extent import Extent
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
 from .files import open_own, refuse_link
@@ -81,6 +81,9 @@ class _Drive:
             raise
         self.file = engine.open(self.path, direct=self.direct)
         self.file_size = os.fstat(self.file.fileno()).st_size
+        # user memory aligned to the device's DMA alignment goes to the kernel as it is (the
+        # posix engine; other engines keep their own rules: page-aligned buffers only)
+        self.mem_align = dio_memory_alignment(self.path) if self.direct and engine.name == "posix" else PAGE
         # durable writes share fdatasyncs: each returns once one that began after its write completed
         self.sync = GroupSync(self.file.sync)
         self.alloc = ExtentAllocator(capacity)
@@ -108,8 +111,8 @@ class _BouncePool:
         self._free.put(buf)
 
 
-def _aligned(buf: np.ndarray) -> bool:
-    return buf.ctypes.data % PAGE == 0
+def _aligned(buf: np.ndarray, align: int) -> bool:
+    return buf.ctypes.data % align == 0
 
 
 class NvmeTier:
@@ -143,6 +146,8 @@ class NvmeTier:
         self._lock = threading.Lock()  # guards the allocators and the stripe cursor
         self._next_drive = 0
         self.bytes_read = 0
+        self.staged_bytes = 0
+        """Bytes that went through a staging buffer (memory O_DIRECT could not take as it is)."""
         self.bytes_written = 0
 
     # -- space -----------------------------------------------------------------------------
@@ -331,7 +336,7 @@ class NvmeTier:
             # block by block from the copy (still in cache): one pass over the source, not two
             futures, mine = [], []
             for e, c_off, c_len in chunks:
-                staged = self._io_buffer(src, src_padded, c_off, c_len, self.drives[e.dev].direct) is None
+                staged = self._io_buffer(src, src_padded, c_off, c_len, self.drives[e.dev]) is None
                 futures.append(self.engine.submit(self._write_chunk, e, c_off, c_len, src, src_padded,
                                                   crcs if staged else None))
                 if not staged:
@@ -361,7 +366,7 @@ class NvmeTier:
             n = src.nbytes
             if len(extents) == 1 and 0 < n <= min(self.chunk_bytes, BLOCK_BYTES):
                 drv = self.drives[extents[0].dev]
-                io = self._io_buffer(src, padded, 0, n, drv.direct)
+                io = self._io_buffer(src, padded, 0, n, drv)
                 if io is not None:
                     out[i] = [crc32c(src)]
                     runs.setdefault(drv.index, []).append((extents[0].file_offset, i, io))
@@ -421,7 +426,7 @@ class NvmeTier:
             futures, verify = [], []
             for e, c_off, c_len in chunks:
                 drv = self.drives[e.dev]
-                staged = self._io_buffer(dst, dst_padded, c_off, c_len, drv.direct) is None
+                staged = self._io_buffer(dst, dst_padded, c_off, c_len, drv) is None
                 futures.append(self.engine.submit(self._read_chunk, e, c_off, c_len, dst, dst_padded,
                                                   checksums if staged else None, priority=priority))
                 verify.append(None if staged else
@@ -453,16 +458,19 @@ class NvmeTier:
             for c in range(0, e.nbytes, step):
                 yield e, e.obj_offset + c, min(step, e.nbytes - c)
 
-    def _io_buffer(self, buf: np.ndarray, padded: np.ndarray | None, off: int, n: int, direct: bool):
-        """The slice to hand the kernel directly, or None when a bounce is needed."""
-        if not direct:
+    def _io_buffer(self, buf: np.ndarray, padded: np.ndarray | None, off: int, n: int, drv: _Drive):
+        """The slice to hand the kernel directly, or None when a bounce is needed: with
+        O_DIRECT, a whole number of pages at an address the drive's DMA alignment allows
+        (``_Drive.mem_align``: a tensor from an ordinary allocator, 64 B past a page, goes
+        direct where the device takes 4 B alignment, as NVMe drives do)."""
+        if not drv.direct:
             return buf[off:off + n]
         if n % PAGE == 0:
             view = buf[off:off + n]
-            return view if _aligned(view) else None
+            return view if _aligned(view, drv.mem_align) else None
         if padded is not None:
             view = padded[off:off + align_up(n, PAGE)]
-            return view if _aligned(view) and view.nbytes == align_up(n, PAGE) else None
+            return view if _aligned(view, drv.mem_align) and view.nbytes == align_up(n, PAGE) else None
         return None
 
     def _write_chunk(self, e: Extent, off: int, n: int, src: np.ndarray, padded: np.ndarray | None,
@@ -471,13 +479,14 @@ class NvmeTier:
         drv = self.drives[e.dev]
         data = src[off:off + n]
         pos = e.file_offset + (off - e.obj_offset)
-        io = self._io_buffer(src, padded, off, n, drv.direct)
+        io = self._io_buffer(src, padded, off, n, drv)
         if io is not None:
             if crcs is not None:
                 for b in range(0, n, BLOCK_BYTES):
                     crcs[(off + b) // BLOCK_BYTES] = crc32c(data[b:b + BLOCK_BYTES])
             drv.file.pwrite_from(io, pos)
             return
+        self._count_staged(n)
         bounce = self._bounce.get()
         try:
             padded_n = align_up(n, PAGE)
@@ -498,12 +507,13 @@ class NvmeTier:
         (the caller checks them in ``dst``)."""
         drv = self.drives[e.dev]
         pos = e.file_offset + (off - e.obj_offset)
-        io = self._io_buffer(dst, padded, off, n, drv.direct)
+        io = self._io_buffer(dst, padded, off, n, drv)
         if io is not None:
             drv.file.pread_into(io, pos)
             if crcs is not None:
                 self._verify(dst[off:off + n], off, crcs, drv.path, pos)
             return
+        self._count_staged(n)
         bounce = self._bounce.get()
         try:
             drv.file.pread_into(bounce[:align_up(n, PAGE)], pos)
@@ -514,6 +524,10 @@ class NvmeTier:
                 dst[off + b:off + b + m] = bounce[b:b + m]
         finally:
             self._bounce.put(bounce)
+
+    def _count_staged(self, n: int) -> None:
+        with self._lock:
+            self.staged_bytes += n
 
     @staticmethod
     def _verify(data: np.ndarray, off: int, crcs: list[int], path: str, pos: int) -> None:
@@ -557,7 +571,7 @@ class NvmeTier:
             d.close()
 
     def describe(self) -> list[dict]:
-        return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason,
+        return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason, "dio_mem_align": d.mem_align,
                  "capacity_bytes": d.alloc.capacity, "used_bytes": d.alloc.used_bytes,
                  "file_bytes": d.file_size, "reserved": d.file_size >= d.alloc.capacity} for d in self.drives]
 

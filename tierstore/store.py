@@ -418,6 +418,7 @@ class Store:
                              "device_io": self.engine.device_reason,
                              "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
+                             "staged_bytes": self.nvme.staged_bytes,
                              "drives": self.nvme.describe()},
                     **({"gpu": {**self.gpu.describe(), "objects": len(self.gpu_order)}}
                        if self.gpu is not None else {}),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from .base import EngineFile, IOEngine
-from .posix import PosixEngine, probe_direct_io
+from .posix import PosixEngine, dio_memory_alignment, probe_direct_io
 
-__all__ = ["IOEngine", "EngineFile", "PosixEngine", "probe_direct_io", "select_engine"]
+__all__ = ["IOEngine", "EngineFile", "PosixEngine", "dio_memory_alignment", "probe_direct_io", "select_engine"]
 
 log = logging.getLogger(__name__)
 
