@@ -965,3 +965,19 @@ def test_memory_at_the_drives_dma_alignment_goes_to_the_kernel_without_a_staging
     staged = s.stat()["tiers"]["nvme"]["staged_bytes"] - before
     assert np.array_equal(out, src)
     assert staged == (0 if shift % drive["dio_mem_align"] == 0 else 2 * n), (shift, drive["dio_mem_align"], staged)
+
+
+def test_a_host_tier_split_by_a_staging_area_says_it_is_fragmented_not_full(make_store):
+    """Free bytes that lie on both sides of a block nothing can move (a connection's
+    staging area) cannot hold an object larger than either side: the error says the tier
+    is fragmented and what to do, instead of calling a mostly free tier full."""
+    s = make_store(host_bytes="4MiB")
+    small = [s.put(np.zeros(256 << 10, np.uint8), tier="host") for _ in range(8)]  # the top half
+    off, n = s.daemon.staging_area("conn", 320 << 10)  # below them
+    for h in small:
+        s.free(h)
+    assert s.stat()["tiers"]["host"]["free_bytes"] == (4 << 20) - n and 0 < off < 3 << 20
+    with pytest.raises(CapacityExceeded, match="host tier too fragmented: .* raise host_bytes"):
+        s.put(np.zeros(5 << 19, np.uint8), tier="host")
+    s.daemon.drop_owner("conn")
+    s.put(np.zeros(5 << 19, np.uint8), tier="host")  # whole again once the area is gone

@@ -254,10 +254,19 @@ class Placement:
             lambda: self.host_take(nbytes, reading=reading),
             lambda: self._pick_victim(admit_distance, clean_only=clean_only),
             move, wait_s,
-            lambda: (f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
-                     f"{self.host.capacity} and nothing can be demoted (leased or in flight"
-                     f"{', or no NVMe room to demote into' if clean_only else ''}); "
-                     "check objects in, free some, or pass a longer wait"))
+            lambda: self._host_full(nbytes, clean_only))
+
+    def _host_full(self, nbytes: int, clean_only: bool) -> str:
+        """(under cv) Why a host block of ``nbytes`` could not be had: the message of ``alloc_host``'s error."""
+        if self.host.free_bytes >= align_up(max(nbytes, 1), PAGE) + self.read_reserve:
+            return (f"host tier too fragmented: {nbytes} bytes requested, {self.host.free_bytes} free of "
+                    f"{self.host.capacity} but no free run of that size, and nothing between the runs can be "
+                    f"demoted (connections' staging areas, leased or in-flight objects); raise host_bytes "
+                    f"(staging areas take up to a quarter of it) or check objects in")
+        return (f"host tier full: {nbytes} bytes requested, {self.host.free_bytes} free of "
+                f"{self.host.capacity} and nothing can be demoted (leased or in flight"
+                f"{', or no NVMe room to demote into' if clean_only else ''}); "
+                "check objects in, free some, or pass a longer wait")
 
     def _alloc_evicting(self, alloc, pick, move, wait_s: float, full: Callable[[], str]) -> int:
         """``alloc()`` (under cv) until it succeeds, moving ``pick()``'s victims out of the
