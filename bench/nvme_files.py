@@ -68,35 +68,23 @@ def main(argv: list[str] | None = None) -> int:
         src.numpy()[:] = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
         out = torch.empty(n, dtype=torch.uint8)
         out.fill_(0)
-        kept: dict[int, object] = {}
+        kept: dict[int, object | None] = {}
         times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(stores))}
         dropped = True
         for r in range(a.rounds + 1):
             k = r % len(stores)
             for i in list(range(len(stores)))[k:] + list(range(len(stores)))[:k]:
-                s = stores[i]
-                if i in kept:
-                    s.free(kept.pop(i))
-                t0 = time.perf_counter()
-                kept[i] = s.put(src, tier="nvme")
-                w = time.perf_counter() - t0
-                dropped = drop_caches() and dropped
-                t0 = time.perf_counter()
-                s.get(kept[i], out=out)
-                g = time.perf_counter() - t0
-                if not torch.equal(out, src):
-                    raise SystemExit(f"store {i} read back wrong bytes")
+                kept[i], w, g, cached = _put_get(stores[i], kept.get(i), src, out, f"store {i}")
+                dropped = dropped and not cached
                 if r:
                     times[i].append((w, g))
         rows, results = [], []
         for i, v in times.items():
-            put = [n / w / 1e9 for w, _ in v]
-            get = [n / g / 1e9 for _, g in v]
             c = configs[i]
             label = "defaults" if c is None else f"{c[0]} MiB x {c[1]}"
-            rows.append([i, label, f"{statistics.median(put):.2f}", f"{min(put):.2f}-{max(put):.2f}",
-                         f"{statistics.median(get):.2f}", f"{min(get):.2f}-{max(get):.2f}"])
-            results.append({"store": i, "settings": label, "put_gbps": put, "get_gbps": get})
+            cells, rates = _rates(n, v)
+            rows.append([i, label, *cells])
+            results.append({"store": i, "settings": label, **rates})
         print(f"# nvme_files on {machine()}: {len(stores)} stores, {format_size(n)}, {a.rounds} rounds after a "
               f"warm-up, {'page cache dropped before reads' if dropped else 'page cache NOT dropped (not root)'}")
         print_table(["store", "settings", "put GB/s", "range", "get(out=) GB/s", "range"], rows)
@@ -141,17 +129,8 @@ def _same_file(a: argparse.Namespace, n: int, chunks: list[int]) -> int:
             for kind, chunk in variants[k:] + variants[:k]:
                 src, out = bufs[kind]
                 s.nvme.chunk_bytes = chunk  # (the tier reads it per transfer)
-                if h is not None:
-                    s.free(h)
-                t0 = time.perf_counter()
-                h = s.put(src, tier="nvme")
-                w = time.perf_counter() - t0
-                dropped = drop_caches() and dropped
-                t0 = time.perf_counter()
-                s.get(h, out=out)
-                g = time.perf_counter() - t0
-                if not torch.equal(out, src):
-                    raise SystemExit(f"{kind} at chunk {chunk} read back wrong bytes")
+                h, w, g, cached = _put_get(s, h, src, out, f"{kind} at chunk {chunk}")
+                dropped = dropped and not cached
                 if r:
                     times[(kind, chunk)].append((w, g))
     finally:
@@ -159,17 +138,43 @@ def _same_file(a: argparse.Namespace, n: int, chunks: list[int]) -> int:
         shutil.rmtree(base, ignore_errors=True)
     rows, results = [], []
     for (kind, chunk), v in times.items():
-        put = [n / w / 1e9 for w, _ in v]
-        get = [n / g / 1e9 for _, g in v]
-        rows.append([kind, f"{chunk >> 20} MiB", f"{statistics.median(put):.2f}", f"{min(put):.2f}-{max(put):.2f}",
-                     f"{statistics.median(get):.2f}", f"{min(get):.2f}-{max(get):.2f}"])
-        results.append({"source": kind, "chunk": chunk, "put_gbps": put, "get_gbps": get})
+        cells, rates = _rates(n, v)
+        rows.append([kind, f"{chunk >> 20} MiB", *cells])
+        results.append({"source": kind, "chunk": chunk, **rates})
     print(f"# nvme_files on {machine()}: one store, chunk sizes alternated, {format_size(n)}, {a.rounds} rounds "
           f"after a warm-up, {'page cache dropped before reads' if dropped else 'page cache NOT dropped (not root)'}")
     print_table(["tensor", "chunk", "put GB/s", "range", "get(out=) GB/s", "range"], rows)
     emit_json({"bench": "nvme_files", "machine": machine(), "size": n, "rounds": a.rounds, "same_file": True,
                "cache_dropped": dropped, "results": results})
     return 0
+
+
+def _put_get(s, old, src, out, what: str) -> tuple[object, float, float, bool]:
+    """Free ``old`` (the last round's object, or None), put ``src`` to NVMe, drop the page
+    cache, read it back into ``out``: (handle, put s, get s, whether the cache stayed)."""
+    import torch
+
+    if old is not None:
+        s.free(old)
+    t0 = time.perf_counter()
+    h = s.put(src, tier="nvme")
+    w = time.perf_counter() - t0
+    cached = not drop_caches()
+    t0 = time.perf_counter()
+    s.get(h, out=out)
+    g = time.perf_counter() - t0
+    if not torch.equal(out, src):
+        raise SystemExit(f"{what} read back wrong bytes")
+    return h, w, g, cached
+
+
+def _rates(n: int, times: list[tuple[float, float]]) -> tuple[list[str], dict[str, list[float]]]:
+    """A row's cells (median and range of put and get GB/s) and the rates themselves."""
+    put = [n / w / 1e9 for w, _ in times]
+    get = [n / g / 1e9 for _, g in times]
+    cells = [f"{statistics.median(put):.2f}", f"{min(put):.2f}-{max(put):.2f}",
+             f"{statistics.median(get):.2f}", f"{min(get):.2f}-{max(get):.2f}"]
+    return cells, {"put_gbps": put, "get_gbps": get}
 
 
 if __name__ == "__main__":
