@@ -111,11 +111,9 @@ class DaemonSurface:
         """A put of bytes at ``src`` in ``owner``'s staging area (``Puts.put_staged``)."""
         return self.puts.put_staged(owner, src, spec, **kw)
 
-
     def checkout(self, handle: Handle | int | str, mode: str, **kw: Any) -> LeaseInfo:
         """A check-out for ``owner`` (``LeaseTable.checkout``)."""
         return self.leases.checkout(handle, mode, **kw)
-
 
     def checkout_from(self, handle: Handle | int | str, source: Handle | int | str, **kw: Any) -> LeaseInfo:
         return self.leases.checkout_from(handle, source, **kw)
@@ -129,7 +127,6 @@ class DaemonSurface:
 
     def try_checkout_each(self, requests: list[tuple[Any, str, Any]], **kw: Any) -> list[LeaseInfo] | Later:
         return self.batches.try_checkout_each(requests, **kw)
-
 
     def try_release_many(self, lids: list[int], *, owner: Any) -> Later | None:
         return self.batches.try_release_many(lids, owner=owner)
