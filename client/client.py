@@ -8,8 +8,8 @@ Tensor bytes never cross the socket. At hello the daemon passes the host arena's
 memfd; the client maps it once and copies straight into (put) or out of (get) the
 block the daemon names, or hands out a view of it (checkout).
 
-Length: one class, one method per request of the contract over the socket; CUDA
-copies are in ``gpu``, read-only views in ``readonly``, the connection in
+Length: one class, one method per request of the contract over the socket; every
+CUDA call is in ``gpu``, read-only views in ``readonly``, the connection in
 ``connection``.
 """
 

@@ -11,8 +11,8 @@ warning, and growth in steps). Reads never grow a file. What to place here, and
 when, is the store's policy; this module only moves bytes.
 
 Length: the data files, their growth, and the read and write paths (single, batched,
-through staging buffers for unaligned tensors) share one set of rules for chunks,
-alignment and checksums; they are kept together so those rules are written once.
+through staging buffers for memory the drive cannot DMA from as it is) share one set
+of rules for chunks, alignment and checksums; they are kept together so those rules are written once.
 """
 
 from __future__ import annotations

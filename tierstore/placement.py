@@ -14,9 +14,11 @@ lock is the object index's ``cv``.
 Words: *promote* moves bytes up (NVMe -> host), *demote* down (host -> NVMe, GPU ->
 host); ``to_host`` brings an object into the host tier from whichever tier holds it.
 
-Length: the allocation paths share the read reserve and the eviction loop, and the
-demoter, the prefetch fetch and the reads all move through them; splitting them
-would spread one set of space invariants over several files.
+Length: one concept, the tiers' space. The allocation paths share the read reserve
+and the eviction loop, and the demoter, the prefetch fetch, the reads and a revoked
+lease's move all go through them; the small methods through which the later
+components reach the tiers' bytes (``host_view``, ``nvme_write``, ``fence``, ...) are
+its only doors. Split, one set of space invariants would spread over several files.
 """
 
 from __future__ import annotations
