@@ -11,10 +11,10 @@ page-locked buffer of MAX_BYTES filled with random bytes, prints one JSON line
 ``{"ready": ...}`` and then answers each line of its standard input with one JSON line
 (each prefixed with ``MARK``: DeepSpeed prints lines of its own):
 
-    w N PATH   sync_pwrite of the buffer's first N bytes to PATH (O_DIRECT; created, or
-               overwritten in place as ZeRO-Infinity's swapper overwrites its swap files;
-               no fsync, as DeepSpeed does none) -> {"s": seconds}
-    r N PATH   sync_pread of N bytes of PATH into the buffer -> {"s": seconds}
+    w N OFF PATH   sync_pwrite of the buffer's first N bytes to PATH at byte OFF (O_DIRECT;
+                   created, or overwritten in place as ZeRO-Infinity's swapper overwrites its
+                   swap files; no fsync, as DeepSpeed does none) -> {"s": seconds}
+    r N OFF PATH   sync_pread of N bytes of PATH from byte OFF into the buffer -> {"s": seconds}
 
 and exits at end of input. ``AioPeer`` is the benchmark's side of it. tierstore never
 imports DeepSpeed; this file imports neither.
@@ -58,11 +58,11 @@ def serve(block: int, depth: int, threads: int, max_bytes: int) -> None:
     buf.copy_(torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
     _reply({"ready": True, "deepspeed": deepspeed.__version__})
     for line in sys.stdin:
-        op, n, path = line.split(maxsplit=2)
+        op, n, off, path = line.split(maxsplit=3)
         view = buf[:int(n)]
         try:
             t0 = time.perf_counter()
-            rc = (h.sync_pwrite if op == "w" else h.sync_pread)(view, path.strip())
+            rc = (h.sync_pwrite if op == "w" else h.sync_pread)(view, path.strip(), int(off))
             dt = time.perf_counter() - t0
             _reply({"s": dt} if rc >= 0 else {"error": f"{op} returned {rc}"})
         except Exception as e:  # one failed request is reported, the peer goes on
@@ -96,19 +96,19 @@ class AioPeer:
             return f"DeepSpeed aio unusable under {python}: {err[-1] if err else 'no output'}"
         return cls(proc, label, ready["deepspeed"])
 
-    def _ask(self, op: str, n: int, path: str) -> float:
-        self.proc.stdin.write(f"{op} {n} {path}\n")
+    def _ask(self, op: str, n: int, path: str, offset: int) -> float:
+        self.proc.stdin.write(f"{op} {n} {offset} {path}\n")
         self.proc.stdin.flush()
         r = _answer(self.proc) or {"error": "the peer exited"}
         if "error" in r:
             raise RuntimeError(f"{self.label}: {r['error']}")
         return float(r["s"])
 
-    def write(self, n: int, path: str) -> float:
-        return self._ask("w", n, path)
+    def write(self, n: int, path: str, offset: int = 0) -> float:
+        return self._ask("w", n, path, offset)
 
-    def read(self, n: int, path: str) -> float:
-        return self._ask("r", n, path)
+    def read(self, n: int, path: str, offset: int = 0) -> float:
+        return self._ask("r", n, path, offset)
 
     def close(self) -> None:
         if self.proc.poll() is None:

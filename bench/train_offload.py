@@ -16,6 +16,9 @@ memory is its own), the offloaded ones against a daemon started for it:
   nvme+prefetch-1v   the same, single-version (crash_consistent=False)
   nvme+prefetch+bwd  nvme+prefetch, updating each parameter in backward
   nvme+prefetch+bwd+drop  the same, each gradient dropped once its update used it
+  ...+4k             any tierstore variant with its daemon's host arena in 4 KiB pages
+                     (``--host-huge-pages off``; the others ask for transparent huge pages,
+                     which the kernel gives only where ``shmem_enabled`` allows: docs/store.md)
   cache+prefetch     state placed by the store (tier=None): the 25 % host tier keeps what
                      fits resident across steps (trace eviction), the rest on NVMe; prefetch
   deepspeed          the peer: DeepSpeed ZeRO-3 (its CPU accelerator, gloo, world size 1)
@@ -239,13 +242,17 @@ def loss_gap(a: dict, b: dict) -> float:
     return max((abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a["losses"], b["losses"])), default=0.0)
 
 
-def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str, budget_bytes: int):
+def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str, budget_bytes: int,
+            huge: bool = True):
     return start_daemon(base, "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
                         "--prefetch", "1" if prefetch else "0", "--policy", policy,
-                        "--prefetch-budget-bytes", str(max(budget_bytes, 1 << 20)))
+                        "--prefetch-budget-bytes", str(max(budget_bytes, 1 << 20)),
+                        "--host-huge-pages", "auto" if huge else "off")
 
 
 def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
+    huge = not variant.endswith("+4k")
+    variant = variant.removesuffix("+4k")
     d = tempfile.mkdtemp(dir=base)
     daemon = ns = None
     host = 0
@@ -271,7 +278,7 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
             # next step's first reads overlap the forward and backward passes. A cache keeps what
             # fits resident, and every byte of budget is a byte it cannot keep (docs/prefetch.md).
             budget = int(host * cfg["nvme_budget"]) if tier == "nvme" else host // 3
-            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace", budget)
+            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace", budget, huge)
             wcfg.update(socket=sock, tier=tier)
         r = subprocess.run([python, "-c", worker, json.dumps(wcfg)], capture_output=True, text=True, env=env)
         if r.returncode != 0:
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < args.nvme_budget <= 1:
         p.error("--nvme-budget must be in (0, 1]")
     variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
-    unknown = set(variants) - set(VARIANTS)
+    unknown = {v for v in variants if v.removesuffix("+4k") not in VARIANTS or v in ("plain+4k", "deepspeed+4k")}
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.quick:

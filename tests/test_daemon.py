@@ -780,6 +780,7 @@ def test_stat_lists_sessions_and_whether_each_pinned_its_arena(daemon):
         r = subprocess.run([sys.executable, "-m", "tierstore.client.cli", "stat", "--socket", daemon.socket],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "clients pinned: 0 of 2 that reported" in r.stdout, r.stdout + r.stderr
+        assert "host huge pages: " in r.stdout  # (and what it got, or which setting to change)
 
 
 def test_stat_is_answered_on_the_event_loop_whatever_the_number_of_objects(make_store):

@@ -158,3 +158,83 @@ def test_an_arena_closed_while_populating_in_the_background_stops_it():
     a = Arena(256 << 20, populate="background")
     a.close()  # (joins the populating thread; nothing is unmapped under it)
     assert not [t for t in threading.enumerate() if t.name == "tierstore-populate"]
+
+
+def _shmem_thp_setting() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    except OSError:
+        return "unknown"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text.strip()
+
+
+def _free_hugetlb_bytes() -> int:
+    info = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+    return int(info.get("HugePages_Free", "0").split()[0]) * (int(info.get("Hugepagesize", "2048 kB").split()[0]) << 10)
+
+
+def test_the_arena_asks_for_transparent_huge_pages_and_says_what_it_got():
+    """The host arena is advised into transparent huge pages before its pages exist; the
+    kernel gives shared memory some only where ``shmem_enabled`` allows, and the arena
+    says how much it got and, where none, which setting to change. ``off`` asks for none."""
+    from tierstore.arena import Arena
+
+    a, off = Arena(16 << 20), Arena(16 << 20, huge_pages="off")
+    try:
+        got, how = a.huge()
+        setting = _shmem_thp_setting()
+        if setting in ("always", "within_size", "advise", "force"):
+            assert got > 0 and "transparent huge pages" in how
+        else:
+            assert got == 0 and f"shmem_enabled: {setting}" in how and "hugetlb" in how
+        assert off.huge() == (0, "none: host_huge_pages = 'off'")
+    finally:
+        a.close()
+        off.close()
+
+
+def test_a_hugetlb_arena_takes_reserved_huge_pages_or_says_how_many_it_needs():
+    """``huge_pages="hugetlb"``: the arena is a hugetlb memfd, its size rounded up to whole
+    huge pages; where the kernel has not that many reserved, the error says how many."""
+    from tierstore import CapacityExceeded
+    from tierstore.arena import Arena
+
+    if _free_hugetlb_bytes() >= 8 << 20:
+        a = Arena((6 << 20) + 1, huge_pages="hugetlb")
+        try:
+            assert a.size == 8 << 20 and a.huge()[0] == 8 << 20 and "hugetlb" in a.huge()[1]
+            a.array[-1] = 5
+            assert a.array[-1] == 5
+        finally:
+            a.close()
+    else:
+        free = _free_hugetlb_bytes()
+        with pytest.raises(CapacityExceeded, match=r"needs \d+ reserved huge pages .*vm.nr_hugepages"):
+            Arena((free + (8 << 20)), huge_pages="hugetlb")
+
+
+def test_a_daemon_on_reserved_huge_pages_serves_clients_that_map_them(daemon_factory):
+    """End to end where the machine has huge pages reserved (``vm.nr_hugepages``): a
+    daemon whose arena is hugetlb, a client that maps it, puts, gets and checks out
+    through it, and ``stat`` saying so."""
+    import torch
+
+    if _free_hugetlb_bytes() < 64 << 20:
+        pytest.skip("fewer than 64 MiB of huge pages reserved (vm.nr_hugepages)")
+    d = daemon_factory("--host-huge-pages", "hugetlb")
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    with d.client("huge") as c:
+        host = c.stat()["tiers"]["host"]
+        assert host["huge_page_bytes"] == 64 << 20 and "hugetlb" in host["huge_pages"]
+        h = c.put(t, key="w")
+        assert torch.equal(c.get(h), t)
+        with c.checkout(h, "w") as view:
+            view.add_(1)
+        assert torch.equal(c.get(h), t + 1)
+        kept = c.checkout(h, "w").tensor  # held past the client's end
+    # its mapping was detached from the pool (a private mapping that reserves no huge page):
+    # the view still reads, and a write through it reaches no one
+    assert torch.equal(kept, t + 1)
+    kept[:4].fill_(-1.0)
+    with d.client("huge") as c:
+        assert torch.equal(c.get(c.lookup("w")), t + 1)

@@ -38,27 +38,41 @@ class Arena:
     """
 
     def __init__(self, size: int, *, name: str = "tierstore-host", fd: int | None = None,
-                 populate: bool | str = True) -> None:
+                 populate: bool | str = True, huge_pages: str = "auto") -> None:
         self.adopted = fd is not None
+        self.huge_pages = huge_pages
         if fd is not None:  # an arena handed back (systemd's fd store): its pages and bytes are kept
             self.fd = fd
             self.size = os.fstat(fd).st_size
         else:
-            self.size = align_up(size, PAGE)
+            self.size = align_up(size, _hugetlb_page() if huge_pages == "hugetlb" else PAGE)
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if self.size > ram:
                 raise InvalidArgument(f"host_bytes is {format_size(self.size)} but this machine has "
                                       f"{format_size(ram)} of memory; lower host_bytes")
-            self.fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+            flags = os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0)
+            self.fd = os.memfd_create(name, flags | (os.MFD_HUGETLB if huge_pages == "hugetlb" else 0))
         try:
             if not self.adopted:
                 os.ftruncate(self.fd, self.size)
             self.sealed = _seal(self.fd)
-            self.mm = _map(self.fd, self.size)
+            try:
+                self.mm = _map(self.fd, self.size)
+            except OSError as e:
+                if huge_pages != "hugetlb" or e.errno != errno.ENOMEM:
+                    raise
+                raise CapacityExceeded(
+                    f"host_huge_pages = 'hugetlb' needs {self.size // _hugetlb_page()} reserved huge pages of "
+                    f"{format_size(_hugetlb_page())} for the {format_size(self.size)} host arena, and the kernel "
+                    "has not that many free (vm.nr_hugepages); reserve them, or use host_huge_pages = 'auto'"
+                ) from None
+            if huge_pages == "auto" and self.size:
+                _advise_huge(self.mm)  # before the pages exist: they are allocated huge where the kernel allows
         except BaseException:
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self.mm, dtype=np.uint8) if self.size else np.empty(0, np.uint8)
+        self._huge: tuple[int, str] | None = None
         self.populated = False
         self.populate_how = "not yet"
         self._populating: threading.Thread | None = None
@@ -109,10 +123,40 @@ class Arena:
                 self.populate_how = _populate(self.fd, self.mm, self.size, threads or min(8, os.cpu_count() or 1))
             seconds = time.perf_counter() - t0
         self.populated = True
-        log.info("host arena: %s in memfd %d, %s in %.1f s (%s), %s", format_size(self.size), self.fd,
-                 "adopted with its contents" if self.adopted else "populated", seconds, self.populate_how,
-                 "sealed against shrinking and growing" if self.sealed else "NOT sealed (a client could truncate it)")
+        huge, how = self.huge()
+        log.info("host arena: %s in memfd %d, %s in %.1f s (%s), %s; huge pages: %s of it, %s", format_size(self.size),
+                 self.fd, "adopted with its contents" if self.adopted else "populated", seconds, self.populate_how,
+                 "sealed against shrinking and growing" if self.sealed else "NOT sealed (a client could truncate it)",
+                 format_size(huge), how)
         return seconds
+
+    def huge(self) -> tuple[int, str]:
+        """(bytes of the arena in huge pages, how it came to that), measured once populated.
+
+        Huge pages matter to the NVMe tier: a page of 2 MiB is 2 MiB of physically
+        contiguous memory, so one O_DIRECT request of several MiB from or into the arena
+        is a few scatter-gather segments, where 4 KiB pages scattered over RAM cost one
+        each — a drive that takes a bounded number per request (a virtio disk: 254) then
+        gets requests of 1 MiB instead of 4, which halved the throughput measured here
+        (docs/benchmarks.md)."""
+        if self._huge is not None:
+            return self._huge
+        if not self.populated:
+            return 0, "not known yet: the arena is being populated"
+        got = _huge_bytes(self.array) if self.size else 0
+        if self.huge_pages == "hugetlb":
+            how = "hugetlb: reserved huge pages (host_huge_pages = 'hugetlb')"
+        elif self.huge_pages == "off":
+            how = "none: host_huge_pages = 'off'"
+        elif got:
+            how = "transparent huge pages (MADV_HUGEPAGE)"
+        else:
+            text = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+            setting = text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
+            how = (f"none: the kernel gives shared memory no transparent huge pages (shmem_enabled: {setting}); "
+                   "set it to 'advise', or reserve huge pages and use host_huge_pages = 'hugetlb'")
+        self._huge = (got, how)  # (settled: populating is what allocated the pages)
+        return got, how
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view of ``[offset, offset + nbytes)`` (no copy)."""
@@ -173,6 +217,46 @@ def _map(fd: int, size: int, populate: bool = False) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def _hugetlb_page() -> int:
+    """The kernel's default huge page size (``Hugepagesize`` in /proc/meminfo; 2 MiB)."""
+    for line in _read_text("/proc/meminfo").splitlines():
+        if line.startswith("Hugepagesize:"):
+            return int(line.split()[1]) << 10
+    return 2 << 20
+
+
+def _advise_huge(mm: mmap.mmap) -> None:
+    """Ask for transparent huge pages for a mapping (best effort: a kernel or setting that
+    gives none leaves small pages)."""
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as e:
+        log.debug("MADV_HUGEPAGE refused: %s", e)
+
+
+def _huge_bytes(view: np.ndarray) -> int:
+    """Bytes of the mapping that holds ``view`` that are mapped as huge pages (its
+    ``/proc/self/smaps`` entry: transparent huge pages of shared memory, or hugetlb)."""
+    start = view.ctypes.data
+    inside, total = False, 0
+    for line in _read_text("/proc/self/smaps").splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head in ("ShmemPmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:"):
+            total += int(line.split()[1]) << 10
+    return total
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; not in the mmap module before Python 3.13
 _POPULATE_CHUNK = 256 << 20
 
@@ -231,7 +315,10 @@ def detach_mapping(view: np.ndarray, fd: int, *, read_only: bool = False) -> boo
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
     addr = view.ctypes.data
-    got = libc.mmap(addr, view.nbytes, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+    # (MAP_NORESERVE: a private mapping of a hugetlb arena would otherwise reserve a huge page
+    # per page up front, and fail for want of them; without the reservation, a write through a
+    # stale view takes a huge page when it happens, and the process gets SIGBUS if none is free)
+    got = libc.mmap(addr, view.nbytes, prot, mmap.MAP_PRIVATE | _MAP_FIXED | _MAP_NORESERVE, fd, 0)
     if got != addr:
         log.warning("could not detach the arena mapping from the pool: %s", os.strerror(ctypes.get_errno()))
         return False
@@ -239,6 +326,7 @@ def detach_mapping(view: np.ndarray, fd: int, *, read_only: bool = False) -> boo
 
 
 _MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
 _MADV_POPULATE_READ = 22
 _PREFAULT_CHUNK = 64 << 20
 

@@ -167,7 +167,8 @@ class Store:
         try:
             inherited = inherited_fds or {}
             adopt = "arena" in inherited and "index" in inherited
-            self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None, populate=populate_host)
+            self.arena = Arena(cfg.host_bytes, fd=inherited["arena"] if adopt else None, populate=populate_host,
+                               huge_pages=cfg.host_huge_pages)
             self.hostlog = HostIndexLog(inherited["index"] if adopt else None, size=index_bytes_for(self.arena.size))
             # small blocks (staging areas, scalars, biases) from the top, big ones from the bottom
             self.host = ExtentAllocator(self.arena.size, small_bytes=SMALL_BLOCK_BYTES)
@@ -403,6 +404,7 @@ class Store:
         """The store's state; ``namespace_limit``: the first that many namespaces by name
         (``namespaces_total`` says how many there are; ``stat_namespaces`` gives the rest)."""
         namespaces = self.stat_namespaces(limit=namespace_limit)
+        huge = self.arena.huge()
         ix = self.index
         with ix.cv:  # every figure from counters kept as objects change: O(1) in objects
             host_objects, nvme_objects = ix.resident_counts()
@@ -411,7 +413,8 @@ class Store:
                     "host": {"capacity_bytes": self.host.capacity, "used_bytes": self.host.used_bytes,
                              "free_bytes": self.host.free_bytes, "fenced_bytes": self.host.held_bytes,
                              "objects": host_objects,
-                             "pinned": self.host_pinned, "pinned_reason": self.host_pinned_reason},
+                             "pinned": self.host_pinned, "pinned_reason": self.host_pinned_reason,
+                             "huge_page_bytes": huge[0], "huge_pages": huge[1]},
                     "nvme": {"capacity_bytes": self.nvme.capacity_bytes, "used_bytes": self.nvme.used_bytes,
                              "free_bytes": self.nvme.free_bytes, "objects": nvme_objects,
                              "engine": self.engine.name, "engine_reason": self.engine.reason,

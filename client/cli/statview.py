@@ -38,6 +38,8 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     h = tiers.get("host", {})
     if h:
         lines.append(f"        host pinned: {h.get('pinned')} ({h.get('pinned_reason', '')})")
+        if "huge_pages" in h:
+            lines.append(f"        host huge pages: {format_size(h.get('huge_page_bytes', 0))} ({h['huge_pages']})")
     told = [s for s in st.get("sessions", []) if s.get("pinned") is not None]
     if told:
         unpinned = [s for s in told if not s["pinned"]]
