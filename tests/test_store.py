@@ -967,6 +967,39 @@ def test_memory_at_the_drives_dma_alignment_goes_to_the_kernel_without_a_staging
     assert staged == (0 if shift % drive["dio_mem_align"] == 0 else 2 * n), (shift, drive["dio_mem_align"], staged)
 
 
+def test_staging_buffers_are_private_huge_page_aligned_memory(make_store):
+    """The staging buffers of unaligned transfers lie side by side from a 2 MiB boundary of
+    a private mapping advised into transparent huge pages: where the kernel gives private memory
+    any (``enabled`` is ``madvise`` or ``always``), each buffer is a few physically
+    contiguous pieces once it has been used, so a request is not cut at the drive's
+    limit of segments per request."""
+    import re
+
+    s = make_store()
+    drive = s.stat()["tiers"]["nvme"]["drives"][0]
+    if not drive["direct"] or drive["dio_mem_align"] <= 64:
+        pytest.skip("this drive takes ordinary tensors as they are: no staging")
+    n = 8 << 20
+    src = np.random.default_rng(3).integers(0, 256, n + 64, dtype=np.uint8)[64:]  # (not page-aligned)
+    s.get(s.put(src, tier="nvme"), out=np.empty(n + 64, np.uint8)[64:])
+    pool = s.nvme._bounce
+    bufs = [pool.get() for _ in range(pool.count)]
+    for b in bufs:
+        pool.put(b)
+    start = min(b.ctypes.data for b in bufs)
+    assert start % (2 << 20) == 0 and all(b.nbytes == pool.size for b in bufs)
+    assert sorted(b.ctypes.data for b in bufs) == [start + i * pool.size for i in range(pool.count)]
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    smaps = open("/proc/self/smaps").read()
+    entry = next(e for e in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps)
+                 if int(e.split("-", 1)[0], 16) <= start < int(e.split("-", 1)[1].split()[0], 16))
+    huge = int(re.search(r"AnonHugePages:\s+(\d+)", entry).group(1)) << 10
+    if "[never]" in thp:
+        assert huge == 0
+    else:
+        assert huge >= 2 << 20, entry
+
+
 def test_a_host_tier_split_by_a_staging_area_says_it_is_fragmented_not_full(make_store):
     """Free bytes that lie on both sides of a block nothing can move (a connection's
     staging area) cannot hold an object larger than either side: the error says the tier
