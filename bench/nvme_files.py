@@ -23,6 +23,16 @@ into the host tier) against DeepSpeed on identical disk blocks, in rotating orde
     python bench/nvme_files.py --configs 16x16,1x8,4x8 --size 1GiB --rounds 5
     python bench/nvme_files.py --chunks 16,2,1 --size 1GiB --rounds 5
     python bench/nvme_files.py --same-blocks --deepspeed-python ~/ds-venv/bin/python --size 1GiB --rounds 5
+    python bench/nvme_files.py --memory --size 1GiB --rounds 4
+
+``--memory`` leaves the tier out: raw O_DIRECT reads and writes of one file (the
+engine's defaults: 16 requests of 16 MiB in flight, one thread each) from and into
+buffers of each kind of memory a transfer may use — private or shared (a ``memfd``,
+as the host arena is), in 4 KiB pages or huge pages (transparent where the kernel
+gives them; ``hugetlb`` where ``vm.nr_hugepages`` has enough reserved) — alternated
+over rounds, with the drive's limits on a request (``max_segments``,
+``max_sectors_kb``): how much of a transfer's speed comes from its memory being
+physically contiguous (docs/store.md, "Huge pages for the host tier").
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="", help="CHUNK_MIBxTHREADS per store instead, e.g. 16x16,1x8")
     ap.add_argument("--chunks", default="", help="CHUNK_MIB,...: one store, its chunk size alternated")
     ap.add_argument("--same-blocks", action="store_true", help="the tier and DeepSpeed's aio on the same blocks")
+    ap.add_argument("--memory", action="store_true", help="raw O_DIRECT from and into each kind of memory")
     ap.add_argument("--deepspeed-python", default=sys.executable, help="an interpreter where deepspeed imports")
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round")
@@ -65,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     n = parse_size(a.size)
     if a.same_blocks:
         return _same_blocks(a, n)
+    if a.memory:
+        return _memory_kinds(a, n)
     if a.chunks:
         return _same_file(a, n, [int(c) << 20 for c in a.chunks.split(",")])
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")] if a.configs else [None] * a.stores
@@ -258,6 +271,110 @@ def _same_blocks(a: argparse.Namespace, n: int) -> int:
     emit_json({"bench": "nvme_files", "machine": machine(), "size": n, "rounds": a.rounds, "same_blocks": True,
                "cache_dropped": dropped, "results": results})
     return 0
+
+
+def _memory_kinds(a: argparse.Namespace, n: int) -> int:
+    """Raw O_DIRECT of one file from and into each kind of memory, alternated over rounds."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierstore.arena import _read_text
+    from tierstore.units import format_size
+
+    chunk, depth = 16 << 20, 16
+    n = max(chunk, n // chunk * chunk)
+    kinds: dict[str, mmap.mmap] = {}
+    skipped: dict[str, str] = {}
+
+    def touch(m: mmap.mmap) -> mmap.mmap:
+        for off in range(0, n, mmap.PAGESIZE):
+            m[off] = 1
+        return m
+
+    kinds["private, 4 KiB pages"] = touch(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    kinds["private, MADV_HUGEPAGE"] = touch(m)
+    fd = os.memfd_create("nvme-files")
+    os.ftruncate(fd, n)
+    kinds["memfd, 4 KiB pages"] = touch(mmap.mmap(fd, n, flags=mmap.MAP_SHARED))
+    os.close(fd)
+    fd = os.memfd_create("nvme-files")
+    os.ftruncate(fd, n)
+    m = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    kinds["memfd, MADV_HUGEPAGE"] = touch(m)
+    os.close(fd)
+    try:
+        fd = os.memfd_create("nvme-files", os.MFD_HUGETLB)
+        os.ftruncate(fd, n)
+        kinds["memfd, hugetlb"] = touch(mmap.mmap(fd, n, flags=mmap.MAP_SHARED))
+        os.close(fd)
+    except OSError as e:
+        skipped["memfd, hugetlb"] = f"{e.strerror} (reserve huge pages: vm.nr_hugepages)"
+    base = os.path.join(os.path.abspath(a.dir), f"nvme-files-{os.getpid()}")
+    os.makedirs(base)
+    path = os.path.join(base, "raw.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    views = {k: memoryview(m) for k, m in kinds.items()}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+    dropped = True
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            def move(buf: memoryview, write: bool) -> float:
+                t0 = time.perf_counter()
+                io = os.pwritev if write else os.preadv
+                for f in [pool.submit(io, fd, [buf[o:o + chunk]], o) for o in range(0, n, chunk)]:
+                    f.result()
+                return time.perf_counter() - t0
+
+            move(views["private, 4 KiB pages"], True)  # the file's extents written once: the rounds overwrite
+            os.fsync(fd)
+            names = list(kinds)
+            for r in range(a.rounds + 1):
+                k = r % len(names)
+                for name in names[k:] + names[:k]:
+                    w = move(views[name], True)
+                    dropped = drop_caches() and dropped
+                    rd = move(views[name], False)
+                    if r:
+                        times[name].append((w, rd))
+    finally:
+        os.close(fd)
+        shutil.rmtree(base, ignore_errors=True)
+        for v in views.values():
+            v.release()
+    dev = _block_device_of(a.dir)
+    limits = {k: _read_text(f"/sys/block/{dev}/queue/{k}") for k in ("max_segments", "max_segment_size",
+                                                                      "max_sectors_kb")} if dev else {}
+    rows, results = [], []
+    for name, v in times.items():
+        cells, rates = _rates(n, v)
+        rows.append([name, *cells])
+        results.append({"memory": name, **rates})
+    print(f"# nvme_files --memory on {machine()}: {format_size(n)}, {depth} x {format_size(chunk)} O_DIRECT requests "
+          f"in flight, {a.rounds} rounds after a warm-up; drive {dev or '?'} {limits}; transparent huge pages: "
+          f"private {_read_text('/sys/kernel/mm/transparent_hugepage/enabled')!r}, shared "
+          f"{_read_text('/sys/kernel/mm/transparent_hugepage/shmem_enabled')!r}; "
+          f"{'page cache dropped before reads' if dropped else 'page cache NOT dropped (not root)'}")
+    print_table(["memory", "write GB/s", "range", "read GB/s", "range"], rows)
+    for name, why in skipped.items():
+        print(f"# {name}: skipped: {why}")
+    emit_json({"bench": "nvme_files", "machine": machine(), "size": n, "rounds": a.rounds, "memory": True,
+               "queue_limits": limits, "cache_dropped": dropped, "results": results, "skipped": skipped})
+    return 0
+
+
+def _block_device_of(directory: str) -> str | None:
+    """The whole disk under ``directory`` (its sysfs name), for its queue limits."""
+    try:
+        st = os.stat(directory if os.path.exists(directory) else ".")
+        link = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    except OSError:
+        return None
+    if os.path.exists(os.path.join(link, "partition")):
+        link = os.path.dirname(link)
+    return os.path.basename(link) if os.path.isdir(os.path.join(link, "queue")) else None
 
 
 def _put_get(s, old, src, out, what: str) -> tuple[object, float, float, bool]:

@@ -36,8 +36,10 @@ Reported: median step time (vs plain), the training process's peak unique memory
 updates in backward dropped them, and after every step; the sample's time is not part
 of the step's), the daemon's peak resident memory, their
 sum (the node's memory spent on training), the saving against plain as a fraction
-of the optimizer-state bytes, the pool bytes the state takes (1x or 2x), and the disk
-bytes read and written per step. Every tierstore variant must end with the same
+of the optimizer-state bytes, the pool bytes the state takes (1x or 2x), the disk
+bytes read and written per step, and the CPU seconds a step takes (the training
+process's and its daemon's: over the machine's cores, a floor under the step once
+every core is busy, as the disk's time for the step's bytes is another). Every tierstore variant must end with the same
 parameters (DeepSpeed's CPU Adam is another kernel: its losses are compared with
 plain's within a relative tolerance instead). Each
 run fingerprints every parameter after every step (an integer sum of its bits), and
@@ -80,18 +82,31 @@ def after_backward():
     peak = max(peak, uss())
     sampling = time.perf_counter() - t
 
-def record(step, t0, t1, loss):
-    # after a step that began at t0 (forward + backward done at t1): its times once warmed up
-    # (less the sample after backward), its loss, and the memory peak
+def cpu_now():
+    # CPU seconds (user + system) of this process and of the daemon serving it, if any
+    t = os.times()
+    out = t[0] + t[1]
+    if DAEMON:
+        with open(f"/proc/{DAEMON}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+def record(step, t0, t1, loss, c0):
+    # after a step that began at t0 (forward + backward done at t1; CPU c0): its times once
+    # warmed up (less the sample after backward), its loss, its CPU, and the memory peak
     global peak
     dt = time.perf_counter() - t0 - sampling
     losses.append(float(loss))
     if step >= cfg["warmup"]:
         times.append(dt)
         fb_times.append(t1 - t0)
+        cpu_times.append(cpu_now() - c0)
     peak = max(peak, uss())
 
 sampling = 0.0
+cpu_times = []
+DAEMON = None
 """
 """The workers' measures: unique (private) pages in bytes, and one step's figures."""
 
@@ -114,6 +129,7 @@ if cfg["variant"] != "plain":
     opt = offload_optimizer(opt, client, tier=cfg["tier"], prefix="adam", crash_consistent=cfg["crash_consistent"],
                             update_in_backward=cfg["in_backward"], drop_grads=cfg["drop_grads"])
 times, fb_times, peak, sums, losses = [], [], uss(), [], []
+DAEMON = client.stat()["pid"] if client else None
 io0 = None
 x = torch.randn(cfg["batch"], cfg["width"], generator=torch.Generator().manual_seed(1))
 
@@ -124,14 +140,14 @@ def nvme_io():
 for step in range(cfg["warmup"] + cfg["steps"]):
     if step == cfg["warmup"] and client:
         io0 = nvme_io()
-    t0 = time.perf_counter()
+    c0, t0 = cpu_now(), time.perf_counter()
     loss = model(x).square().mean()
     loss.backward()
     t1 = time.perf_counter()
     after_backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    record(step, t0, t1, loss)
+    record(step, t0, t1, loss, c0)
     # a bit-exact fingerprint of every parameter after every step (outside the timing)
     sums.append([int(p.detach().view(torch.int32).sum(dtype=torch.int64)) for p in model.parameters()])
 h = hashlib.sha256()
@@ -140,7 +156,8 @@ for p in model.parameters():
 st = client.stat() if client else None
 io = [(b - a) / cfg["steps"] for a, b in zip(io0, nvme_io())] if client else [0, 0]
 pool = st["namespaces"].get("bench/rank0", {}).get("bytes", 0) if st else 0
-print(json.dumps({"times": times, "fb_times": fb_times, "peak_uss": peak, "digest": h.hexdigest(), "sums": sums,
+print(json.dumps({"times": times, "fb_times": fb_times, "cpu_times": cpu_times, "peak_uss": peak,
+                  "digest": h.hexdigest(), "sums": sums,
                   "losses": losses, "read_per_step": io[0], "written_per_step": io[1], "pool_bytes": pool,
                   "prefetch": st["prefetch"] if st else None, "daemon_pid": st["pid"] if st else None}))
 """
@@ -190,15 +207,16 @@ io0 = None
 for step in range(cfg["warmup"] + cfg["steps"]):
     if step == cfg["warmup"]:
         io0 = disk_io()
-    t0 = time.perf_counter()
+    c0, t0 = cpu_now(), time.perf_counter()
     loss = engine(x).square().mean()
     engine.backward(loss)
     t1 = time.perf_counter()
     after_backward()
     engine.step()
-    record(step, t0, t1, loss)
+    record(step, t0, t1, loss, c0)
 io = [(b - a) / cfg["steps"] for a, b in zip(io0, disk_io())]
-print(json.dumps({"times": times, "fb_times": fb_times, "peak_uss": peak, "digest": None, "sums": None,
+print(json.dumps({"times": times, "fb_times": fb_times, "cpu_times": cpu_times, "peak_uss": peak, "digest": None,
+                  "sums": None,
                   "losses": losses, "read_per_step": io[0], "written_per_step": io[1], "pool_bytes": 0,
                   "prefetch": None, "daemon_pid": None, "deepspeed": deepspeed.__version__}))
 """
@@ -353,6 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
         again = run("plain", cfg, state_bytes, base)
     med = {v: sorted(r["times"])[len(r["times"]) // 2] for v, r in results.items()}
+    cpu = {v: sorted(r["cpu_times"])[len(r["cpu_times"]) // 2] for v, r in results.items()}
+    cores = os.cpu_count() or 1
     fwd_bwd = sorted(plain["fb_times"])[len(plain["fb_times"]) // 2]
     rows, out_rows = [], []
     for v, r in results.items():
@@ -367,6 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
                "saving_of_state": saving,
                "read_per_step": r["read_per_step"], "written_per_step": r["written_per_step"],
                "disk_s_per_step": disk_s, "disk_vs_plain": None if disk_s is None else disk_s / med["plain"],
+               "cpu_s_per_step": cpu[v], "cpu_floor_vs_plain": cpu[v] / cores / med["plain"],
                "pool_bytes": r["pool_bytes"], "pool_vs_state": r["pool_bytes"] / state_bytes,
                "loss_rel_gap": gap, "losses_close": gap <= LOSS_RTOL,
                "identical": None if r["sums"] is None else diverged[v] is None, "diverged_at": diverged[v],
@@ -377,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append([v, f"{med[v]:.2f}", f"{row['step_vs_plain']:.2f}", f"{r['peak_uss'] / 2**30:.2f}",
                      f"{r['daemon_peak_rss'] / 2**30:.2f}", f"{node / 2**30:.2f}", f"{saving * 100:.0f}%",
                      f"{r['pool_bytes'] / state_bytes:.2f}", f"{moved / 2**30:.2f}", *(["-", "-"] if disk_s is None else [f"{disk_s:.2f}", f"{disk_s / med['plain']:.2f}"]),
+                     f"{cpu[v]:.2f}", f"{row['cpu_floor_vs_plain']:.2f}",
                      _same(row),
                      "-" if row["hit_rate"] is None else f"{row['hit_rate'] * 100:.1f}%"])
     print(f"# train_offload: {args.layers} x Linear({args.width}) = {n_params / 1e6:.0f}M params, AdamW state "
@@ -386,8 +408,11 @@ def main(argv: list[str] | None = None) -> dict:
             "for a step's NVMe bytes, a floor under that variant's step however well they overlap the compute"
             if mixed_gbps else f"{base} does not take O_DIRECT: disk time not measured")
     print(f"# plain: forward+backward {fwd_bwd:.2f} s, optimizer {med['plain'] - fwd_bwd:.2f} s per step; {disk}")
+    print(f"# 'cpu s': CPU seconds a step takes, the training process's and its daemon's together; 'cpu/plain':"
+          f" that over {cores} cores, in plain steps: a floor under the step where the cores are all busy")
     print_table(["variant", "step s", "vs plain", "proc GiB", "daemon GiB", "node GiB", "saved/state",
-                 "pool/state", "moved GiB/step", "disk s", "disk/plain", "same", "hit rate"], rows)
+                 "pool/state", "moved GiB/step", "disk s", "disk/plain", "cpu s", "cpu/plain", "same", "hit rate"],
+                rows)
     for v, why in skipped.items():
         print(f"# {v}: skipped: {why}")
     if again is not None:

@@ -42,6 +42,10 @@ def test_nvme_files_smoke(tmp_path):
     out = _run("nvme_files.py", "--quick", "--chunks", "2,1", "--dir", str(tmp_path), cwd=tmp_path)
     assert out["same_file"] and {(r["source"], r["chunk"]) for r in out["results"]} == {
         (k, c << 20) for k in ("unaligned", "page-aligned") for c in (2, 1)}
+    out = _run("nvme_files.py", "--quick", "--memory", "--dir", str(tmp_path), cwd=tmp_path)
+    kinds = {r["memory"] for r in out["results"]}
+    assert out["memory"] and {"private, 4 KiB pages", "memfd, MADV_HUGEPAGE"} <= kinds
+    assert len(kinds) + len(out["skipped"]) == 5 and all(min(r["get_gbps"]) > 0 for r in out["results"])
 
 
 def test_latency_smoke(tmp_path):
@@ -104,9 +108,9 @@ OURS = ["plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+p
 
 @pytest.mark.parametrize("variants", [
     # one of each kind: host tier crash-consistent, NVMe without prefetch, NVMe with prefetch
-    # and the update in backward, the host tier updating in backward and dropping gradients; every
-    # variant runs under the ``slow`` marker
-    pytest.param(["plain", "host-2v", "nvme", "nvme+prefetch+bwd", "host+bwd+drop"], id="one-of-each-kind"),
+    # and the update in backward, the host tier updating in backward and dropping gradients (the
+    # NVMe one with its daemon's arena in 4 KiB pages); every variant runs under the ``slow`` marker
+    pytest.param(["plain", "host-2v", "nvme+4k", "nvme+prefetch+bwd", "host+bwd+drop"], id="one-of-each-kind"),
     pytest.param(OURS, marks=pytest.mark.slow, id="every-variant"),
 ])
 def test_train_offload_smoke(tmp_path, variants):
@@ -133,6 +137,7 @@ def test_train_offload_smoke(tmp_path, variants):
               if r["variant"] in ours and (not r["identical"] or r["diverged_at"] is not None)]
     assert not differ and out["plain_reproduced"] is None, (differ, out["plain_reproduced"])
     by = {r["variant"]: r for r in out["results"]}
+    assert all(r["cpu_s_per_step"] > 0 for r in out["results"])
     assert all(by[v]["losses_close"] for v in peer)  # DeepSpeed's Adam kernel: close, not bit-identical
     # the pool holds the state once (single-version) or twice (crash-consistent), and a little more (progress)
     for v, versions in (("host", 1), ("host-2v", 2), ("host+bwd", 1), ("host+bwd+drop", 1), ("nvme+prefetch", 2),
