@@ -332,8 +332,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--deepspeed-python", default=sys.executable,
                    help="the interpreter of an environment with deepspeed, for the deepspeed variant (default: "
                         "this one; docs/benchmarks.md#deepspeed)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every variant this many times, in a rotated order each round; step time, ratio "
+                        "to plain (per round) and CPU are medians over the rounds (default 1)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not 0 < args.nvme_budget <= 1:
         p.error("--nvme-budget must be in (0, 1]")
     variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
@@ -358,11 +363,16 @@ def main(argv: list[str] | None = None) -> dict:
             variants.remove("deepspeed")
     # the ceiling for moving state: this disk reading and writing at once
     mixed_gbps = disk_mixed_gbps(base, 64 << 20 if args.quick else 256 << 20)
-    results = {}
-    for v in variants:
-        results[v] = run(v, cfg, state_bytes, base)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for k in range(args.rounds):
+        # rotated each round: on a machine whose speed drifts, no variant always runs first
+        for v in variants[k % len(variants):] + variants[:k % len(variants)]:
+            runs[v].append(run(v, cfg, state_bytes, base))
+    results = {v: r[0] for v, r in runs.items()}
     plain = results["plain"]
-    diverged = {v: divergence(plain, r) for v, r in results.items()}
+    # every run of every variant against the first plain run
+    diverged = {v: next((d for d in (divergence(plain, x) for x in r) if d is not None), None)
+                for v, r in runs.items()}
     again = None
     if any(d is not None for d in diverged.values()):
         # plain AdamW on CPU is not always bit-reproducible from one process to the next
@@ -370,8 +380,13 @@ def main(argv: list[str] | None = None) -> dict:
         print("# a variant differs from plain: running plain again to see whether plain reproduces itself",
               flush=True)
         again = run("plain", cfg, state_bytes, base)
-    med = {v: sorted(r["times"])[len(r["times"]) // 2] for v, r in results.items()}
-    cpu = {v: sorted(r["cpu_times"])[len(r["cpu_times"]) // 2] for v, r in results.items()}
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    per_round = {v: [median(x["times"]) for x in r] for v, r in runs.items()}
+    med = {v: median(t) for v, t in per_round.items()}
+    ratio = {v: median([t / p for t, p in zip(per_round[v], per_round["plain"])]) for v in runs}
+    cpu = {v: median([median(x["cpu_times"]) for x in r]) for v, r in runs.items()}
     cores = os.cpu_count() or 1
     fwd_bwd = sorted(plain["fb_times"])[len(plain["fb_times"]) // 2]
     rows, out_rows = [], []
@@ -382,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
         moved = r["read_per_step"] + r["written_per_step"]
         disk_s = moved / (mixed_gbps * 1e9) if mixed_gbps else None
         gap = loss_gap(plain, r)
-        row = {"variant": v, "step_s": med[v], "step_vs_plain": med[v] / med["plain"], "peak_uss": r["peak_uss"],
+        row = {"variant": v, "step_s": med[v], "step_vs_plain": ratio[v], "step_s_rounds": per_round[v],
+               "peak_uss": r["peak_uss"],
                "daemon_peak_rss": r["daemon_peak_rss"], "host_bytes": r["host_bytes"], "node_bytes": node,
                "saving_of_state": saving,
                "read_per_step": r["read_per_step"], "written_per_step": r["written_per_step"],
@@ -403,7 +419,12 @@ def main(argv: list[str] | None = None) -> dict:
                      "-" if row["hit_rate"] is None else f"{row['hit_rate'] * 100:.1f}%"])
     print(f"# train_offload: {args.layers} x Linear({args.width}) = {n_params / 1e6:.0f}M params, AdamW state "
           f"{state_bytes / 2**30:.2f} GiB, batch {args.batch}, {args.steps} steps after {args.warmup} warm-up; "
-          f"prefetch budget {args.nvme_budget:.0%} of the host tier (nvme variants); {machine()}")
+          f"prefetch budget {args.nvme_budget:.0%} of the host tier (nvme variants); {args.rounds} round(s), "
+          f"variants rotated each round (step s: median over rounds; vs plain: the median of each round's ratio); "
+          f"{machine()}")
+    if args.rounds > 1:
+        print("# step s per round: " + "; ".join(f"{v} " + " ".join(f"{t:.2f}" for t in per_round[v])
+                                                   for v in runs))
     disk = (f"disk {mixed_gbps:.2f} GB/s reading and writing at once (O_DIRECT): 'disk s' is the time it needs "
             "for a step's NVMe bytes, a floor under that variant's step however well they overlap the compute"
             if mixed_gbps else f"{base} does not take O_DIRECT: disk time not measured")
@@ -422,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         "(torch itself is not reproducible here)"))
     if args.png:
         plot(out_rows, args.png)
-    out = {"bench": "train_offload", "params": n_params, "state_bytes": state_bytes, "machine": machine(),
+    out = {"bench": "train_offload", "rounds": args.rounds, "params": n_params, "state_bytes": state_bytes, "machine": machine(),
            "disk_mixed_gbps": mixed_gbps, "plain_fwd_bwd_s": fwd_bwd, "nvme_budget": args.nvme_budget,
            "results": out_rows, "skipped": skipped,
            "plain_reproduced": None if again is None else divergence(plain, again) is None}

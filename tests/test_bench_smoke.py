@@ -272,3 +272,12 @@ def test_instructions_smoke(tmp_path):
     # (at 40 requests the per-request figure is within the start's noise: only that each daemon was counted)
     for side in ("before", "now"):
         assert all(total > 10**8 for total in row[side]["runs_main"])
+
+
+def test_train_offload_rounds_smoke(tmp_path):
+    """``--rounds 2``: every variant twice, in a rotated order; the step time a median over
+    the rounds, each round's own figures kept."""
+    out = _run("train_offload.py", "--quick", "--rounds", "2", "--variants", "plain,host", "--dir", str(tmp_path),
+               cwd=tmp_path)
+    assert out["rounds"] == 2 and [r["variant"] for r in out["results"]] == ["plain", "host"]
+    assert all(len(r["step_s_rounds"]) == 2 and r["identical"] for r in out["results"])
