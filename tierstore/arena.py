@@ -122,8 +122,9 @@ class Arena:
             if self.size and not self.populated:
                 self.populate_how = _populate(self.fd, self.mm, self.size, threads or min(8, os.cpu_count() or 1))
             seconds = time.perf_counter() - t0
+        self._huge = self._measure_huge()  # (populating is what allocated the pages; before stat can ask)
         self.populated = True
-        huge, how = self.huge()
+        huge, how = self._huge
         log.info("host arena: %s in memfd %d, %s in %.1f s (%s), %s; huge pages: %s of it, %s", format_size(self.size),
                  self.fd, "adopted with its contents" if self.adopted else "populated", seconds, self.populate_how,
                  "sealed against shrinking and growing" if self.sealed else "NOT sealed (a client could truncate it)",
@@ -139,24 +140,20 @@ class Arena:
         each — a drive that takes a bounded number per request (a virtio disk: 254) then
         gets requests of 1 MiB instead of 4, which halved the throughput measured here
         (docs/benchmarks.md)."""
-        if self._huge is not None:
-            return self._huge
-        if not self.populated:
-            return 0, "not known yet: the arena is being populated"
-        got = _huge_bytes(self.array) if self.size else 0
-        if self.huge_pages == "hugetlb":
-            how = "hugetlb: reserved huge pages (host_huge_pages = 'hugetlb')"
-        elif self.huge_pages == "off":
-            how = "none: host_huge_pages = 'off'"
-        elif got:
-            how = "transparent huge pages (MADV_HUGEPAGE)"
-        else:
-            text = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-            setting = text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
-            how = (f"none: the kernel gives shared memory no transparent huge pages (shmem_enabled: {setting}); "
-                   "set it to 'advise', or reserve huge pages and use host_huge_pages = 'hugetlb'")
-        self._huge = (got, how)  # (settled: populating is what allocated the pages)
-        return got, how
+        return self._huge or (0, "not known yet: the arena is being populated")
+
+    def _measure_huge(self) -> tuple[int, str]:
+        thp, hugetlb = _huge_bytes(self.array) if self.size else (0, 0)
+        if hugetlb:  # (an arena handed back keeps the pages it had, whatever this start asked)
+            return hugetlb, "hugetlb: reserved huge pages"
+        if thp:
+            return thp, "transparent huge pages (MADV_HUGEPAGE)"
+        if self.huge_pages == "off":
+            return 0, "none: host_huge_pages = 'off'"
+        text = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        setting = text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
+        return 0, (f"none: the kernel gives shared memory no transparent huge pages (shmem_enabled: {setting}); "
+                     "set it to 'advise', or reserve huge pages and use host_huge_pages = 'hugetlb'")
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view of ``[offset, offset + nbytes)`` (no copy)."""
@@ -234,19 +231,21 @@ def _advise_huge(mm: mmap.mmap) -> None:
         log.debug("MADV_HUGEPAGE refused: %s", e)
 
 
-def _huge_bytes(view: np.ndarray) -> int:
-    """Bytes of the mapping that holds ``view`` that are mapped as huge pages (its
-    ``/proc/self/smaps`` entry: transparent huge pages of shared memory, or hugetlb)."""
+def _huge_bytes(view: np.ndarray) -> tuple[int, int]:
+    """Bytes of the mapping that holds ``view`` mapped as transparent huge pages of shared
+    memory, and as hugetlb pages (its ``/proc/self/smaps`` entry)."""
     start = view.ctypes.data
-    inside, total = False, 0
+    inside, thp, hugetlb = False, 0, 0
     for line in _read_text("/proc/self/smaps").splitlines():
         head = line.split(maxsplit=1)[0] if line else ""
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= start < hi
-        elif inside and head in ("ShmemPmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:"):
-            total += int(line.split()[1]) << 10
-    return total
+        elif inside and head == "ShmemPmdMapped:":
+            thp += int(line.split()[1]) << 10
+        elif inside and head in ("Shared_Hugetlb:", "Private_Hugetlb:"):
+            hugetlb += int(line.split()[1]) << 10
+    return thp, hugetlb
 
 
 def _read_text(path: str) -> str:
