@@ -184,7 +184,8 @@ def test_the_arena_asks_for_transparent_huge_pages_and_says_what_it_got():
         got, how = a.huge()
         setting = _shmem_thp_setting()
         if setting in ("always", "within_size", "advise", "force"):
-            assert got > 0 and "transparent huge pages" in how
+            # (the kernel may have no free 2 MiB of contiguous memory to give: then it says so)
+            assert (got > 0 and "transparent huge pages" in how) or (got == 0 and "too fragmented" in how), how
         else:
             assert got == 0 and f"shmem_enabled: {setting}" in how and "hugetlb" in how
         assert off.huge() == (0, "none: host_huge_pages = 'off'")

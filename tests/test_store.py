@@ -979,6 +979,11 @@ def test_staging_buffers_are_private_huge_page_aligned_memory(make_store):
     drive = s.stat()["tiers"]["nvme"]["drives"][0]
     if not drive["direct"] or drive["dio_mem_align"] <= 64:
         pytest.skip("this drive takes ordinary tensors as they are: no staging")
+    def fallbacks() -> int:  # huge-page faults the kernel could not serve, for want of contiguous memory
+        stat = dict(line.split() for line in open("/proc/vmstat"))
+        return int(stat.get("thp_fault_fallback", 0))
+
+    before = fallbacks()
     n = 8 << 20
     src = np.random.default_rng(3).integers(0, 256, n + 64, dtype=np.uint8)[64:]  # (not page-aligned)
     s.get(s.put(src, tier="nvme"), out=np.empty(n + 64, np.uint8)[64:])
@@ -997,7 +1002,7 @@ def test_staging_buffers_are_private_huge_page_aligned_memory(make_store):
     if "[never]" in thp:
         assert huge == 0
     else:
-        assert huge >= 2 << 20, entry
+        assert huge >= 2 << 20 or fallbacks() > before, entry
 
 
 def test_a_host_tier_split_by_a_staging_area_says_it_is_fragmented_not_full(make_store):

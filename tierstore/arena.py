@@ -152,8 +152,11 @@ class Arena:
             return 0, "none: host_huge_pages = 'off'"
         text = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
         setting = text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
+        if setting in _SHMEM_THP_ON:
+            return 0, (f"none: shmem_enabled ({setting}) allows them, but the kernel had no free huge pages to "
+                       "give (memory too fragmented); reserve huge pages and use host_huge_pages = 'hugetlb'")
         return 0, (f"none: the kernel gives shared memory no transparent huge pages (shmem_enabled: {setting}); "
-                     "set it to 'advise', or reserve huge pages and use host_huge_pages = 'hugetlb'")
+                   "set it to 'advise', or reserve huge pages and use host_huge_pages = 'hugetlb'")
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """A uint8 view of ``[offset, offset + nbytes)`` (no copy)."""
@@ -212,6 +215,10 @@ def _map(fd: int, size: int, populate: bool = False) -> mmap.mmap:
         return mmap.mmap(-1, PAGE)
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+_SHMEM_THP_ON = ("always", "within_size", "advise", "force")
+"""The ``shmem_enabled`` settings under which an arena that asks gets transparent huge pages."""
 
 
 def _hugetlb_page() -> int:
