@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{state_bytes / 2**30:.2f} GiB, batch {args.batch}, {args.steps} steps after {args.warmup} warm-up; "
           f"prefetch budget {args.nvme_budget:.0%} of the host tier (nvme variants); {args.rounds} round(s), "
           f"variants rotated each round (step s: median over rounds; vs plain: the median of each round's ratio); "
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')} (every variant's process inherits it); "
           f"{machine()}")
     if args.rounds > 1:
         print("# step s per round: " + "; ".join(f"{v} " + " ".join(f"{t:.2f}" for t in per_round[v])
@@ -443,7 +444,8 @@ def main(argv: list[str] | None = None) -> dict:
                                         "(torch itself is not reproducible here)"))
     if args.png:
         plot(out_rows, args.png)
-    out = {"bench": "train_offload", "rounds": args.rounds, "params": n_params, "state_bytes": state_bytes, "machine": machine(),
+    out = {"bench": "train_offload", "rounds": args.rounds, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "params": n_params, "state_bytes": state_bytes, "machine": machine(),
            "disk_mixed_gbps": mixed_gbps, "plain_fwd_bwd_s": fwd_bwd, "nvme_budget": args.nvme_budget,
            "results": out_rows, "skipped": skipped,
            "plain_reproduced": None if again is None else divergence(plain, again) is None}
