@@ -53,6 +53,12 @@ _SLOTS = 64
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
 
+_PART_MIN = 64 << 20
+"""A put at least this large, whose commit writes to NVMe, is copied into the arena in
+pieces the daemon begins writing as they land (``put_part``)."""
+_PART_BYTES = 32 << 20
+"""The size of those pieces."""
+
 _NEEDS = frozenset({"ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"})
 """What this client asks of the daemon beyond the protocol version (``hello``'s
 ``features``): a daemon without one of them is refused at connect, so no call has to
@@ -157,6 +163,12 @@ def _log_hint_error(fut: Future) -> None:
 def _log_release_error(fut: Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("check-in failed: %s", fut.exception())
+
+
+def _log_part_error(fut: Future) -> None:
+    # (a hint: the commit writes whatever it did not, and reports its own errors)
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("put_part failed: %s", fut.exception())
 
 
 def _spec_of(r: dict[str, Any]) -> TensorSpec:
@@ -292,11 +304,26 @@ class Client:
         try:
             if spec.nbytes:
                 # the reservation makes this block ours until commit
-                self._arena[r["offset"]:r["offset"] + spec.nbytes] = u8
+                self._fill(r, u8, early=(tier == "nvme" or durable) and "parts" in self.server.get("features", ()))
         except BaseException:
             self._conn.submit("put_abort", rid=r["rid"])
             raise
         return Handle.parse(self._conn.request("put_commit", rid=r["rid"])["handle"])
+
+    def _fill(self, r: dict[str, Any], u8: np.ndarray, *, early: bool) -> None:
+        """Copy a put's bytes into its reserved block. With ``early`` (an object its commit
+        writes to NVMe) and a large one, piece by piece, each piece announced with
+        ``put_part`` (not waited for): the daemon writes what is there to NVMe while the
+        rest is copied, so the commit has only the last piece to write."""
+        off, n = r["offset"], u8.nbytes
+        if not early or n < _PART_MIN:
+            self._arena[off:off + n] = u8
+            return
+        for start in range(0, n, _PART_BYTES):
+            end = min(start + _PART_BYTES, n)
+            self._arena[off + start:off + end] = u8[start:end]
+            if end < n:
+                self._conn.submit("put_part", rid=r["rid"], upto=end).add_done_callback(_log_part_error)
 
     def get(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Any:
         """A new CPU tensor (copy), or the bytes copied into ``out`` (CPU or CUDA).

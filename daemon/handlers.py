@@ -187,7 +187,8 @@ class Handlers:
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.daemon.gpu_reason,
-                "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"]}
+                "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns",
+                             "parts"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -248,6 +249,11 @@ class Handlers:
     def put_commit(self, sess: "Session", msg: dict[str, Any]) -> Any:
         rid = field(msg, "rid", int, min_value=0)
         return _answer(self.store.daemon.try_commit_put(rid, owner=sess), _handle_reply)
+
+    def put_part(self, sess: "Session", msg: dict[str, Any]) -> Any:
+        rid = field(msg, "rid", int, min_value=0)
+        upto = field(msg, "upto", int, min_value=1)
+        return _answer(self.store.daemon.fill_put(rid, upto, owner=sess), lambda sent: {"sent": sent or 0})
 
     def put_abort(self, sess: "Session", msg: dict[str, Any]) -> Any:
         self.store.daemon.abort_put(field(msg, "rid", int, min_value=0), owner=sess)

@@ -105,6 +105,44 @@ class Raw:
         self.s.close()
 
 
+def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
+    """``put_part`` (a reservation's first bytes are filled: the daemon may begin writing
+    them to NVMe) from a raw client: values out of range or of the wrong type, another
+    connection's reservation, a host-tier one, one already committed are typed errors or
+    nothing to do; what the early writes took on NVMe comes back when the reservation is
+    aborted or its connection goes, and a committed object holds only its own bytes."""
+    n = 8 << 20
+    nvme = lambda: victim.stat()["tiers"]["nvme"]["used_bytes"]  # noqa: E731
+    used0 = nvme()
+    a, b = Raw(daemon, ns), Raw(daemon, ns)
+    try:
+        reserve = lambda **kw: a.call("put_reserve", kind="numpy", dtype="uint8", shape=[n], nbytes=n,  # noqa: E731
+                                      **kw)["ok"]["rid"]
+        rid = reserve(tier="nvme")
+        for upto in (0, -1, n + 1, 2**64 - 1, "x", None, 1.5, [1]):
+            assert a.err("put_part", rid=rid, upto=upto) == "InvalidArgument"
+        assert a.err("put_part", upto=1) == "InvalidArgument"
+        assert b.err("put_part", rid=rid, upto=n) == "NotFound"
+        assert a.err("put_part", rid=rid + 10**6, upto=1) == "NotFound"
+        assert a.call("put_part", rid=rid, upto=n // 2)["ok"]["sent"] > 0
+        assert a.call("put_part", rid=rid, upto=n // 2)["ok"]["sent"] == 0  # (sent already)
+        assert nvme() == used0 + n  # the object's extents, taken early
+        assert "ok" in a.call("put_abort", rid=rid)
+        assert nvme() == used0
+        assert a.call("put_part", rid=reserve(tier="host"), upto=n)["ok"]["sent"] == 0  # nothing to write early
+        rid = reserve(tier="nvme", durable=True)
+        a.call("put_part", rid=rid, upto=n - 1)
+        h = a.call("put_commit", rid=rid)["ok"]["handle"]
+        assert a.err("put_part", rid=rid, upto=n) == "NotFound"
+        assert nvme() == used0 + n
+        assert "ok" in a.call("free", handle=h)
+        a.call("put_part", rid=reserve(tier="nvme"), upto=n // 2)  # left open: the connection goes
+    finally:
+        a.close()
+        b.close()
+    poll_until(lambda: nvme() == used0, "the NVMe space of parts left open to come back")
+
+
 def test_nan_timeouts_are_refused_not_waited_on_forever(daemon, victim, ns):
     """NaN passes every bound check (``nan > 86400`` is false): a check-out with
     ``timeout_s`` NaN behind a held lease never ended, and a put's ``wait_s`` NaN was

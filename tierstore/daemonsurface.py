@@ -80,6 +80,10 @@ class DaemonSurface:
         (the daemon is stopping; ``Store.close`` would do it too, after the replies are gone)."""
         self.puts.close()
 
+    def fill_put(self, rid: int, upto: int, *, owner: Any) -> Later | None:
+        """``Puts.fill``: the reservation's first ``upto`` bytes are there to write early."""
+        return self.puts.fill(rid, upto, owner=owner)
+
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
         self.puts.abort(rid, owner=owner)
 

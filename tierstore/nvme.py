@@ -11,7 +11,8 @@ warning, and growth in steps). Reads never grow a file. What to place here, and
 when, is the store's policy; this module only moves bytes.
 
 Length: the data files, their growth, and the read and write paths (single, batched,
-through staging buffers for memory the drive cannot DMA from as it is) share one set
+begun before all the bytes are there, through staging buffers for memory the drive
+cannot DMA from as it is) share one set
 of rules for chunks, alignment and checksums; they are kept together so those rules are written once.
 """
 
@@ -37,7 +38,7 @@ from .files import open_own, refuse_link
 from .groupsync import GroupSync
 from .units import PAGE, align_up
 
-__all__ = ["Extent", "NvmeTier", "DATA_FILE", "LOCK_FILE"]
+__all__ = ["Extent", "NvmeTier", "PartialWrite", "DATA_FILE", "LOCK_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -585,6 +586,57 @@ class NvmeTier:
         return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason, "dio_mem_align": d.mem_align,
                  "capacity_bytes": d.alloc.capacity, "used_bytes": d.alloc.used_bytes,
                  "file_bytes": d.file_size, "reserved": d.file_size >= d.alloc.capacity} for d in self.drives]
+
+
+class PartialWrite:
+    """A write of one object to its extents begun before all its bytes are there (a put
+    through the daemon whose client is still copying into the arena): ``advance(filled)``
+    sends every chunk that lies wholly below ``filled`` to the engine's workers, which
+    checksum and write it; ``finish`` sends the rest and waits for all, returning the
+    CRC32Cs; ``cancel`` sends nothing more and waits for what went out (the extents may
+    then be reused: no request of this write is left to land in them)."""
+
+    def __init__(self, tier: "NvmeTier", extents: list[Extent], src: np.ndarray, padded: np.ndarray | None) -> None:
+        self.tier, self.extents, self.src, self.padded = tier, extents, src, padded
+        self.chunks = sorted(tier._chunks(extents), key=lambda c: c[1])
+        self.crcs = [0] * (-(-src.nbytes // BLOCK_BYTES))
+        self.futures: list[Future] = []
+        self.sent = 0  # chunks handed to the engine
+        self.sent_bytes = 0
+        self._lock = threading.Lock()
+
+    def advance(self, filled: int) -> int:
+        """Send the chunks wholly below ``filled``; the bytes sent by this call."""
+        with self._lock:
+            before = self.sent_bytes
+            while self.sent < len(self.chunks):
+                e, off, n = self.chunks[self.sent]
+                if off + n > filled:
+                    break
+                self.futures.append(self.tier.engine.submit(self.tier._write_chunk, e, off, n, self.src,
+                                                            self.padded, self.crcs))
+                self.sent += 1
+                self.sent_bytes += n
+            return self.sent_bytes - before
+
+    def finish(self, *, sync: bool) -> list[int]:
+        """Send what is left, wait for every chunk (raising the first failure), sync the
+        drives written if asked; the object's CRC32Cs."""
+        self.advance(self.src.nbytes)
+        self.tier._gather(self.futures, self.extents)
+        if sync:
+            self.tier.sync_drives({e.dev for e in self.extents})
+        self.tier.bytes_written += self.src.nbytes
+        return self.crcs
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.sent = len(self.chunks)
+        for f in self.futures:
+            try:
+                f.result()
+            except BaseException:  # (the write is abandoned: its errors go with it)
+                pass
 
 
 def _pwritev_all(fd: int, bufs: list[np.ndarray], offset: int) -> None:

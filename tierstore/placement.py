@@ -24,6 +24,7 @@ its only doors. Split, one set of space invariants would spread over several fil
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -38,7 +39,7 @@ from .config import StoreConfig
 from .errors import CapacityExceeded, InvalidArgument, TierstoreError
 from .gpu import GpuTier, loc_device
 from .index import Handle, ObjectMeta
-from .nvme import NvmeTier
+from .nvme import NvmeTier, PartialWrite
 from .objectindex import ObjectIndex
 from .waits import waits_since
 from .policy import EvictionPolicy, GpuOrder
@@ -90,6 +91,8 @@ class Placement:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-prefetch")
         self.discards = DiscardQueue(index)
         self.demoter = Demoter(self, lambda: index.closed)
+        self._early: dict[int, PartialWrite] = {}  # object id -> its write begun before its commit
+        self._early_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the background demoter (once the index is recovered)."""
@@ -465,10 +468,65 @@ class Placement:
                     m.moving = False
                 ix.cv.notify_all()
 
+    # -- writes begun before a commit ----------------------------------------------------
+    def write_early(self, meta: ObjectMeta, filled: int, still_open: Callable[[], bool]) -> int:
+        """(a worker) The first ``filled`` bytes of a reserved object's host block are there:
+        begin writing them to NVMe extents taken for it now (its commit's write then has
+        only the rest to do). ``still_open()`` (called under the index lock) says the
+        reservation is neither committing nor dropped; otherwise nothing is begun. The
+        bytes sent to the drives by this call."""
+        with self._early_lock:
+            pw = self._early.get(meta.id)
+        if pw is None:
+            extents = self.nvme_take(meta.nbytes, demoting=False)
+            src = self.arena.view(meta.host_off, meta.nbytes)
+            pw = PartialWrite(self.nvme, extents, src, self.arena.view(meta.host_off, align_up(meta.nbytes, PAGE)))
+            with self.index.cv, self._early_lock:
+                other = self._early.get(meta.id)
+                if other is None and still_open():
+                    self._early[meta.id] = pw
+            if self._early.get(meta.id) is not pw:  # another call began it, or the reservation went
+                self.nvme.free(extents)
+                with self._early_lock:
+                    pw = self._early.get(meta.id)
+                if pw is None:
+                    return 0
+        sent = pw.advance(filled)
+        with self.index.cv:
+            self.counters["put_early_bytes"] += sent
+        return sent
+
+    def _early_take(self, meta: ObjectMeta) -> PartialWrite | None:
+        with self._early_lock:
+            return self._early.pop(meta.id, None)
+
+    def cancel_early(self, meta: ObjectMeta) -> None:
+        """A reservation dropped: its write begun early ends (waited for) and its extents go."""
+        pw = self._early_take(meta)
+        if pw is not None:
+            pw.cancel()
+            self.nvme.free(pw.extents)
+
     def write_down(self, meta: ObjectMeta, *, sync: bool, demoting: bool = False) -> None:
         """Write the host copy of ``meta`` to fresh NVMe extents (meta.moving is set by the
-        caller; ``demoting``: to free its host block, see ``nvme_take``)."""
+        caller; ``demoting``: to free its host block, see ``nvme_take``); a write begun
+        before the commit (``write_early``) is finished instead."""
         n = meta.nbytes
+        pw = self._early_take(meta)
+        if pw is not None:
+            extents = pw.extents
+            try:
+                crcs = pw.finish(sync=sync)
+            except BaseException:
+                pw.cancel()
+                self.nvme.free(extents)
+                raise
+            with self.index.cv:
+                old = meta.nvme
+                meta.nvme, meta.crcs, meta.nvme_valid = extents, crcs, True
+            if old:
+                self.nvme.free(old)
+            return
         extents = self.nvme_take(n, demoting=demoting)
         try:
             if n:
@@ -501,18 +559,31 @@ class Placement:
         object's bytes written to fresh NVMe extents, then one sync per drive written to;
         per commit its ``Landing``, or the error that failed it. A failed sync fails every
         commit of the batch (none of them is published; their extents go back)."""
-        out: list[Landing | Exception] = []
+        out: list[Landing | Exception | None] = [None] * len(puts)
+        written = []
+        rest = []
+        for i, (meta, tier) in enumerate(puts):
+            pw = self._early_take(meta)
+            if pw is None:
+                rest.append(i)
+                continue
+            try:  # begun before its commit (``write_early``): finished here, synced with the batch
+                written.append((i, meta, pw.extents, pw.finish(sync=False)))
+                out[i] = Landing(self, meta, tier, None)
+            except Exception as e:
+                pw.cancel()
+                self.nvme.free(pw.extents)
+                out[i] = e
         taken: list[tuple[int, ObjectMeta, list]] = []
-        for (meta, tier), ext in zip(puts, self.nvme_take_many([m.nbytes for m, _ in puts])):
+        for i, ext in zip(rest, self.nvme_take_many([puts[i][0].nbytes for i in rest])):
             if isinstance(ext, Exception):  # this commit fails; the others go on
-                out.append(ext)
+                out[i] = ext
             else:
-                taken.append((len(out), meta, ext))
-                out.append(Landing(self, meta, tier, None))
+                taken.append((i, puts[i][0], ext))
+                out[i] = Landing(self, puts[i][0], puts[i][1], None)
         views = self.arena.view
         crcs = self.nvme.write_many([(ext, views(m.host_off, m.nbytes), views(m.host_off, align_up(m.nbytes, PAGE)))
                                      if m.nbytes else (ext, np.empty(0, np.uint8), None) for _, m, ext in taken])
-        written = []
         for (i, meta, extents), c in zip(taken, crcs):
             if isinstance(c, Exception):
                 out[i] = c

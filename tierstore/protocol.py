@@ -40,7 +40,7 @@ PAGE_BYTES = 256 << 10
 """About how much one page of a listing (``keys``, ``ls``, ``namespaces``) holds."""
 
 OPS = frozenset({
-    "hello", "put_reserve", "put_commit", "put_abort", "get", "checkout", "checkout_many", "checkout_each",
+    "hello", "put_reserve", "put_part", "put_commit", "put_abort", "get", "checkout", "checkout_many", "checkout_each",
     "release",
     "release_many", "free", "lookup",
     "keys", "ls", "namespaces", "info", "prefetch", "step", "stat", "ping", "staging", "put_staged", "gpu_attach", "client_info",

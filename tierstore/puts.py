@@ -18,7 +18,7 @@ work now when it can, else returns ``Later`` (``tierstore.waits``), the rest of 
 call, for a thread that may wait.
 
 Length: the in-process puts, the two phases and the daemon's staged puts are one set of
-steps (check, open, take up, commit) over one table of reservations.
+steps (check, open, fill, take up, commit) over one table of reservations.
 """
 
 from __future__ import annotations
@@ -386,6 +386,29 @@ class Puts:
         return self.placement.read_pinned(h, self.index.ns(namespace), owner, stream,
                                           lambda spec: (view(area[0], spec.nbytes), False))
 
+    def fill(self, rid: int, upto: int, *, owner: Any) -> Later | None:
+        """The first ``upto`` bytes of reservation ``rid``'s block are filled: for an object
+        its commit writes to NVMe (``tier="nvme"``, or durable), the ``Later`` that begins
+        writing them now (``Placement.write_early``), so the commit has only the rest to
+        write; None where there is nothing to begin (another tier, no bytes). A hint: the
+        commit writes whatever this did not."""
+        with self.cv:
+            res = self.reservations.get(rid)
+            if res is None or res.owner != owner:
+                raise NotFound(f"no open reservation {rid} for this connection")
+            if res.committing:
+                raise InvalidArgument(f"reservation {rid} is already being committed")
+            n = res.meta.nbytes
+            if not 0 < upto <= n:
+                raise InvalidArgument(f"upto {upto} is outside reservation {rid}'s 1..{n} bytes")
+            if res.tier == "gpu" or not n or not (res.tier == "nvme" or res.meta.durable):
+                return None
+
+        def still_open() -> bool:  # (under cv)
+            return self.reservations.get(rid) is res and not res.committing
+
+        return Later(lambda: self.placement.write_early(res.meta, upto, still_open))
+
     def abort(self, rid: int, *, owner: Any = LOCAL) -> None:
         """Drop an open reservation; one a commit has taken up is left to it."""
         self._drop(rid, owner, committing=False)
@@ -405,6 +428,7 @@ class Puts:
             meta.gpu_loc = res.gpu_loc
             extents = self.placement.free_space(meta)
             self.cv.notify_all()
+        self.placement.cancel_early(meta)
         if extents:
             self.placement.nvme_free(extents)
 
