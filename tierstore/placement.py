@@ -513,29 +513,19 @@ class Placement:
         before the commit (``write_early``) is finished instead."""
         n = meta.nbytes
         pw = self._early_take(meta)
-        if pw is not None:
-            extents = pw.extents
-            try:
-                crcs = pw.finish(sync=sync)
-            except BaseException:
-                pw.cancel()
-                self.nvme.free(extents)
-                raise
-            with self.index.cv:
-                old = meta.nvme
-                meta.nvme, meta.crcs, meta.nvme_valid = extents, crcs, True
-            if old:
-                self.nvme.free(old)
-            return
-        extents = self.nvme_take(n, demoting=demoting)
+        extents = pw.extents if pw is not None else self.nvme_take(n, demoting=demoting)
         try:
-            if n:
+            if pw is not None:
+                crcs = pw.finish(sync=sync)
+            elif n:
                 src = self.arena.view(meta.host_off, n)
                 padded = self.arena.view(meta.host_off, align_up(n, PAGE))
                 crcs = self.nvme.write(extents, src, src_padded=padded, sync=sync)
             else:
                 crcs = []
         except BaseException:
+            if pw is not None:
+                pw.cancel()  # (nothing of it may still land in the extents given back)
             self.nvme.free(extents)
             raise
         with self.index.cv:
