@@ -1019,3 +1019,50 @@ def test_a_host_tier_split_by_a_staging_area_says_it_is_fragmented_not_full(make
         s.put(np.zeros(5 << 19, np.uint8), tier="host")
     s.daemon.drop_owner("conn")
     s.put(np.zeros(5 << 19, np.uint8), tier="host")  # whole again once the area is gone
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_early_writes_racing_their_commit_and_each_other_keep_the_bytes_and_no_space(make_store, durable):
+    """``fill`` (``put_part``) from several threads at once while the reservation commits
+    or aborts: whichever begins the early write, whichever comes after the commit or
+    abort took the reservation, every committed object reads back its bytes (checksummed)
+    and the NVMe tier holds exactly the committed objects' bytes, nothing more."""
+    from tierstore.tensors import TensorSpec
+
+    s = make_store(host_bytes="64MiB")
+    n = 6 << 20
+    spec = TensorSpec("numpy", "uint8", (n,), n)
+    owner, kept = object(), {}
+    used0 = s.stat()["tiers"]["nvme"]["used_bytes"]
+    for i in range(12):
+        res = s.daemon.reserve_put(spec, key=f"k{i}", tier="nvme", durable=durable, replace=False,
+                                   namespace="default", owner=owner)
+        data = np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+        s.placement.host_view(res.host_off, n)[:] = data
+        parts = [s.daemon.fill_put(res.rid, upto, owner=owner) for upto in (n // 3, n // 2, n)]
+
+        errors = []
+
+        def run(later):
+            try:
+                later.run()  # (one after the commit or abort took the reservation begins nothing)
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in parts]
+        for t in threads:
+            t.start()
+        if i % 4 == 3:
+            s.daemon.abort_put(res.rid, owner=owner)
+        else:
+            kept[f"k{i}"] = (s.daemon.commit_put(res.rid, owner=owner), data)
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    for key, (h, data) in kept.items():
+        assert np.array_equal(s.get(h), data), key
+    assert s.stat()["tiers"]["nvme"]["used_bytes"] - used0 == len(kept) * n
+    assert s.stat()["counters"]["put_early_bytes"] > 0 and s.stat()["reservations"] == 0
+    for h, _ in kept.values():
+        s.free(h)
+    poll_until(lambda: s.stat()["tiers"]["nvme"]["used_bytes"] == used0, "the NVMe space to come back")

@@ -479,16 +479,14 @@ class Placement:
             pw = self._early.get(meta.id)
         if pw is None:
             extents = self.nvme_take(meta.nbytes, demoting=False)
-            src = self.arena.view(meta.host_off, meta.nbytes)
-            pw = PartialWrite(self.nvme, extents, src, self.arena.view(meta.host_off, align_up(meta.nbytes, PAGE)))
-            with self.index.cv, self._early_lock:
-                other = self._early.get(meta.id)
-                if other is None and still_open():
-                    self._early[meta.id] = pw
-            if self._early.get(meta.id) is not pw:  # another call began it, or the reservation went
+            fresh = PartialWrite(self.nvme, extents, self.arena.view(meta.host_off, meta.nbytes),
+                                 self.arena.view(meta.host_off, align_up(meta.nbytes, PAGE)))
+            with self.index.cv, self._early_lock:  # (decided here: a commit may take it the moment after)
+                pw = self._early.get(meta.id)
+                if pw is None and still_open():
+                    pw = self._early[meta.id] = fresh
+            if pw is not fresh:  # another call began it first, or the reservation is committing or gone
                 self.nvme.free(extents)
-                with self._early_lock:
-                    pw = self._early.get(meta.id)
                 if pw is None:
                     return 0
         sent = pw.advance(filled)
