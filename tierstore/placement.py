@@ -15,8 +15,8 @@ Words: *promote* moves bytes up (NVMe -> host), *demote* down (host -> NVMe, GPU
 host); ``to_host`` brings an object into the host tier from whichever tier holds it.
 
 Length: one concept, the tiers' space. The allocation paths share the read reserve
-and the eviction loop, and the demoter, the prefetch fetch, the reads and a revoked
-lease's move all go through them; the small methods through which the later
+and the eviction loop, and the demoter, the prefetch fetch, the reads, a revoked
+lease's move and a put's write begun before its commit all go through them; the small methods through which the later
 components reach the tiers' bytes (``host_view``, ``nvme_write``, ``fence``, ...) are
 its only doors. Split, one set of space invariants would spread over several files.
 """
