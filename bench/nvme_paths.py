@@ -5,7 +5,9 @@ For each size, ``rounds`` rounds (after one warm-up round) of, in a rotating ord
   writes  DeepSpeed aio ``sync_pwrite`` of its page-locked buffer, overwriting its file
           (each configured peer: ``--ds-aio``); ``put(tier="nvme")`` volatile and durable,
           in-process (``Store``) and through a daemon (``Client``), each freeing its
-          previous version first (the steady state of a training loop: the space is reused)
+          previous version first (the steady state of a training loop: the space is reused);
+          and through the daemon a volatile put copied whole before the daemon writes it
+          ("1 copy": as before ``put_part``, the same object's space reused)
   reads   DeepSpeed aio ``sync_pread`` of the file it wrote; ``get(out=)`` of the object
           the volatile put wrote and ``checkout("r")`` of the durable put's (on NVMe only),
           in-process and through the daemon
@@ -35,7 +37,7 @@ import numpy as np
 from aio_peer import AioPeer
 from common import gbps, size_label, start_daemon
 
-WRITES = ("put volatile", "put durable", "daemon put volatile", "daemon put durable")
+WRITES = ("put volatile", "put durable", "daemon put volatile", "daemon put durable", "daemon put volatile 1 copy")
 READS = ("get(out=)", "checkout r", "daemon get(out=)", "daemon checkout r")
 
 
@@ -100,7 +102,18 @@ def _tier_ops(pool, n: int) -> tuple[dict, dict]:
         lease.release()
         return dt
 
-    return {"put volatile": put(False), "put durable": put(True)}, {"get(out=)": get, "checkout r": checkout}
+    writes = {"put volatile": put(False), "put durable": put(True)}
+    if hasattr(pool, "_fill"):  # through a daemon: also as before ``put_part``, one copy then the whole write
+        from tierstore.client import client as client_module
+
+        def one_copy() -> float:
+            saved, client_module._PART_MIN = client_module._PART_MIN, 1 << 62
+            try:
+                return put(False)()
+            finally:
+                client_module._PART_MIN = saved
+        writes["put volatile 1 copy"] = one_copy
+    return writes, {"get(out=)": get, "checkout r": checkout}
 
 
 def run_paths(work: str, sizes: list[int], rounds: int, peers_cfg: list[tuple[int, int, int]], ds_python: str,

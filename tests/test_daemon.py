@@ -1237,7 +1237,7 @@ def test_a_large_nvme_put_is_written_while_the_client_still_copies_it(daemon_fac
     and a put too small for pieces writes nothing early."""
     import torch
 
-    d = daemon_factory("--host-bytes", "256MiB", "--promote-on-get", "false")
+    d = daemon_factory("--host-bytes", "384MiB", "--promote-on-get", "false")
     g = torch.Generator().manual_seed(5)
     with d.client("early") as c:
         used0 = c.stat()["tiers"]["nvme"]["used_bytes"]
@@ -1246,14 +1246,14 @@ def test_a_large_nvme_put_is_written_while_the_client_still_copies_it(daemon_fac
         assert c.stat()["counters"]["put_early_bytes"] == 0
         big = {}
         for durable in (False, True):
-            t = torch.randint(0, 1 << 30, (80 << 18,), dtype=torch.int32, generator=g)  # 80 MiB
+            t = torch.randint(0, 1 << 30, (160 << 18,), dtype=torch.int32, generator=g)  # 160 MiB
             before = c.stat()["counters"]["put_early_bytes"]
             c.put(t, key=f"big{durable}", tier="nvme", durable=durable)
             early = c.stat()["counters"]["put_early_bytes"] - before
             assert 0 < early < t.nbytes, early  # the pieces before the last went out before the commit
             big[durable] = t
         st = c.stat()
-        assert st["tiers"]["nvme"]["used_bytes"] - used0 == small.nbytes + 2 * (80 << 20)
+        assert st["tiers"]["nvme"]["used_bytes"] - used0 == small.nbytes + 2 * (160 << 20)
         for durable, t in big.items():
             assert torch.equal(c.get(c.lookup(f"big{durable}")), t)
     d.kill()
