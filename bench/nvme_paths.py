@@ -10,7 +10,8 @@ For each size, ``rounds`` rounds (after one warm-up round) of, in a rotating ord
           ("1 copy": as before ``put_part``, the same object's space reused)
   reads   DeepSpeed aio ``sync_pread`` of the file it wrote; ``get(out=)`` of the object
           the volatile put wrote and ``checkout("r")`` of the durable put's (on NVMe only),
-          in-process and through the daemon
+          in-process and through the daemon; and through the daemon a ``get(out=)`` read
+          whole into the host tier before the copy ("1 read": as before streamed gets)
 
 with the page cache dropped before every read (``/proc/sys/vm/drop_caches`` where
 writable, else nothing: every variant reads with O_DIRECT). The tier's source and
@@ -38,7 +39,7 @@ from aio_peer import AioPeer
 from common import gbps, size_label, start_daemon
 
 WRITES = ("put volatile", "put durable", "daemon put volatile", "daemon put durable", "daemon put volatile 1 copy")
-READS = ("get(out=)", "checkout r", "daemon get(out=)", "daemon checkout r")
+READS = ("get(out=)", "checkout r", "daemon get(out=)", "daemon checkout r", "daemon get(out=) 1 read")
 
 
 def drop_caches() -> bool:
@@ -103,7 +104,8 @@ def _tier_ops(pool, n: int) -> tuple[dict, dict]:
         return dt
 
     writes = {"put volatile": put(False), "put durable": put(True)}
-    if hasattr(pool, "_fill"):  # through a daemon: also as before ``put_part``, one copy then the whole write
+    reads = {"get(out=)": get, "checkout r": checkout}
+    if hasattr(pool, "_fill"):  # through a daemon: also as before ``put_part`` and streamed gets
         from tierstore.client import client as client_module
 
         def one_copy() -> float:
@@ -113,7 +115,15 @@ def _tier_ops(pool, n: int) -> tuple[dict, dict]:
             finally:
                 client_module._PART_MIN = saved
         writes["put volatile 1 copy"] = one_copy
-    return writes, {"get(out=)": get, "checkout r": checkout}
+
+        def one_read() -> float:
+            saved, pool._parts = pool._parts, {}
+            try:
+                return get()
+            finally:
+                pool._parts = saved
+        reads["get(out=) 1 read"] = one_read
+    return writes, reads
 
 
 def run_paths(work: str, sizes: list[int], rounds: int, peers_cfg: list[tuple[int, int, int]], ds_python: str,

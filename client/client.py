@@ -60,6 +60,8 @@ sent early measured slower than one copy: 0.94×; at 256 MiB and 1 GiB 1.09× an
 faster, docs/benchmarks.md.)"""
 _PART_BYTES = 32 << 20
 """The size of those pieces."""
+_MAX_PIECES = 32
+"""A streamed get (``get_part``) is copied in at most this many pieces of at least ``_PART_BYTES``."""
 
 _NEEDS = frozenset({"ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"})
 """What this client asks of the daemon beyond the protocol version (``hello``'s
@@ -168,9 +170,10 @@ def _log_release_error(fut: Future) -> None:
 
 
 def _log_part_error(fut: Future) -> None:
-    # (a hint: the commit writes whatever it did not, and reports its own errors)
+    # (put_part is a hint: the commit writes whatever it did not, and reports its own errors;
+    # get_end's only failure is a stream already ended, by the daemon's end of the connection)
     if not fut.cancelled() and fut.exception() is not None:
-        log.debug("put_part failed: %s", fut.exception())
+        log.debug("put_part / get_end failed: %s", fut.exception())
 
 
 def _spec_of(r: dict[str, Any]) -> TensorSpec:
@@ -185,6 +188,8 @@ class Client:
         self._conn = conn
         self.namespace = namespace
         self.server = hello
+        self._parts = {"parts": True} if "streams" in hello.get("features", ()) else {}
+        """A get's field asking for a streamed get of a large object only on NVMe, where the daemon streams."""
         self._arena_fd = arena_fd
         self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
         # a second, read-only mapping of the same pages for the views of 'r' check-outs
@@ -338,7 +343,8 @@ class Client:
             try:
                 area = self._staging_area()
                 if area is not None:  # (else no room for one: a lease below)
-                    r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream, device=dev)
+                    r = self._conn.request("get", handle=_wire(handle), staged=True, stream=stream, device=dev,
+                                           **self._parts)
                     if r.get("staged"):
                         # a small object: the daemon copied it into our staging area, no lease held
                         spec = _spec_of(r)
@@ -349,7 +355,9 @@ class Client:
             finally:
                 self._staging_lock.release()
         if r is None:
-            r = self._conn.request("get", handle=_wire(handle), stream=stream, device=dev)
+            r = self._conn.request("get", handle=_wire(handle), stream=stream, device=dev, **self._parts)
+        if "sid" in r:
+            return self._get_streamed(r, out)
         try:
             spec = _spec_of(r)
             dst = out_bytes(out, spec) if out is not None else aligned_empty(spec.nbytes)
@@ -362,6 +370,26 @@ class Client:
         finally:
             # the read lease only guards the copy above; its release needs no answer
             self._conn.submit("release", lid=r["lid"])
+        return out if out is not None else from_bytes(dst, spec)
+
+    def _get_streamed(self, r: dict[str, Any], out: Any) -> Any:
+        """Copy a streamed get's object out piece by piece as the daemon reads it: one
+        ``get_part`` per piece sent at once, each piece copied once its answer says its
+        bytes are in and checked; then ``get_end`` (not waited for) gives the block back."""
+        spec = _spec_of(r)
+        off, n = r["offset"], spec.nbytes
+        try:
+            dst = out_bytes(out, spec) if out is not None else aligned_empty(n)
+            piece = max(_PART_BYTES, -(-n // _MAX_PIECES))
+            ends = list(range(piece, n, piece)) + [n]
+            parts = [self._conn.submit("get_part", sid=r["sid"], upto=end) for end in ends]
+            start = 0
+            for end, part in zip(ends, parts):
+                self._conn.wait(part)
+                dst[start:end] = self._arena[off + start:off + end]
+                start = end
+        finally:
+            self._conn.submit("get_end", sid=r["sid"]).add_done_callback(_log_part_error)
         return out if out is not None else from_bytes(dst, spec)
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None,

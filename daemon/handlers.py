@@ -28,6 +28,7 @@ from tierstore.leases import MAX_BATCH
 from tierstore.objectindex import INFO_FIELDS
 from tierstore.protocol import OPS, PAGE_BYTES, PROTOCOL_VERSION, field
 from tierstore.store import Store
+from tierstore.streams import Stream
 from tierstore.tensors import TensorSpec
 from tierstore.trace import MAX_STREAM_CHARS
 from tierstore.waits import Later
@@ -113,8 +114,9 @@ _MAX_SPECS = 4096
 
 
 class Deferred(NamedTuple):
-    """A reply to come: a durable put's, once the group commit has made it durable. The
-    server answers with ``reply(result of done)`` then."""
+    """A reply to come: a durable put's, once the group commit has made it durable; a
+    streamed get's ``get_part``, once its bytes are read. The server answers with
+    ``reply(result of done)`` then."""
 
     done: Pending
     reply: Callable[[Any], Any]
@@ -154,6 +156,15 @@ def _lease_reply(info) -> dict[str, Any]:
             "durable": info.durable}
 
 
+def _get_reply(got) -> dict[str, Any]:
+    """A get's answer: a lease's, or a streamed get's (``sid``: ask ``get_part``, then ``get_end``)."""
+    if not isinstance(got, Stream):
+        return _lease_reply(got)
+    s = got.meta.spec
+    return {"sid": got.sid, "offset": got.offset, "handle": int(got.meta.handle), "kind": s.kind, "dtype": s.dtype,
+            "shape": list(s.shape), "nbytes": s.nbytes, "durable": got.meta.durable}
+
+
 def _stream(msg: dict[str, Any]) -> str:
     """The access stream a get or check-out is recorded under (a short name)."""
     stream = msg.get("stream", "default")
@@ -188,7 +199,7 @@ class Handlers:
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.daemon.gpu_reason,
                 "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns",
-                             "parts"]}
+                             "parts", "streams"]}
 
     def client_info(self, sess: "Session", msg: dict[str, Any]) -> Any:
         """What the client reports about itself for ``stat``: whether its mapping of the
@@ -270,8 +281,21 @@ class Handlers:
                 return _staged_reply(staged)
             if staged is not None:  # (not None: too big for the staging area, so a lease)
                 return _answer(staged, _staged_reply)
-        return _answer(d.try_checkout(h, "r", owner=sess, namespace=sess.namespace, stream=stream,
-                                      device=field(msg, "device", bool, False)), _lease_reply)
+        device = field(msg, "device", bool, False)
+        if field(msg, "parts", bool, False):  # a large object only on NVMe streams; any other: a lease
+            return _answer(d.try_get_streamed(h, owner=sess, namespace=sess.namespace, stream=stream, device=device),
+                           _get_reply)
+        return _answer(d.try_checkout(h, "r", owner=sess, namespace=sess.namespace, stream=stream, device=device),
+                       _lease_reply)
+
+    def get_part(self, sess: "Session", msg: dict[str, Any]) -> Any:
+        sid = field(msg, "sid", int, min_value=0)
+        upto = field(msg, "upto", int, min_value=1)
+        return _answer(self.store.daemon.get_part(sid, upto, owner=sess), lambda landed: {"landed": landed})
+
+    def get_end(self, sess: "Session", msg: dict[str, Any]) -> Any:
+        self.store.daemon.get_end(field(msg, "sid", int, min_value=0), owner=sess)
+        return {}
 
     def checkout(self, sess: "Session", msg: dict[str, Any]) -> Any:
         mode = field(msg, "mode", str, "r")

@@ -6,7 +6,8 @@ for anything that may wait or touch the disk the handler returns the rest of the
 request (``Later``), which goes to a worker pool, and its reply comes back through a
 queue plus a wake-up pipe. A durable put is handed to the store's group
 committer instead (its handler returns a ``Deferred``), and its reply comes back the same
-way once the batch it joined is durable. So the loop never blocks on disk I/O, a
+way once the batch it joined is durable; so does a streamed get's ``get_part``, once the
+bytes it waits for are read. So the loop never blocks on disk I/O, a
 lock held across an fsync, or a slow client (replies that do not fit in the socket
 buffer wait in a per-connection outbox, bounded in bytes: a client that stops reading
 is disconnected, not allowed to grow the daemon). A reply bigger than one packet
@@ -534,7 +535,7 @@ class Server:
                     sess.holding += 1  # (until it has run or given back: ``_let_go``)
             self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.give_back))
             return
-        if isinstance(result, Deferred):  # a durable put: answered once the group commit is done
+        if isinstance(result, Deferred):  # answered once settled (a group commit, a streamed read)
             result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
             return
         self.latency.observe(op, time.perf_counter() - t0)
@@ -631,9 +632,10 @@ class Server:
                          time.perf_counter() - job.t0)
 
     def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
-        """(on the group committer's thread) A durable put's commit is done: its reply
-        (``reply()``) goes out; a connection that went away meanwhile is cleaned up on a
-        control thread, so the committer goes on with the next batch."""
+        """(on the thread that settled it: the group committer's, for a durable put's
+        commit; an I/O worker's, for a streamed get's ``get_part``) A deferred request is
+        done: its reply (``reply()``) goes out; a connection that went away meanwhile is
+        cleaned up on a control thread, so that thread goes on with its work."""
         out = (*_outcome(reply, rid, op), time.perf_counter() - t0)
         if sess.closed:
             self._control.submit(self._finish, sess, rid, *out)

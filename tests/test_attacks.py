@@ -143,6 +143,76 @@ def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
     poll_until(lambda: nvme() == used0, "the NVMe space of parts left open to come back")
 
 
+def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
+    """A streamed get (``get`` with ``parts``: a large object only on NVMe read into a
+    block of the request's own) from raw clients: ``get_part`` and ``get_end`` with values
+    out of range or of the wrong type, another connection's stream, one ended already are
+    typed errors; the block comes back when the stream ends or its connection goes with
+    a ``get_part`` still waiting; a stream held past the lease timeout lets go of its
+    object (a writer gets it) and keeps its block until it is ended."""
+    d = DaemonProc(tmp_path, ["--host-bytes", "384MiB", "--lease-wait-s", "1", "--lease-timeout-s", "2"])
+    d.start()
+    n = 130 << 20
+    try:
+        with d.client("s") as v:
+            h = int(v.put(np.full(n, 7, np.uint8), key="big", tier="nvme"))
+            nvme_only = lambda h: v.info(h)["residency"] == ["nvme"]  # noqa: E731  (a put's host copy goes down)
+            poll_until(lambda: nvme_only(h), "the put to go down to NVMe")
+            small = int(v.put(np.ones(8, np.uint8), key="small"))
+            host = lambda: v.stat()["tiers"]["host"]["used_bytes"]  # noqa: E731
+            a, b = Raw(d, "s"), Raw(d, "s")
+            try:
+                assert a.err("get", handle=h, parts="yes") == "InvalidArgument"
+                lease = a.call("get", handle=small, parts=True)["ok"]  # in the host tier: a lease
+                assert "sid" not in lease and "ok" in a.call("release", lid=lease["lid"])
+                host1 = host()
+                r = a.call("get", handle=h, parts=True)["ok"]
+                sid = r["sid"]
+                assert r["nbytes"] == n and r["handle"] == h and host() == host1 + n
+                for upto in (0, -1, n + 1, 2**64 - 1, "x", None, 1.5, [1]):
+                    assert a.err("get_part", sid=sid, upto=upto) == "InvalidArgument"
+                for bad in ("x", None, -1, 1.5):
+                    assert a.err("get_part", sid=bad, upto=1) == "InvalidArgument"
+                    assert a.err("get_end", sid=bad) == "InvalidArgument"
+                assert b.err("get_part", sid=sid, upto=n) == "NotFound"
+                assert b.err("get_end", sid=sid) == "NotFound"
+                assert a.err("get_part", sid=sid + 10**6, upto=1) == "NotFound"
+                assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
+                assert "ok" in a.call("get_end", sid=sid)
+                assert a.err("get_part", sid=sid, upto=1) == "NotFound"
+                assert a.err("get_end", sid=sid) == "NotFound"
+                poll_until(lambda: host() == host1, "an ended stream's block to come back")
+                assert nvme_only(h)
+                sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
+                a.call("get_part", sid=sid, upto=n)
+                with v.checkout(h, "w", timeout_s=30) as t:  # the stream's pin let go after the timeout
+                    t[:] = 9
+                assert a.err("get_part", sid=sid, upto=1) == "NotFound"  # (expired)
+                assert host() >= host1 + n  # the block is still the client's, which may be copying
+                assert "ok" in a.call("get_end", sid=sid)
+                poll_until(lambda: host() <= host1 + n, "an expired stream's block to come back at its end")
+                a.send("get", handle=h, parts=True)  # a lease or a stream, left for the end of the connection
+                b.call("get", handle=small, parts=True)
+            finally:
+                a.close()
+                b.close()
+            v.free(h)  # from the host tier: the next get streams from NVMe again
+            h = int(v.put(np.full(n, 5, np.uint8), key="big2", tier="nvme"))
+            poll_until(lambda: nvme_only(h), "the put to go down to NVMe")
+            c = Raw(d, "s")
+            try:
+                sid = c.call("get", handle=h, parts=True)["ok"]["sid"]
+                c.send("get_part", sid=sid, upto=n)  # left waiting: the connection goes
+            finally:
+                c.close()
+            poll_until(lambda: v.stat()["leases"] == 0 and host() == host1, "a dropped stream's block to come back")
+            with v.checkout(h, "rw", timeout_s=30) as t:  # and its object to be let go
+                assert int(t[0]) == 5 and int(t[-1]) == 5
+        assert d.proc.poll() is None and "Traceback" not in d.log.read_text()
+    finally:
+        d.close()
+
+
 def test_nan_timeouts_are_refused_not_waited_on_forever(daemon, victim, ns):
     """NaN passes every bound check (``nan > 86400`` is false): a check-out with
     ``timeout_s`` NaN behind a held lease never ended, and a put's ``wait_s`` NaN was

@@ -1261,3 +1261,54 @@ def test_a_large_nvme_put_is_written_while_the_client_still_copies_it(daemon_fac
     with d.client("early") as c:
         assert torch.equal(c.get(c.lookup("bigTrue")), big[True])
         assert c.lookup("bigFalse") is None  # volatile: gone with the daemon
+
+
+def test_a_large_get_of_an_nvme_object_is_copied_while_the_daemon_reads_it(daemon_factory):
+    """A get through the daemon of a large object that stays on NVMe streams: the daemon
+    reads it into a block of the request's own and answers at once, and the client copies
+    each piece once ``get_part`` says its bytes are in and checked
+    (``counters["streamed_gets"]``). The bytes are exact, into ``out`` or a new tensor;
+    the block comes back after each get; a small object, or one in the host tier, goes
+    through a lease as before; a flipped byte in the data file fails the get with
+    ``ChecksumMismatch`` and costs no host memory, and the daemon goes on serving."""
+    import os
+
+    from tierstore import ChecksumMismatch
+
+    d = daemon_factory("--host-bytes", "384MiB")
+    g = torch.Generator().manual_seed(9)
+    with d.client("streamed") as c:
+        big = torch.randint(0, 1 << 30, (160 << 18,), dtype=torch.int32, generator=g)  # 160 MiB
+        h = c.put(big, key="big", tier="nvme")
+        small = c.put(torch.arange(1 << 20, dtype=torch.int32), key="small", tier="nvme")
+        assert torch.equal(c.get(small), torch.arange(1 << 20, dtype=torch.int32))  # (and a staging area)
+        poll_until(lambda: c.info(h)["residency"] == ["nvme"] and c.info(small)["residency"] == ["nvme"],
+                   "the puts' host copies to go down to NVMe")
+        st = c.stat()
+        host0, streamed0 = st["tiers"]["host"]["used_bytes"], st["counters"]["streamed_gets"]
+        out = torch.empty_like(big)
+        assert c.get(h, out=out) is out and torch.equal(out, big)
+        poll_until(lambda: c.info(h)["residency"] == ["nvme"], "the object to stay on NVMe")
+        assert torch.equal(c.get(h), big)
+        st = c.stat()
+        assert st["counters"]["streamed_gets"] == streamed0 + 2
+        assert st["tiers"]["host"]["used_bytes"] == host0  # each get's block went back
+        assert streamed0 == 0  # (the small one went through a lease: too small to stream)
+        in_host = c.put(big + 1, key="in_host")  # (host tier)
+        assert torch.equal(c.get(in_host), big + 1)
+        assert c.stat()["counters"]["streamed_gets"] == streamed0 + 2
+        c.free(in_host)
+        # the object was the first on the fresh drive: its bytes start at the data file's start
+        fd = os.open(os.path.join(d.nvme, "data.bin"), os.O_RDWR)
+        try:
+            pos = 100 << 20
+            byte = os.pread(fd, 1, pos)
+            os.pwrite(fd, bytes([byte[0] ^ 0x10]), pos)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert c.info(h)["residency"] == ["nvme"]
+        with pytest.raises(ChecksumMismatch, match="CRC32C"):
+            c.get(h, out=out)
+        poll_until(lambda: c.stat()["tiers"]["host"]["used_bytes"] == host0, "the failed get's block to come back")
+        assert torch.equal(c.get(small), torch.arange(1 << 20, dtype=torch.int32))

@@ -1,5 +1,6 @@
 """The daemon's surface of the store: the calls only the daemon makes, on behalf of its
 connections (``owner``: the connection) — two-phase puts, staging-area transfers,
+streamed gets,
 leases by owner, revocation and expiry, a closed connection's cleanup, namespace
 claims, GPU-tier attachment.
 
@@ -23,6 +24,7 @@ from .leases import LOCAL, LeaseInfo, LeaseTable
 from .objectindex import ObjectIndex
 from .placement import Placement
 from .staging import StagingAreas
+from .streams import Stream, StreamedGets
 from .groupcommit import Pending
 from .puts import Puts, Reservation
 from .tensors import TensorSpec
@@ -37,8 +39,10 @@ class DaemonSurface:
     """The calls the daemon makes on the store for its connections; see the module docstring."""
 
     def __init__(self, index: ObjectIndex, durability: Durability, placement: Placement, leases: LeaseTable,
-                 batches: LeaseBatches, puts: Puts, staging: StagingAreas, hints: Hints) -> None:
+                 batches: LeaseBatches, puts: Puts, staging: StagingAreas, hints: Hints,
+                 streams: StreamedGets) -> None:
         self.index, self.durability, self.placement = index, durability, placement
+        self.streams = streams
         self.leases, self.batches, self.puts, self.hints = leases, batches, puts, hints
         self.try_step = hints.try_step
         """``Hints.try_step``: an iteration boundary of ``owner``'s loop (``Later`` when long)."""
@@ -86,6 +90,19 @@ class DaemonSurface:
 
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
         self.puts.abort(rid, owner=owner)
+
+    def try_get_streamed(self, handle: Handle | int | str, *, owner: Any, namespace: str | None, stream: str,
+                         device: bool) -> LeaseInfo | Stream | Later:
+        """``StreamedGets.try_get``: a get that streams a large NVMe-only object, else a read lease."""
+        return self.streams.try_get(handle, owner=owner, namespace=namespace, stream=stream, device=device)
+
+    def get_part(self, sid: int, upto: int, *, owner: Any) -> int | Pending:
+        """``StreamedGets.wait``: the checked bytes of a streamed get, once ``upto`` are."""
+        return self.streams.wait(sid, upto, owner=owner)
+
+    def get_end(self, sid: int, *, owner: Any) -> None:
+        """``StreamedGets.end``: the client is done copying a streamed get."""
+        self.streams.end(sid, owner=owner)
 
     def stat_namespaces_of(self, uid: int, after: str | None = None, limit: int | None = None
                            ) -> dict[str, dict[str, int]] | None:
@@ -139,8 +156,9 @@ class DaemonSurface:
         return self.leases.revoke(lid, owner=owner)
 
     def expire_leases(self, max_age_s: float) -> int:
-        """Revoke leases older than ``max_age_s`` (``LeaseTable.expire``)."""
-        return self.leases.expire(max_age_s)
+        """Revoke leases older than ``max_age_s`` (``LeaseTable.expire``); let go of the
+        objects of streamed gets as old (``StreamedGets.expire``)."""
+        return self.leases.expire(max_age_s) + self.streams.expire(max_age_s)
 
     def expire_reservations(self, max_age_s: float) -> int:
         """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``)."""
@@ -148,9 +166,10 @@ class DaemonSurface:
 
     def drop_owner(self, owner: Any) -> tuple[int, int]:
         """``owner`` (a connection) went away: its leases are checked in, its reservations
-        aborted, its staging area and fenced blocks freed, its ephemeral objects freed.
-        Returns (leases, reservations) ended."""
+        aborted, its streamed gets ended, its staging area and fenced blocks freed, its
+        ephemeral objects freed. Returns (leases, reservations) ended."""
         nleases = self.leases.drop_owner(owner)
+        self.streams.drop_owner(owner)
         nres = self.puts.drop_owner(owner)
         self.placement.drop_owner(owner)
         if owner is not LOCAL:

@@ -11,7 +11,8 @@ warning, and growth in steps). Reads never grow a file. What to place here, and
 when, is the store's policy; this module only moves bytes.
 
 Length: the data files, their growth, and the read and write paths (single, batched,
-begun before all the bytes are there, through staging buffers for memory the drive
+begun before all the bytes are there, read in order for a reader copying behind,
+through staging buffers for memory the drive
 cannot DMA from as it is) share one set
 of rules for chunks, alignment and checksums; they are kept together so those rules are written once.
 """
@@ -38,7 +39,7 @@ from .files import open_own, refuse_link
 from .groupsync import GroupSync
 from .units import PAGE, align_up
 
-__all__ = ["Extent", "NvmeTier", "PartialWrite", "DATA_FILE", "LOCK_FILE"]
+__all__ = ["Extent", "NvmeTier", "PartialWrite", "StreamRead", "DATA_FILE", "LOCK_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ LOCK_FILE = "lock"
 _FALLBACK_GROW_BYTES = 256 << 20
 """Growth step of a data file that could not be reserved whole."""
 _HUGE = 2 << 20
+_STREAM_DEPTH = 4
+"""Chunks of a ``StreamRead`` in flight at once."""
 _BOUNCE_BUFFERS = 8
 """Most staging buffers (of one chunk each) for transfers of memory that is not 4 KiB aligned."""
 
@@ -637,6 +640,103 @@ class PartialWrite:
                 f.result()
             except BaseException:  # (the write is abandoned: its errors go with it)
                 pass
+
+
+class StreamRead:
+    """A read of one object left running while its reader copies behind it (a get through
+    the daemon): the chunks go to the engine's workers in order, ``_STREAM_DEPTH`` at a
+    time (all at once, they would land together and the reader could copy nothing
+    early), each read and its blocks checked by its worker. ``landed()``: how many of the object's first bytes are
+    in place and checked; ``when(upto, fn)`` calls ``fn(landed, error)`` once that prefix
+    reaches ``upto`` or a chunk fails (on the thread that settles it); ``on_done(fn)``
+    calls ``fn()`` once every chunk has finished, after which nothing of this read lands
+    in ``dst`` any more."""
+
+    def __init__(self, tier: "NvmeTier", extents: list[Extent], dst: np.ndarray, checksums: list[int],
+                 padded: np.ndarray | None) -> None:
+        self.tier, self.extents, self.nbytes = tier, extents, dst.nbytes
+        chunks = sorted(tier._chunks(extents), key=lambda c: c[1])
+        self._ends = [off + n for _, off, n in chunks]
+        self._ok = [False] * len(chunks)
+        self._prefix = 0  # chunks landed in order from the first
+        self._finished = 0  # chunks back from the engine
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[int, object]] = []
+        self._on_done: list = []
+        self._lock = threading.Lock()
+        self._chunks, self._dst, self._padded, self._checksums = chunks, dst, padded, checksums
+        self._sent = 0
+        for _ in range(min(_STREAM_DEPTH, len(chunks))):
+            self._send_next()
+
+    def _send_next(self) -> None:
+        with self._lock:
+            if self._sent == len(self._chunks) or self._error is not None:
+                return
+            i, self._sent = self._sent, self._sent + 1
+        e, off, n = self._chunks[i]
+        f = self.tier.engine.submit(self.tier._read_chunk, e, off, n, self._dst, self._padded, self._checksums)
+        f.add_done_callback(lambda f, i=i: self._landed_chunk(i, f))
+
+    def landed(self) -> int:
+        with self._lock:
+            return self._ends[self._prefix - 1] if self._prefix else 0
+
+    def error(self) -> BaseException | None:
+        with self._lock:
+            return self._error
+
+    def when(self, upto: int, fn) -> None:
+        with self._lock:
+            landed = self._ends[self._prefix - 1] if self._prefix else 0
+            if self._error is None and landed < upto:
+                self._waiters.append((upto, fn))
+                return
+            err = self._error
+        fn(landed, err)
+
+    def on_done(self, fn) -> None:
+        with self._lock:
+            if not self._over():
+                self._on_done.append(fn)
+                return
+        fn()
+
+    def _landed_chunk(self, i: int, f: Future) -> None:
+        e = f.exception()
+        if isinstance(e, OSError):
+            e = _io_error(e, self.tier.drives[self.extents[0].dev].path, "reading")
+        with self._lock:
+            self._finished += 1
+            if e is not None:
+                self._error = self._error or e  # (nothing more is sent: over once those out are back)
+            else:
+                self._ok[i] = True
+                while self._prefix < len(self._ok) and self._ok[self._prefix]:
+                    self._prefix += 1
+            landed = self._ends[self._prefix - 1] if self._prefix else 0
+            if self._error is not None:
+                ready, self._waiters = self._waiters, []
+            else:
+                ready = [w for w in self._waiters if w[0] <= landed]
+                self._waiters = [w for w in self._waiters if w[0] > landed]
+            err = self._error
+            more = err is None and self._sent < len(self._chunks)
+            done = self._on_done if self._over() else []
+            if done:
+                self._on_done = []
+            if self._over() and err is None:
+                self.tier.bytes_read += self.nbytes
+        if more:
+            self._send_next()
+        for _, fn in ready:
+            fn(landed, err)
+        for fn in done:
+            fn()
+
+    def _over(self) -> bool:
+        """(under the lock) Every chunk sent is back and none is left to send."""
+        return self._finished == self._sent and (self._error is not None or self._sent == len(self._chunks))
 
 
 def _pwritev_all(fd: int, bufs: list[np.ndarray], offset: int) -> None:

@@ -31,7 +31,8 @@ _by_id = attrgetter("id")
 COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "promotions", "demotions",
             "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
             "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
-            "source_handovers", "source_copies", "leases_revoked", "reservations_expired", "put_early_bytes")
+            "source_handovers", "source_copies", "leases_revoked", "reservations_expired", "put_early_bytes",
+            "streamed_gets")
 """The store's counters (``stat()["counters"]``)."""
 
 

@@ -39,7 +39,7 @@ from .config import StoreConfig
 from .errors import CapacityExceeded, InvalidArgument, TierstoreError
 from .gpu import GpuTier, loc_device
 from .index import Handle, ObjectMeta
-from .nvme import NvmeTier, PartialWrite
+from .nvme import NvmeTier, PartialWrite, StreamRead
 from .objectindex import ObjectIndex
 from .waits import waits_since
 from .policy import EvictionPolicy, GpuOrder
@@ -656,6 +656,19 @@ class Placement:
         padded = dst if (dst.ctypes.data % PAGE == 0 and n % PAGE == 0) else None
         self.nvme.read(meta.nvme, dst, meta.crcs, dst_padded=padded)
         return False
+
+    def read_stream(self, meta: ObjectMeta, off: int) -> StreamRead:
+        """Begin reading a pinned NVMe-only object into the host block at ``off`` (a block
+        of its reader's, not the object's place: the object stays where it is), chunk by
+        chunk, each checked as it lands; see ``StreamRead``."""
+        n = meta.nbytes
+        return StreamRead(self.nvme, meta.nvme, self.arena.view(off, n), meta.crcs,
+                          self.arena.view(off, align_up(n, PAGE)))
+
+    def host_free(self, off: int, nbytes: int) -> None:
+        """(under cv) Give back a host block taken with ``alloc_host`` that no object owns."""
+        self.host.free(off, nbytes)
+        self.index.cv.notify_all()
 
     def read_to_device(self, meta: ObjectMeta, out: Any) -> bool:
         """Read a pinned object into a CUDA tensor: an NVMe-only object goes NVMe -> GPU

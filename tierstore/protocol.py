@@ -40,8 +40,8 @@ PAGE_BYTES = 256 << 10
 """About how much one page of a listing (``keys``, ``ls``, ``namespaces``) holds."""
 
 OPS = frozenset({
-    "hello", "put_reserve", "put_part", "put_commit", "put_abort", "get", "checkout", "checkout_many", "checkout_each",
-    "release",
+    "hello", "put_reserve", "put_part", "put_commit", "put_abort", "get", "get_part", "get_end", "checkout",
+    "checkout_many", "checkout_each", "release",
     "release_many", "free", "lookup",
     "keys", "ls", "namespaces", "info", "prefetch", "step", "stat", "ping", "staging", "put_staged", "gpu_attach", "client_info",
 })

@@ -52,6 +52,7 @@ from .objectindex import ObjectIndex
 from .policy import GpuOrder, make_policy
 from .prefetch import Prefetcher
 from .staging import StagingAreas
+from .streams import StreamedGets
 from .preflight import check_start
 from .puts import Puts, Reservation
 from .daemonsurface import DaemonSurface
@@ -202,8 +203,9 @@ class Store:
         self.batches = LeaseBatches(self.leases, ix, self.placement)
         self.puts = Puts(ix, self.placement, self.durability, self.prefetcher, self.staging)
         self.hints = Hints(ix, self.prefetcher, self.placement.later)
+        self.streams = StreamedGets(cfg, ix, self.placement, self.leases, self.prefetcher)
         self.daemon = DaemonSurface(ix, self.durability, self.placement, self.leases, self.batches, self.puts,
-                                    self.staging, self.hints)
+                                    self.staging, self.hints, self.streams)
         """The calls only the daemon makes, for its connections (``tierstore.daemonsurface``)."""
         self.replay_info = self.durability.replay()
         self.replay_info["adopted"] = 0

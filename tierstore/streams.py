@@ -1,0 +1,198 @@
+"""Streamed gets: a large get through the daemon read from NVMe while its client copies.
+
+A daemon ``get`` hands its client a lease on the object in the host tier, which the
+client copies out of; an object only on NVMe is read into the host tier first, so the
+copy waits for the whole read. A streamed get (``get`` with ``parts``) of a large object
+that stays on NVMe (``put(tier="nvme")``, or ``promote_on_get`` off) instead reads it
+into a host block of the request's own, chunk by chunk, and answers at once with that
+block; the client asks ``get_part`` how far the checked bytes have come and copies each
+piece as it lands, while the next are read; ``get_end`` gives the block back.
+
+``StreamedGets`` owns the open streams. It is given the object index (the pin that
+holds the object against writers and moves while it is read), placement (the block, the
+read, the block's return) and the lease table (an object a stream is not for goes
+through an ordinary lease). An object is pinned from the start of its read to the end
+of the last chunk's; the block is given back once the client ended the stream (or went
+away) and no chunk is still landing in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config import StoreConfig
+from .errors import CapacityExceeded, InvalidArgument, NotFound
+from .groupcommit import Pending
+from .index import Handle, ObjectMeta
+from .leases import LeaseInfo, LeaseTable
+from .nvme import StreamRead
+from .objectindex import ObjectIndex
+from .placement import Placement
+from .prefetch import Prefetcher
+from .waits import Later
+
+__all__ = ["STREAM_MIN_BYTES", "Stream", "StreamedGets"]
+
+log = logging.getLogger(__name__)
+
+STREAM_MIN_BYTES = 128 << 20
+"""A get streams only objects this large: below it, one read then one copy is as fast."""
+MAX_STREAMS_PER_OWNER = 8
+MAX_WAITS_PER_STREAM = 64
+"""``get_part`` requests one stream may have waiting at once."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """One streamed get: the host block ``offset`` its object is read into."""
+
+    sid: int
+    owner: Any
+    meta: ObjectMeta
+    offset: int
+    read: StreamRead
+    since: float
+    waits: int = 0
+    expired: bool = False
+    """Held past the lease timeout: the object was let go, the block waits for the client."""
+
+
+class StreamedGets:
+    """The open streamed gets; see the module docstring."""
+
+    def __init__(self, config: StoreConfig, index: ObjectIndex, placement: Placement, leases: LeaseTable,
+                 prefetcher: Prefetcher) -> None:
+        self.index, self.placement, self.leases, self.prefetcher = index, placement, leases, prefetcher
+        self.promote_on_get = config.promote_on_get
+        self.cv = index.cv
+        self.counters = index.counters
+        self.streams: dict[int, Stream] = {}
+        self._next = 1
+
+    def _streams(self, meta: ObjectMeta) -> bool:
+        """(under cv) Whether a get of ``meta`` streams: large, only on NVMe, and left there by a get."""
+        return (meta.nbytes >= STREAM_MIN_BYTES and meta.nvme_valid and not meta.host_valid
+                and meta.gpu_loc is None and not (self.promote_on_get and meta.home != "nvme"))
+
+    def try_get(self, handle: Handle | int | str, *, owner: Any, namespace: str | None, stream: str,
+                device: bool) -> LeaseInfo | Stream | Later:
+        """A daemon get that may stream: the lease now when the object is where it is read
+        from; otherwise ``Later`` of ``get`` (nothing taken)."""
+        h, ns = Handle.parse(handle), self.index.ns(namespace)
+        with self.cv:
+            streams = self._streams(self.index.get_meta(h, ns))
+        if not streams:
+            return self.leases.try_checkout(h, "r", owner=owner, namespace=ns, stream=stream, device=device)
+        return Later(lambda: self.get(h, owner=owner, namespace=ns, stream=stream, device=device))
+
+    def get(self, h: Handle, *, owner: Any, namespace: str, stream: str, device: bool) -> LeaseInfo | Stream:
+        """Begin streaming the object into a block of its own and return the stream; an
+        object that does not stream (any more) gets an ordinary read lease instead."""
+        ix = self.index
+        t0 = time.monotonic()
+        meta, late = ix.pin(h, namespace)
+        try:
+            with self.cv:
+                streams = self._streams(meta)
+                if streams and sum(s.owner == owner for s in self.streams.values()) >= MAX_STREAMS_PER_OWNER:
+                    raise CapacityExceeded(f"this connection has {MAX_STREAMS_PER_OWNER} streamed gets open, the "
+                                           "most one may; end some first")
+            off = self.placement.alloc_host(meta.nbytes, wait_s=ix.lease_wait_s, reading=True) if streams else -1
+        except BaseException:
+            self._unpin(meta)
+            raise
+        if not streams:
+            self._unpin(meta)
+            return self.leases.checkout(h, "r", owner=owner, namespace=namespace, stream=stream, device=device)
+        try:
+            read = self.placement.read_stream(meta, off)
+        except BaseException:
+            with self.cv:
+                self.placement.host_free(off, meta.nbytes)
+            self._unpin(meta)
+            raise
+        with self.cv:
+            sid, self._next = self._next, self._next + 1
+            s = self.streams[sid] = Stream(sid, owner, meta, off, read, time.monotonic())
+            self.prefetcher.access(owner, stream, meta, False, late, t0)
+            self.counters["nvme_reads"] += 1
+            self.counters["streamed_gets"] += 1
+            self.counters["gets"] += 1
+            self.counters["get_bytes"] += meta.nbytes
+        return s
+
+    def wait(self, sid: int, upto: int, *, owner: Any) -> int | Pending:
+        """How many bytes of stream ``sid``'s object are in its block and checked, once at
+        least ``upto``: now, or a ``Pending`` of it. A chunk that fails (its checksum, the
+        drive) fails this and every later wait."""
+        with self.cv:
+            s = self.streams.get(sid)
+            if s is None or s.owner != owner or s.expired:
+                raise NotFound(f"no open streamed get {sid} for this connection")
+            n = s.meta.nbytes
+            if not 0 < upto <= n:
+                raise InvalidArgument(f"upto {upto} is outside streamed get {sid}'s 1..{n} bytes")
+            if s.waits >= MAX_WAITS_PER_STREAM:
+                raise CapacityExceeded(f"streamed get {sid} has {MAX_WAITS_PER_STREAM} get_part requests waiting, "
+                                       "the most it may")
+            if s.read.landed() >= upto:
+                return s.read.landed()
+            s.waits += 1
+        done = Pending()
+
+        def settle(landed: int, error: BaseException | None) -> None:
+            with self.cv:
+                s.waits -= 1
+            done.settle(landed, error)
+
+        s.read.when(upto, settle)
+        return done
+
+    def end(self, sid: int, *, owner: Any) -> None:
+        """The client is done with stream ``sid``: its block goes back once no chunk is landing in it."""
+        with self.cv:
+            s = self.streams.get(sid)
+            if s is None or s.owner != owner:
+                raise NotFound(f"no open streamed get {sid} for this connection")
+            del self.streams[sid]
+        self._close(s)
+
+    def drop_owner(self, owner: Any) -> int:
+        """End every stream of ``owner`` (a connection that went away); how many."""
+        with self.cv:
+            mine = [s for s in self.streams.values() if s.owner == owner]
+            for s in mine:
+                del self.streams[s.sid]
+        for s in mine:
+            self._close(s)
+        return len(mine)
+
+    def expire(self, max_age_s: float) -> int:
+        """Let go of the objects of streams older than ``max_age_s`` (a client that stopped
+        asking must not hold writers off): their blocks stay the client's, which may still
+        be copying from them, until it ends the stream or goes. Returns how many."""
+        now = time.monotonic()
+        with self.cv:
+            old = [s for s in self.streams.values() if not s.expired and now - s.since > max_age_s]
+            for s in old:
+                s.expired = True
+        for s in old:
+            log.warning("letting go of the object of streamed get %d, open for more than %.0f s", s.sid, max_age_s)
+            s.read.on_done(lambda s=s: self._unpin(s.meta))
+        return len(old)
+
+    def _close(self, s: Stream) -> None:
+        def free() -> None:
+            with self.cv:
+                self.placement.host_free(s.offset, s.meta.nbytes)
+            if not s.expired:  # (an expired stream let go of its object already)
+                self._unpin(s.meta)
+
+        s.read.on_done(free)
+
+    def _unpin(self, meta: ObjectMeta) -> None:
+        if self.index.unpin(meta):
+            self.placement.discard_later(meta)
