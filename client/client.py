@@ -60,8 +60,11 @@ sent early measured slower than one copy: 0.94×; at 256 MiB and 1 GiB 1.09× an
 faster, docs/benchmarks.md.)"""
 _PART_BYTES = 32 << 20
 """The size of those pieces."""
+_GET_PIECE_BYTES = 8 << 20
 _MAX_PIECES = 32
-"""A streamed get (``get_part``) is copied in at most this many pieces of at least ``_PART_BYTES``."""
+"""A streamed get (``get_part``) is copied in at most this many pieces of at least
+``_GET_PIECE_BYTES`` (the daemon's read chunk: 4 MiB pieces and 16 MiB ones copied out
+slower, docs/benchmarks.md)."""
 
 _NEEDS = frozenset({"ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns"})
 """What this client asks of the daemon beyond the protocol version (``hello``'s
@@ -380,7 +383,7 @@ class Client:
         off, n = r["offset"], spec.nbytes
         try:
             dst = out_bytes(out, spec) if out is not None else aligned_empty(n)
-            piece = max(_PART_BYTES, -(-n // _MAX_PIECES))
+            piece = max(_GET_PIECE_BYTES, -(-n // _MAX_PIECES))
             ends = list(range(piece, n, piece)) + [n]
             parts = [self._conn.submit("get_part", sid=r["sid"], upto=end) for end in ends]
             start = 0

@@ -146,8 +146,8 @@ def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
 def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
     """A streamed get (``get`` with ``parts``: a large object only on NVMe read into a
     block of the request's own) from raw clients: ``get_part`` and ``get_end`` with values
-    out of range or of the wrong type, another connection's stream, one ended already are
-    typed errors; the block comes back when the stream ends or its connection goes with
+    out of range or of the wrong type, another connection's stream, one ended already, a
+    ninth stream open on one connection are typed errors; the block comes back when the stream ends or its connection goes with
     a ``get_part`` still waiting; a stream held past the lease timeout lets go of its
     object (a writer gets it) and keeps its block until it is ended."""
     d = DaemonProc(tmp_path, ["--host-bytes", "384MiB", "--lease-wait-s", "1", "--lease-timeout-s", "2"])
@@ -196,6 +196,19 @@ def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
             finally:
                 a.close()
                 b.close()
+            m = 32 << 20  # the smallest object that streams: 8 streams may be open on a connection, not 9
+            h32 = int(v.put(np.full(m, 3, np.uint8), key="b32", tier="nvme"))
+            poll_until(lambda: nvme_only(h32), "the put to go down to NVMe")
+            c = Raw(d, "s")
+            try:
+                sids = [c.call("get", handle=h32, parts=True)["ok"]["sid"] for _ in range(8)]
+                assert c.err("get", handle=h32, parts=True) == "CapacityExceeded"
+                for sid in sids:
+                    assert c.call("get_part", sid=sid, upto=m)["ok"]["landed"] == m
+                    assert "ok" in c.call("get_end", sid=sid)
+            finally:
+                c.close()
+            v.free(h32)
             v.free(h)  # from the host tier: the next get streams from NVMe again
             h = int(v.put(np.full(n, 5, np.uint8), key="big2", tier="nvme"))
             poll_until(lambda: nvme_only(h), "the put to go down to NVMe")

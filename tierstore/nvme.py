@@ -48,8 +48,11 @@ LOCK_FILE = "lock"
 _FALLBACK_GROW_BYTES = 256 << 20
 """Growth step of a data file that could not be reserved whole."""
 _HUGE = 2 << 20
-_STREAM_DEPTH = 4
-"""Chunks of a ``StreamRead`` in flight at once."""
+_STREAM_CHUNK = 8 << 20
+_STREAM_DEPTH = 6
+"""A ``StreamRead``'s chunks (at most ``_STREAM_CHUNK``) in flight at once. (Against 16 MiB
+chunks 4 at a time and 4 MiB chunks 8 at a time, 8 MiB 6 at a time copied 64 MiB - 1 GiB
+out fastest: bench/nvme_paths.py, docs/benchmarks.md.)"""
 _BOUNCE_BUFFERS = 8
 """Most staging buffers (of one chunk each) for transfers of memory that is not 4 KiB aligned."""
 
@@ -465,10 +468,11 @@ class NvmeTier:
             self._verify(to_host(dst[off:off + n]), off, checksums, drv.path, pos)
         self.bytes_read += sum(e.nbytes for e in extents)
 
-    def _chunks(self, extents: list[Extent]):
+    def _chunks(self, extents: list[Extent], most: int | None = None):
+        """(extent, object offset, bytes) of each chunk: at most ``most`` (else ``chunk_bytes``) bytes."""
         total = sum(e.nbytes for e in extents)
         # at least ~4 requests in flight per object, but never below one checksum block
-        step = min(self.chunk_bytes, max(BLOCK_BYTES, total // 4 // BLOCK_BYTES * BLOCK_BYTES))
+        step = min(most or self.chunk_bytes, max(BLOCK_BYTES, total // 4 // BLOCK_BYTES * BLOCK_BYTES))
         for e in extents:
             for c in range(0, e.nbytes, step):
                 yield e, e.obj_offset + c, min(step, e.nbytes - c)
@@ -655,7 +659,7 @@ class StreamRead:
     def __init__(self, tier: "NvmeTier", extents: list[Extent], dst: np.ndarray, checksums: list[int],
                  padded: np.ndarray | None) -> None:
         self.tier, self.extents, self.nbytes = tier, extents, dst.nbytes
-        chunks = sorted(tier._chunks(extents), key=lambda c: c[1])
+        chunks = sorted(tier._chunks(extents, _STREAM_CHUNK), key=lambda c: c[1])
         self._ends = [off + n for _, off, n in chunks]
         self._ok = [False] * len(chunks)
         self._prefix = 0  # chunks landed in order from the first
