@@ -120,6 +120,9 @@ class Deferred(NamedTuple):
 
     done: Pending
     reply: Callable[[Any], Any]
+    hop: bool = False
+    """Answer from the server's control thread, not the thread that settles ``done`` (an
+    I/O worker, which must never be the one to clean up a closed connection)."""
 
 
 def _answer(result: Any, reply: Callable[[Any], Any]) -> Any:
@@ -154,6 +157,10 @@ def _lease_reply(info) -> dict[str, Any]:
     return {"lid": info.lid, "offset": info.host_off, "handle": int(Handle(info.oid, info.gen)), "kind": s.kind,
             "dtype": s.dtype, "shape": list(s.shape), "nbytes": s.nbytes, "gpu_loc": info.gpu_loc,
             "durable": info.durable}
+
+
+def _landed_reply(landed: int) -> dict[str, Any]:
+    return {"landed": landed}
 
 
 def _get_reply(got) -> dict[str, Any]:
@@ -291,7 +298,10 @@ class Handlers:
     def get_part(self, sess: "Session", msg: dict[str, Any]) -> Any:
         sid = field(msg, "sid", int, min_value=0)
         upto = field(msg, "upto", int, min_value=1)
-        return _answer(self.store.daemon.get_part(sid, upto, owner=sess), lambda landed: {"landed": landed})
+        landed = self.store.daemon.get_part(sid, upto, owner=sess)
+        if isinstance(landed, Pending):
+            return Deferred(landed, _landed_reply, hop=True)
+        return _landed_reply(landed)
 
     def get_end(self, sess: "Session", msg: dict[str, Any]) -> Any:
         self.store.daemon.get_end(field(msg, "sid", int, min_value=0), owner=sess)

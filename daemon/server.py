@@ -536,7 +536,9 @@ class Server:
             self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.give_back))
             return
         if isinstance(result, Deferred):  # answered once settled (a group commit, a streamed read)
-            result.done.add_done_callback(lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result())))
+            def settled(f) -> None:
+                self._committed(sess, rid, op, t0, lambda: result.reply(f.result()))
+            result.done.add_done_callback((lambda f: self._control.submit(settled, f)) if result.hop else settled)
             return
         self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
@@ -632,10 +634,10 @@ class Server:
                          time.perf_counter() - job.t0)
 
     def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
-        """(on the thread that settled it: the group committer's, for a durable put's
-        commit; an I/O worker's, for a streamed get's ``get_part``) A deferred request is
-        done: its reply (``reply()``) goes out; a connection that went away meanwhile is
-        cleaned up on a control thread, so that thread goes on with its work."""
+        """(on the group committer's thread, for a durable put's commit; on a control
+        thread, for a streamed get's ``get_part``) A deferred request is done: its reply
+        (``reply()``) goes out; a connection that went away meanwhile is cleaned up on a
+        control thread, so the committer goes on with the next batch."""
         out = (*_outcome(reply, rid, op), time.perf_counter() - t0)
         if sess.closed:
             self._control.submit(self._finish, sess, rid, *out)

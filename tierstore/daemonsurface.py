@@ -156,9 +156,8 @@ class DaemonSurface:
         return self.leases.revoke(lid, owner=owner)
 
     def expire_leases(self, max_age_s: float) -> int:
-        """Revoke leases older than ``max_age_s`` (``LeaseTable.expire``); let go of the
-        objects of streamed gets as old (``StreamedGets.expire``)."""
-        return self.leases.expire(max_age_s) + self.streams.expire(max_age_s)
+        """Revoke leases older than ``max_age_s`` (``LeaseTable.expire``)."""
+        return self.leases.expire(max_age_s)
 
     def expire_reservations(self, max_age_s: float) -> int:
         """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``)."""

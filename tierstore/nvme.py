@@ -650,15 +650,16 @@ class StreamRead:
     """A read of one object left running while its reader copies behind it (a get through
     the daemon): the chunks go to the engine's workers in order, ``_STREAM_DEPTH`` at a
     time (all at once, they would land together and the reader could copy nothing
-    early), each read and its blocks checked by its worker. ``landed()``: how many of the object's first bytes are
-    in place and checked; ``when(upto, fn)`` calls ``fn(landed, error)`` once that prefix
-    reaches ``upto`` or a chunk fails (on the thread that settles it); ``on_done(fn)``
-    calls ``fn()`` once every chunk has finished, after which nothing of this read lands
-    in ``dst`` any more."""
+    early), each read and its blocks checked by its worker. ``landed()``: how many of the
+    object's first bytes are in place and checked; ``when(upto, fn)`` calls
+    ``fn(landed, error)`` once that prefix reaches ``upto`` or the read fails (on the
+    thread that settles it); ``cancel(error)`` sends no more chunks and fails what waits;
+    ``on_done(fn)`` calls ``fn()`` once the read is over (every chunk back, or, failed or
+    cancelled, every chunk sent back), after which nothing of it lands in ``dst``."""
 
     def __init__(self, tier: "NvmeTier", extents: list[Extent], dst: np.ndarray, checksums: list[int],
                  padded: np.ndarray | None) -> None:
-        self.tier, self.extents, self.nbytes = tier, extents, dst.nbytes
+        self.tier, self.nbytes = tier, dst.nbytes
         chunks = sorted(tier._chunks(extents, _STREAM_CHUNK), key=lambda c: c[1])
         self._ends = [off + n for _, off, n in chunks]
         self._ok = [False] * len(chunks)
@@ -673,26 +674,13 @@ class StreamRead:
         for _ in range(min(_STREAM_DEPTH, len(chunks))):
             self._send_next()
 
-    def _send_next(self) -> None:
-        with self._lock:
-            if self._sent == len(self._chunks) or self._error is not None:
-                return
-            i, self._sent = self._sent, self._sent + 1
-        e, off, n = self._chunks[i]
-        f = self.tier.engine.submit(self.tier._read_chunk, e, off, n, self._dst, self._padded, self._checksums)
-        f.add_done_callback(lambda f, i=i: self._landed_chunk(i, f))
-
     def landed(self) -> int:
         with self._lock:
-            return self._ends[self._prefix - 1] if self._prefix else 0
-
-    def error(self) -> BaseException | None:
-        with self._lock:
-            return self._error
+            return self._landed()
 
     def when(self, upto: int, fn) -> None:
         with self._lock:
-            landed = self._ends[self._prefix - 1] if self._prefix else 0
+            landed = self._landed()
             if self._error is None and landed < upto:
                 self._waiters.append((upto, fn))
                 return
@@ -706,10 +694,26 @@ class StreamRead:
                 return
         fn()
 
+    def cancel(self, error: BaseException) -> None:
+        """Send nothing more; whatever waits (and waits from now on) gets ``error``."""
+        with self._lock:
+            self._error = self._error or error
+            calls = self._ready()
+        self._run(calls)
+
+    def _send_next(self) -> None:
+        with self._lock:
+            if self._sent == len(self._chunks) or self._error is not None:
+                return
+            i, self._sent = self._sent, self._sent + 1
+        e, off, n = self._chunks[i]
+        f = self.tier.engine.submit(self.tier._read_chunk, e, off, n, self._dst, self._padded, self._checksums)
+        f.add_done_callback(lambda f, i=i: self._landed_chunk(i, f))
+
     def _landed_chunk(self, i: int, f: Future) -> None:
         e = f.exception()
         if isinstance(e, OSError):
-            e = _io_error(e, self.tier.drives[self.extents[0].dev].path, "reading")
+            e = _io_error(e, self.tier.drives[self._chunks[i][0].dev].path, "reading")
         with self._lock:
             self._finished += 1
             if e is not None:
@@ -718,25 +722,37 @@ class StreamRead:
                 self._ok[i] = True
                 while self._prefix < len(self._ok) and self._ok[self._prefix]:
                     self._prefix += 1
-            landed = self._ends[self._prefix - 1] if self._prefix else 0
-            if self._error is not None:
-                ready, self._waiters = self._waiters, []
-            else:
-                ready = [w for w in self._waiters if w[0] <= landed]
-                self._waiters = [w for w in self._waiters if w[0] > landed]
-            err = self._error
-            more = err is None and self._sent < len(self._chunks)
-            done = self._on_done if self._over() else []
-            if done:
-                self._on_done = []
-            if self._over() and err is None:
+            more = self._error is None and self._sent < len(self._chunks)
+            if self._over() and self._error is None:
                 self.tier.bytes_read += self.nbytes
+            calls = self._ready()
         if more:
             self._send_next()
-        for _, fn in ready:
-            fn(landed, err)
-        for fn in done:
-            fn()
+        self._run(calls)
+
+    def _ready(self) -> list:
+        """(under the lock) The calls now due: the waiters whose bytes are in (all, on an
+        error) and, once the read is over, the ``on_done`` callbacks; taken off their lists."""
+        landed, err = self._landed(), self._error
+        if err is not None:
+            ready, self._waiters = self._waiters, []
+        else:
+            ready = [w for w in self._waiters if w[0] <= landed]
+            self._waiters = [w for w in self._waiters if w[0] > landed]
+        done, self._on_done = (self._on_done, []) if self._over() else ([], self._on_done)
+        return [lambda fn=fn: fn(landed, err) for _, fn in ready] + done
+
+    @staticmethod
+    def _run(calls: list) -> None:
+        """(no lock held) Make ``_ready``'s calls; one that fails is logged, the rest still run."""
+        for fn in calls:
+            try:
+                fn()
+            except Exception:
+                log.exception("a callback of a streamed read failed")
+
+    def _landed(self) -> int:
+        return self._ends[self._prefix - 1] if self._prefix else 0
 
     def _over(self) -> bool:
         """(under the lock) Every chunk sent is back and none is left to send."""

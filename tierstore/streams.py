@@ -10,10 +10,12 @@ piece as it lands, while the next are read; ``get_end`` gives the block back.
 
 ``StreamedGets`` owns the open streams. It is given the object index (the pin that
 holds the object against writers and moves while it is read), placement (the block, the
-read, the block's return) and the lease table (an object a stream is not for goes
-through an ordinary lease). An object is pinned from the start of its read to the end
-of the last chunk's; the block is given back once the client ended the stream (or went
-away) and no chunk is still landing in it.
+read, the block's return), the lease table (an object a stream is not for goes through
+an ordinary lease) and the prefetcher (the get is an access it learns from). The object
+is pinned until its read is over (a writer or a free waits for the read, never for the
+client); the block is the client's until it ends the stream (``get_end``, or its
+connection goes) and the read is over. An ended stream sends no more chunks, and counts
+against its connection's open streams until the chunks it sent are back.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ class Stream:
     meta: ObjectMeta
     offset: int
     read: StreamRead
-    since: float
     waits: int = 0
-    expired: bool = False
-    """Held past the lease timeout: the object was let go, the block waits for the client."""
+    ended: bool = False
+    """The client ended it (or went): nothing more is answered for it."""
+    over: bool = False
+    """Its read is over: nothing lands in the block any more."""
 
 
 class StreamedGets:
@@ -71,6 +74,9 @@ class StreamedGets:
         self.cv = index.cv
         self.counters = index.counters
         self.streams: dict[int, Stream] = {}
+        """Every stream until both ended and its read is over."""
+        self._opening: dict[Any, int] = {}
+        """Streams being opened, by owner (counted against the bound before they are in ``streams``)."""
         self._next = 1
 
     def _streams(self, meta: ObjectMeta) -> bool:
@@ -95,34 +101,43 @@ class StreamedGets:
         ix = self.index
         t0 = time.monotonic()
         meta, late = ix.pin(h, namespace)
-        try:
-            with self.cv:
-                streams = self._streams(meta)
-                if streams and sum(s.owner == owner for s in self.streams.values()) >= MAX_STREAMS_PER_OWNER:
-                    raise CapacityExceeded(f"this connection has {MAX_STREAMS_PER_OWNER} streamed gets open, the "
-                                           "most one may; end some first")
-            off = self.placement.alloc_host(meta.nbytes, wait_s=ix.lease_wait_s, reading=True) if streams else -1
-        except BaseException:
+        with self.cv:
+            streams = self._streams(meta)
+            full = streams and sum(s.owner == owner for s in self.streams.values()) + self._opening.get(owner, 0) \
+                >= MAX_STREAMS_PER_OWNER
+            if streams and not full:
+                self._opening[owner] = self._opening.get(owner, 0) + 1
+        if full:
             self._unpin(meta)
-            raise
+            raise CapacityExceeded(f"this connection has {MAX_STREAMS_PER_OWNER} streamed gets open (or still "
+                                   "reading), the most one may; end some first")
         if not streams:
             self._unpin(meta)
             return self.leases.checkout(h, "r", owner=owner, namespace=namespace, stream=stream, device=device)
         try:
-            read = self.placement.read_stream(meta, off)
+            off = self.placement.alloc_host(meta.nbytes, wait_s=ix.lease_wait_s, reading=True)
+            try:
+                read = self.placement.read_stream(meta, off)
+            except BaseException:
+                with self.cv:
+                    self.placement.host_free(off, meta.nbytes)
+                raise
         except BaseException:
             with self.cv:
-                self.placement.host_free(off, meta.nbytes)
+                self._opened(owner)
             self._unpin(meta)
             raise
         with self.cv:
+            self._opened(owner)
             sid, self._next = self._next, self._next + 1
-            s = self.streams[sid] = Stream(sid, owner, meta, off, read, time.monotonic())
-            self.prefetcher.access(owner, stream, meta, False, late, t0)
+            s = self.streams[sid] = Stream(sid, owner, meta, off, read)
             self.counters["nvme_reads"] += 1
             self.counters["streamed_gets"] += 1
             self.counters["gets"] += 1
             self.counters["get_bytes"] += meta.nbytes
+        read.on_done(lambda: self._read_over(s))
+        with self.cv:
+            self.prefetcher.access(owner, stream, meta, False, late, t0)
         return s
 
     def wait(self, sid: int, upto: int, *, owner: Any) -> int | Pending:
@@ -130,17 +145,15 @@ class StreamedGets:
         least ``upto``: now, or a ``Pending`` of it. A chunk that fails (its checksum, the
         drive) fails this and every later wait."""
         with self.cv:
-            s = self.streams.get(sid)
-            if s is None or s.owner != owner or s.expired:
-                raise NotFound(f"no open streamed get {sid} for this connection")
+            s = self._mine(sid, owner)
             n = s.meta.nbytes
             if not 0 < upto <= n:
                 raise InvalidArgument(f"upto {upto} is outside streamed get {sid}'s 1..{n} bytes")
+            if s.read.landed() >= upto:
+                return s.read.landed()
             if s.waits >= MAX_WAITS_PER_STREAM:
                 raise CapacityExceeded(f"streamed get {sid} has {MAX_WAITS_PER_STREAM} get_part requests waiting, "
                                        "the most it may")
-            if s.read.landed() >= upto:
-                return s.read.landed()
             s.waits += 1
         done = Pending()
 
@@ -153,46 +166,56 @@ class StreamedGets:
         return done
 
     def end(self, sid: int, *, owner: Any) -> None:
-        """The client is done with stream ``sid``: its block goes back once no chunk is landing in it."""
+        """The client is done with stream ``sid``: no more of it is read, and its block
+        goes back once no chunk is landing in it."""
         with self.cv:
-            s = self.streams.get(sid)
-            if s is None or s.owner != owner:
-                raise NotFound(f"no open streamed get {sid} for this connection")
-            del self.streams[sid]
-        self._close(s)
+            s = self._mine(sid, owner)
+            s.ended = True
+            over = self._forget_if_over(s)
+        if not over:
+            s.read.cancel(NotFound(f"streamed get {sid} was ended"))
 
     def drop_owner(self, owner: Any) -> int:
         """End every stream of ``owner`` (a connection that went away); how many."""
         with self.cv:
-            mine = [s for s in self.streams.values() if s.owner == owner]
+            mine = [s for s in self.streams.values() if s.owner == owner and not s.ended]
             for s in mine:
-                del self.streams[s.sid]
-        for s in mine:
-            self._close(s)
+                s.ended = True
+            reading = [s for s in mine if not self._forget_if_over(s)]
+        for s in reading:
+            s.read.cancel(NotFound(f"streamed get {s.sid} was ended with its connection"))
         return len(mine)
 
-    def expire(self, max_age_s: float) -> int:
-        """Let go of the objects of streams older than ``max_age_s`` (a client that stopped
-        asking must not hold writers off): their blocks stay the client's, which may still
-        be copying from them, until it ends the stream or goes. Returns how many."""
-        now = time.monotonic()
+    def _mine(self, sid: int, owner: Any) -> Stream:
+        """(under cv) Stream ``sid`` of ``owner``, not ended; else NotFound."""
+        s = self.streams.get(sid)
+        if s is None or s.owner != owner or s.ended:
+            raise NotFound(f"no open streamed get {sid} for this connection")
+        return s
+
+    def _read_over(self, s: Stream) -> None:
+        """(an I/O worker, or the thread that ended it) ``s``'s read is over: the object is
+        let go, and the block too if the client is done with it."""
+        self._unpin(s.meta)
         with self.cv:
-            old = [s for s in self.streams.values() if not s.expired and now - s.since > max_age_s]
-            for s in old:
-                s.expired = True
-        for s in old:
-            log.warning("letting go of the object of streamed get %d, open for more than %.0f s", s.sid, max_age_s)
-            s.read.on_done(lambda s=s: self._unpin(s.meta))
-        return len(old)
+            s.over = True
+            self._forget_if_over(s)
 
-    def _close(self, s: Stream) -> None:
-        def free() -> None:
-            with self.cv:
-                self.placement.host_free(s.offset, s.meta.nbytes)
-            if not s.expired:  # (an expired stream let go of its object already)
-                self._unpin(s.meta)
+    def _forget_if_over(self, s: Stream) -> bool:
+        """(under cv) Drop an ended stream whose read is over, giving its block back; whether it was."""
+        if not (s.ended and s.over):
+            return False
+        if self.streams.pop(s.sid, None) is s:
+            self.placement.host_free(s.offset, s.meta.nbytes)
+        return True
 
-        s.read.on_done(free)
+    def _opened(self, owner: Any) -> None:
+        """(under cv) One stream of ``owner`` is no longer being opened."""
+        left = self._opening[owner] - 1
+        if left:
+            self._opening[owner] = left
+        else:
+            del self._opening[owner]
 
     def _unpin(self, meta: ObjectMeta) -> None:
         if self.index.unpin(meta):
