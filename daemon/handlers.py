@@ -120,9 +120,10 @@ class Deferred(NamedTuple):
 
     done: Pending
     reply: Callable[[Any], Any]
-    hop: bool = False
-    """Answer from the server's control thread, not the thread that settles ``done`` (an
-    I/O worker, which must never be the one to clean up a closed connection)."""
+    acquires: bool = True
+    """Whether the request may take something its connection holds (a commit may publish
+    an ephemeral object), to release should the connection go before the reply: a
+    ``get_part``, settled on an I/O worker, takes nothing."""
 
 
 def _answer(result: Any, reply: Callable[[Any], Any]) -> Any:
@@ -300,7 +301,7 @@ class Handlers:
         upto = field(msg, "upto", int, min_value=1)
         landed = self.store.daemon.get_part(sid, upto, owner=sess)
         if isinstance(landed, Pending):
-            return Deferred(landed, _landed_reply, hop=True)
+            return Deferred(landed, _landed_reply, acquires=False)
         return _landed_reply(landed)
 
     def get_end(self, sess: "Session", msg: dict[str, Any]) -> Any:

@@ -536,9 +536,8 @@ class Server:
             self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.give_back))
             return
         if isinstance(result, Deferred):  # answered once settled (a group commit, a streamed read)
-            def settled(f) -> None:
-                self._committed(sess, rid, op, t0, lambda: result.reply(f.result()))
-            result.done.add_done_callback((lambda f: self._control.submit(settled, f)) if result.hop else settled)
+            result.done.add_done_callback(
+                lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result()), result.acquires))
             return
         self.latency.observe(op, time.perf_counter() - t0)
         if op == "hello":
@@ -633,19 +632,25 @@ class Server:
             self._finish(job.sess, job.rid, reply_err(job.rid, error), job.op, error.code,
                          time.perf_counter() - job.t0)
 
-    def _committed(self, sess: Session, rid: int, op: str, t0: float, reply) -> None:
-        """(on the group committer's thread, for a durable put's commit; on a control
-        thread, for a streamed get's ``get_part``) A deferred request is done: its reply
-        (``reply()``) goes out; a connection that went away meanwhile is cleaned up on a
-        control thread, so the committer goes on with the next batch."""
+    def _committed(self, sess: Session, rid: int, op: str, t0: float, reply, acquires: bool = True) -> None:
+        """(on the thread that settled it: the group committer's, for a durable put's
+        commit; an I/O worker's, for a streamed get's ``get_part``) A deferred request is
+        done: its reply (``reply()``) goes out. A request that ``acquires`` (a commit may
+        publish an object of the connection's) of a connection that went away meanwhile
+        is cleaned up after on a control thread, so the committer goes on with the next
+        batch; one that does not (``get_part``) has nothing to clean up, so no I/O worker
+        ever does that work."""
         out = (*_outcome(reply, rid, op), time.perf_counter() - t0)
-        if sess.closed:
+        if not acquires:
+            self._finish(sess, rid, *out, clean=False)
+        elif sess.closed:
             self._control.submit(self._finish, sess, rid, *out)
         else:
             self._finish(sess, rid, *out)
 
-    def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float) -> None:
-        if sess.closed:
+    def _finish(self, sess: Session, rid: int, blob: bytes, op: str, code: str | None, seconds: float,
+                clean: bool = True) -> None:
+        if sess.closed and clean:
             # the client went away while this ran: whatever it acquired is released now
             self._drop_owner(sess)
         self._done.put((sess, rid, (blob, op, code), seconds))
