@@ -20,7 +20,6 @@ against its connection's open streams until the chunks it sent are back.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,6 @@ from .waits import Later
 
 __all__ = ["STREAM_MIN_BYTES", "Stream", "StreamedGets"]
 
-log = logging.getLogger(__name__)
 
 STREAM_MIN_BYTES = 32 << 20
 """A get streams only objects this large (at 16 - 32 MiB, streamed and whole reads were
