@@ -1267,7 +1267,8 @@ def test_a_large_get_of_an_nvme_object_is_copied_while_the_daemon_reads_it(daemo
     """A get through the daemon of a large object that stays on NVMe streams: the daemon
     reads it into a block of the request's own and answers at once, and the client copies
     each piece once ``get_part`` says its bytes are in and checked
-    (``counters["streamed_gets"]``). The bytes are exact, into ``out`` or a new tensor;
+    (``counters["streamed_gets"]``). The bytes are exact, into ``out`` or a new tensor, of
+    a size in whole pages or not;
     the block comes back after each get; a small object, or one in the host tier, goes
     through a lease as before; a flipped byte in the data file fails the get with
     ``ChecksumMismatch`` and costs no host memory, and the daemon goes on serving."""
@@ -1294,9 +1295,15 @@ def test_a_large_get_of_an_nvme_object_is_copied_while_the_daemon_reads_it(daemo
         assert st["counters"]["streamed_gets"] == streamed0 + 2
         assert st["tiers"]["host"]["used_bytes"] == host0  # each get's block went back
         assert streamed0 == 0  # (the small one went through a lease: too small to stream)
+        odd = torch.randint(0, 256, ((32 << 20) + 4099,), dtype=torch.uint8, generator=g)  # not whole pages
+        ho = c.put(odd, key="odd", tier="nvme")
+        poll_until(lambda: c.info(ho)["residency"] == ["nvme"], "the odd-sized put to go down to NVMe")
+        assert torch.equal(c.get(ho), odd)
+        assert c.stat()["counters"]["streamed_gets"] == streamed0 + 3
+        c.free(ho)
         in_host = c.put(big + 1, key="in_host")  # (host tier)
         assert torch.equal(c.get(in_host), big + 1)
-        assert c.stat()["counters"]["streamed_gets"] == streamed0 + 2
+        assert c.stat()["counters"]["streamed_gets"] == streamed0 + 3
         c.free(in_host)
         # the object was the first on the fresh drive: its bytes start at the data file's start
         fd = os.open(os.path.join(d.nvme, "data.bin"), os.O_RDWR)
