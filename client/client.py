@@ -194,9 +194,10 @@ class Client:
         self._parts = {"parts": True} if "streams" in hello.get("features", ()) else {}
         """A get's field asking for a streamed get of a large object only on NVMe, where the daemon streams."""
         self._arena_fd = arena_fd
-        self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]))
+        huge = bool(hello.get("arena_huge"))
+        self._mm, self._arena = map_arena_fd(arena_fd, int(hello["arena_bytes"]), huge=huge)
         # a second, read-only mapping of the same pages for the views of 'r' check-outs
-        self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True)
+        self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True, huge=huge)
         # page tables filled in the background, so connecting costs O(1), not O(arena)
         self._closing = False
         self._prefault_stop = threading.Event()

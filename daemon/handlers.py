@@ -204,6 +204,7 @@ class Handlers:
         sess.fragments = field(msg, "fragments", bool, False)
         sess.joined = field(msg, "joined", bool, False)
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
+                "arena_huge": self.store.arena.advises_huge,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,
                 "gpu_reason": self.store.daemon.gpu_reason,
                 "features": ["ephemeral", "batch", "source", "unused", "each", "activations", "pages", "columns",

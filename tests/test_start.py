@@ -214,6 +214,31 @@ def test_a_hugetlb_arena_takes_reserved_huge_pages_or_says_how_many_it_needs():
             Arena((free + (8 << 20)), huge_pages="hugetlb")
 
 
+def _vm_flags(addr: int) -> set[str]:
+    """The ``VmFlags`` of this process's mapping that starts at ``addr`` (``/proc/self/smaps``)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split("-", 1)[0] == format(addr, "x"))
+    flags = next(line for line in lines[start + 1:] if line.startswith("VmFlags:"))
+    return set(flags.split()[1:])
+
+
+def test_a_client_maps_the_arena_asking_for_the_huge_pages_the_daemon_asks_for(daemon_factory):
+    """The kernel gives a page of shared memory the size that the first mapping to touch
+    it asks for, and a client connects as soon as the daemon serves, while the daemon
+    still populates its arena (with a large arena, for seconds): a page the client's
+    prefault or its first views touch first would be allocated small, out of the huge
+    pages the daemon asked for. So a client maps the arena with ``MADV_HUGEPAGE`` (both of
+    its mappings, flag ``hg``) when hello's ``arena_huge`` says the daemon does, and not
+    when the daemon runs with ``host_huge_pages = "off"``."""
+    for mode, huge in (("auto", True), ("off", False)):
+        d = daemon_factory("--host-bytes", "64MiB", "--host-huge-pages", mode)
+        with d.client("early") as c:
+            assert c.server["arena_huge"] is huge
+            for view in (c._arena, c._arena_ro):
+                assert ("hg" in _vm_flags(view.ctypes.data)) is huge, mode
+        d.stop()
+
+
 def test_a_daemon_on_reserved_huge_pages_serves_clients_that_map_them(daemon_factory):
     """End to end where the machine has huge pages reserved (``vm.nr_hugepages``): a
     daemon whose arena is hugetlb, a client that maps it, puts, gets and checks out

@@ -73,6 +73,10 @@ class Arena:
             raise
         self.array = np.frombuffer(self.mm, dtype=np.uint8) if self.size else np.empty(0, np.uint8)
         self._huge: tuple[int, str] | None = None
+        self.advises_huge = huge_pages == "auto"
+        """Whoever maps the arena asks for transparent huge pages (``map_arena_fd(huge=)``):
+        the kernel gives a page of shared memory the size the first mapping to touch it
+        asks for, and a client may touch pages before the daemon has populated them."""
         self.populated = False
         self.populate_how = "not yet"
         self._populating: threading.Thread | None = None
@@ -294,9 +298,12 @@ def _populate(fd: int, mm: mmap.mmap, size: int, threads: int, stop: threading.E
                            "host_bytes (or free memory)")
 
 
-def map_arena_fd(fd: int, size: int, *, read_only: bool = False) -> tuple[mmap.mmap, np.ndarray]:
+def map_arena_fd(fd: int, size: int, *, read_only: bool = False,
+                 huge: bool = False) -> tuple[mmap.mmap, np.ndarray]:
     """Map an arena fd received from the daemon; returns the mapping and a uint8 view
-    (``read_only``: a ``PROT_READ`` mapping, whose view is not writeable).
+    (``read_only``: a ``PROT_READ`` mapping, whose view is not writeable; ``huge``: ask
+    for transparent huge pages, as the daemon's own mapping does, so that a page this
+    mapping touches before the daemon populated it is allocated huge too).
 
     The mapping's page tables are not filled here: that costs ~0.3 s per GiB, which a
     client that only asks for ``stat`` should not pay at connect. ``prefault_mapping``
@@ -306,6 +313,8 @@ def map_arena_fd(fd: int, size: int, *, read_only: bool = False) -> tuple[mmap.m
         return _map(fd, 0), np.empty(0, np.uint8)
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                    prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
+    if huge:
+        _advise_huge(mm)
     return mm, np.frombuffer(mm, dtype=np.uint8)
 
 
