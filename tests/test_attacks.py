@@ -147,11 +147,12 @@ def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
     """A streamed get (``get`` with ``parts``: a large object only on NVMe read into a
     block of the request's own) from raw clients: ``get_part`` and ``get_end`` with values
     out of range or of the wrong type, another connection's stream, one ended already, a
-    ninth stream open on one connection are typed errors; the object is held only while
+    ninth stream open on one connection are typed errors; past half the host tier held by
+    streams, a get takes a lease; the object is held only while
     it is read (a writer and a free go ahead while the stream stays open); the block
     comes back when the stream ends, also before its read is over, or when its
     connection goes with a ``get_part`` still waiting."""
-    d = DaemonProc(tmp_path, ["--host-bytes", "384MiB", "--lease-wait-s", "1"])
+    d = DaemonProc(tmp_path, ["--host-bytes", "640MiB", "--lease-wait-s", "1"])
     d.start()
     n = 130 << 20
     try:
@@ -196,8 +197,8 @@ def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
                     sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
                     assert "ok" in a.call("get_end", sid=sid)
                     assert a.err("get_part", sid=sid, upto=n) == "NotFound"
-                # (making room for them may have moved the small object down: at most host1)
-                poll_until(lambda: host() <= host1, "the blocks of streams ended early to come back")
+                    # (making room may have moved the small object down: at most host1)
+                    poll_until(lambda: host() <= host1, "the block of a stream ended early to come back")
                 a.send("get", handle=h, parts=True)  # a stream, left for the end of the connection
                 b.call("get", handle=small, parts=True)
             finally:
@@ -216,6 +217,16 @@ def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
             finally:
                 c.close()
             v.free(h32)
+            poll_until(lambda: nvme_only(h) and host() <= host1, "the object down, no block held")
+            c = Raw(d, "s")  # streams hold half the host tier at most (320 MiB): a third get takes a lease
+            try:
+                sids = [c.call("get", handle=h, parts=True)["ok"]["sid"] for _ in range(2)]
+                lease = c.call("get", handle=h, parts=True)["ok"]
+                assert "sid" not in lease and "ok" in c.call("release", lid=lease["lid"])
+                for sid in sids:
+                    assert "ok" in c.call("get_end", sid=sid)
+            finally:
+                c.close()
             v.free(h)  # from the host tier: the next get streams from NVMe again
             h = int(v.put(np.full(n, 5, np.uint8), key="big2", tier="nvme"))
             poll_until(lambda: nvme_only(h), "the put to go down to NVMe")

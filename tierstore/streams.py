@@ -15,7 +15,8 @@ an ordinary lease) and the prefetcher (the get is an access it learns from). The
 is pinned until its read is over (a writer or a free waits for the read, never for the
 client); the block is the client's until it ends the stream (``get_end``, or its
 connection goes) and the read is over. An ended stream sends no more chunks, and counts
-against its connection's open streams until the chunks it sent are back.
+against its connection's open streams until the chunks it sent are back. Streams hold
+at most half the host tier together; a get past that takes a lease.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ __all__ = ["STREAM_MIN_BYTES", "Stream", "StreamedGets"]
 STREAM_MIN_BYTES = 32 << 20
 """A get streams only objects this large (at 16 - 32 MiB, streamed and whole reads were
 within a few per cent of each other)."""
+STREAM_HOST_SHARE = 0.5
+"""The share of the host tier streamed gets may hold together; past it a get takes a
+lease (one promoted copy, shared by every reader) as a get of a smaller object does."""
 MAX_STREAMS_PER_OWNER = 8
 MAX_WAITS_PER_STREAM = 64
 """``get_part`` requests one stream may have waiting at once."""
@@ -75,6 +79,11 @@ class StreamedGets:
         """Every stream until both ended and its read is over."""
         self._opening: dict[Any, int] = {}
         """Streams being opened, by owner (counted against the bound before they are in ``streams``)."""
+        self._held = 0
+        """Bytes of host blocks the streams hold or are opening with."""
+        self.share_bytes = int(placement.host.capacity * STREAM_HOST_SHARE)
+        """The most the streams hold together: so that streams of one object, however many
+        connections ask for them, cannot take the host tier from everything else."""
         self._next = 1
 
     def _streams(self, meta: ObjectMeta) -> bool:
@@ -99,12 +108,15 @@ class StreamedGets:
         ix = self.index
         t0 = time.monotonic()
         meta, late = ix.pin(h, namespace)
+        n = meta.nbytes
         with self.cv:
-            streams = self._streams(meta)
+            # (past the streams' share of the host tier, a get shares one promoted copy, as any other)
+            streams = self._streams(meta) and self._held + n <= self.share_bytes
             full = streams and sum(s.owner == owner for s in self.streams.values()) + self._opening.get(owner, 0) \
                 >= MAX_STREAMS_PER_OWNER
             if streams and not full:
                 self._opening[owner] = self._opening.get(owner, 0) + 1
+                self._held += n
         if full:
             self._unpin(meta)
             raise CapacityExceeded(f"this connection has {MAX_STREAMS_PER_OWNER} streamed gets open (or still "
@@ -123,6 +135,7 @@ class StreamedGets:
         except BaseException:
             with self.cv:
                 self._opened(owner)
+                self._held -= n
             self._unpin(meta)
             raise
         with self.cv:
@@ -205,6 +218,7 @@ class StreamedGets:
             return False
         if self.streams.pop(s.sid, None) is s:
             self.placement.host_free(s.offset, s.meta.nbytes)
+            self._held -= s.meta.nbytes
         return True
 
     def _opened(self, owner: Any) -> None:
