@@ -174,7 +174,7 @@ def _log_release_error(fut: Future) -> None:
 
 def _log_part_error(fut: Future) -> None:
     # (put_part is a hint: the commit writes whatever it did not, and reports its own errors;
-    # get_end's only failure is a stream already ended, by the daemon's end of the connection)
+    # get_end after a get that failed: the stream may be gone already, with its connection)
     if not fut.cancelled() and fut.exception() is not None:
         log.debug("put_part / get_end failed: %s", fut.exception())
 
@@ -379,7 +379,8 @@ class Client:
     def _get_streamed(self, r: dict[str, Any], out: Any) -> Any:
         """Copy a streamed get's object out piece by piece as the daemon reads it: one
         ``get_part`` per piece sent at once, each piece copied once its answer says its
-        bytes are in and checked; then ``get_end`` (not waited for) gives the block back."""
+        bytes are in and checked; then ``get_end`` gives the block back (its answer waited
+        for: ``NotFound`` there, a stream the daemon ended as too old, fails the get)."""
         spec = _spec_of(r)
         off, n = r["offset"], spec.nbytes
         try:
@@ -392,8 +393,12 @@ class Client:
                 self._conn.wait(part)
                 dst[start:end] = self._arena[off + start:off + end]
                 start = end
-        finally:
+        except BaseException:
             self._conn.submit("get_end", sid=r["sid"]).add_done_callback(_log_part_error)
+            raise
+        # waited for: a stream the daemon ended meanwhile (it was open too long) may have had
+        # its block reused under the copy, and then the get fails rather than return those bytes
+        self._conn.request("get_end", sid=r["sid"])
         return out if out is not None else from_bytes(dst, spec)
 
     def checkout(self, handle: Handle | int | str, mode: str = "r", *, timeout_s: float | None = None,

@@ -766,7 +766,7 @@ class Server:
             self._control.submit(self._give_back, sess, ended)
 
     def _expire(self) -> None:
-        """(a control thread, once a second) Revoke old leases, drop old reservations."""
+        """(a control thread, once a second) Revoke old leases, drop old reservations, end old streamed gets."""
         try:
             if self.config.daemon.lease_timeout_s > 0:
                 self.store.daemon.expire_leases(self.config.daemon.lease_timeout_s)

@@ -146,9 +146,9 @@ def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
 def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
     """A streamed get (``get`` with ``parts``: a large object only on NVMe read into a
     block of the request's own) from raw clients: ``get_part`` and ``get_end`` with values
-    out of range or of the wrong type, another connection's stream, one ended already, a
-    ninth stream open on one connection are typed errors; past half the host tier held by
-    streams, a get takes a lease; the object is held only while
+    out of range or of the wrong type, another connection's stream, one ended already are
+    typed errors; past 8 streams on a connection, or half the host tier held by streams,
+    a get takes a lease; the object is held only while
     it is read (a writer and a free go ahead while the stream stays open); the block
     comes back when the stream ends, also before its read is over, or when its
     connection goes with a ``get_part`` still waiting."""
@@ -204,13 +204,14 @@ def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
             finally:
                 a.close()
                 b.close()
-            m = 32 << 20  # the smallest object that streams: 8 streams may be open on a connection, not 9
+            m = 32 << 20  # the smallest object that streams: 8 streams on a connection; a ninth get, a lease
             h32 = int(v.put(np.full(m, 3, np.uint8), key="b32", tier="nvme"))
             poll_until(lambda: nvme_only(h32), "the put to go down to NVMe")
             c = Raw(d, "s")
             try:
                 sids = [c.call("get", handle=h32, parts=True)["ok"]["sid"] for _ in range(8)]
-                assert c.err("get", handle=h32, parts=True) == "CapacityExceeded"
+                lease = c.call("get", handle=h32, parts=True)["ok"]
+                assert "sid" not in lease and "ok" in c.call("release", lid=lease["lid"])
                 for sid in sids:
                     assert c.call("get_part", sid=sid, upto=m)["ok"]["landed"] == m
                     assert "ok" in c.call("get_end", sid=sid)
@@ -246,6 +247,38 @@ def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
             poll_until(lambda: v.stat()["leases"] == 0 and host() <= host1, "a dropped stream's block to come back")
             with v.checkout(h, "rw", timeout_s=30) as t:  # and its object to be let go
                 assert int(t[0]) == 5 and int(t[-1]) == 5
+        assert d.proc.poll() is None and "Traceback" not in d.log.read_text()
+    finally:
+        d.close()
+
+
+def test_a_streamed_get_left_open_is_ended_and_its_block_comes_back(tmp_path):
+    """A client that opens a streamed get and then neither copies nor ends it, still
+    connected, holds its block no longer than ``reservation_timeout_s``: the daemon ends
+    the stream, the block comes back, and the client's ``get_part`` and ``get_end`` answer
+    ``NotFound`` (a get whose stream ended under its copy fails, not returns those bytes);
+    ``counters["streams_expired"]`` counts it. A stream used in time is untouched."""
+    d = DaemonProc(tmp_path, ["--host-bytes", "256MiB", "--reservation-timeout-s", "2"])
+    d.start()
+    n = 40 << 20
+    try:
+        with d.client("s") as v:
+            h = int(v.put(np.full(n, 4, np.uint8), key="big", tier="nvme"))
+            poll_until(lambda: v.info(h)["residency"] == ["nvme"], "the put to go down to NVMe")
+            host = lambda: v.stat()["tiers"]["host"]["used_bytes"]  # noqa: E731
+            a = Raw(d, "s")
+            try:
+                host0 = host()
+                sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
+                assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n and host() >= host0 + n
+                poll_until(lambda: v.stat()["counters"]["streams_expired"] == 1, "the idle stream to be ended", 30)
+                assert host() <= host0
+                assert a.err("get_part", sid=sid, upto=1) == "NotFound"
+                assert a.err("get_end", sid=sid) == "NotFound"
+                assert np.asarray(v.get(h)).min() == 4  # a get in time: whole
+                assert v.stat()["counters"]["streams_expired"] == 1
+            finally:
+                a.close()
         assert d.proc.poll() is None and "Traceback" not in d.log.read_text()
     finally:
         d.close()

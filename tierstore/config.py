@@ -172,9 +172,9 @@ class DaemonConfig:
                                            "uid and root; repeatable", factory=list, flag="--allowed-group")
     lease_timeout_s: float = _knob(0.0, "revoke leases held longer than this many seconds (0: only when the "
                                         "connection ends)", minimum=0)
-    reservation_timeout_s: float = _knob(300.0, "drop a put reserved but neither committed nor aborted for this "
-                                               "many seconds and reuse its memory (0: only when the connection "
-                                               "ends)", minimum=0)
+    reservation_timeout_s: float = _knob(300.0, "drop a put reserved but neither committed nor aborted, and end a "
+                                               "streamed get left open, after this many seconds and reuse its "
+                                               "memory (0: only when the connection ends)", minimum=0)
     max_clients: int = _knob(256, "connections the daemon admits at once", minimum=1)
     max_clients_per_uid: int = _knob(128, "connections one uid may hold at once (root is exempt)", minimum=1)
     max_message_bytes: int = _knob(1 << 20, "largest control message the daemon accepts")

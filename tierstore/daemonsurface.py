@@ -160,8 +160,9 @@ class DaemonSurface:
         return self.leases.expire(max_age_s)
 
     def expire_reservations(self, max_age_s: float) -> int:
-        """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``)."""
-        return self.puts.expire(max_age_s)
+        """Drop reservations left uncommitted longer than ``max_age_s`` (``Puts.expire``), and
+        end streamed gets open as long (``StreamedGets.expire``)."""
+        return self.puts.expire(max_age_s) + self.streams.expire(max_age_s)
 
     def drop_owner(self, owner: Any) -> tuple[int, int]:
         """``owner`` (a connection) went away: its leases are checked in, its reservations

@@ -684,7 +684,7 @@ class StreamRead:
             if self._error is None and landed < upto:
                 self._waiters.append((upto, fn))
                 return
-            err = self._error
+            err = None if landed >= upto else self._error  # (bytes in and checked stand, whatever came after)
         fn(landed, err)
 
     def on_done(self, fn) -> None:
@@ -707,7 +707,15 @@ class StreamRead:
                 return
             i, self._sent = self._sent, self._sent + 1
         e, off, n = self._chunks[i]
-        f = self.tier.engine.submit(self.tier._read_chunk, e, off, n, self._dst, self._padded, self._checksums)
+        try:
+            f = self.tier.engine.submit(self.tier._read_chunk, e, off, n, self._dst, self._padded, self._checksums)
+        except BaseException as err:  # (an engine that is closing): the read fails, nothing of it is lost
+            with self._lock:
+                self._finished += 1  # (back at once: it never went out)
+                self._error = self._error or err
+                calls = self._ready()
+            self._run(calls)
+            return
         f.add_done_callback(lambda f, i=i: self._landed_chunk(i, f))
 
     def _landed_chunk(self, i: int, f: Future) -> None:

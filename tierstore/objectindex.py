@@ -32,7 +32,7 @@ COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "pr
             "put_bytes", "get_bytes", "demoted_bytes", "promoted_bytes", "capacity_errors",
             "steps", "gpu_hits", "gpu_demotions", "gpu_demoted_bytes",
             "source_handovers", "source_copies", "leases_revoked", "reservations_expired", "put_early_bytes",
-            "streamed_gets")
+            "streamed_gets", "streams_expired")
 """The store's counters (``stat()["counters"]``)."""
 
 

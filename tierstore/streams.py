@@ -14,9 +14,10 @@ read, the block's return), the lease table (an object a stream is not for goes t
 an ordinary lease) and the prefetcher (the get is an access it learns from). The object
 is pinned until its read is over (a writer or a free waits for the read, never for the
 client); the block is the client's until it ends the stream (``get_end``, or its
-connection goes) and the read is over. An ended stream sends no more chunks, and counts
-against its connection's open streams until the chunks it sent are back. Streams hold
-at most half the host tier together; a get past that takes a lease.
+connection goes, or it is older than ``reservation_timeout_s``) and the read is over.
+An ended stream sends no more chunks, and counts against its connection's open streams
+until the chunks it sent are back. Streams hold at most half the host tier together,
+and a connection at most 8; a get past either takes a lease.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ STREAM_HOST_SHARE = 0.5
 """The share of the host tier streamed gets may hold together; past it a get takes a
 lease (one promoted copy, shared by every reader) as a get of a smaller object does."""
 MAX_STREAMS_PER_OWNER = 8
+"""Streams one connection may hold (open, or ended with chunks still landing); a get past them takes a lease."""
 MAX_WAITS_PER_STREAM = 64
 """``get_part`` requests one stream may have waiting at once."""
 
@@ -59,6 +61,8 @@ class Stream:
     meta: ObjectMeta
     offset: int
     read: StreamRead
+    since: float
+    """When it was opened (``time.monotonic()``): ``expire`` ends old ones."""
     waits: int = 0
     ended: bool = False
     """The client ended it (or went): nothing more is answered for it."""
@@ -77,10 +81,8 @@ class StreamedGets:
         self.counters = index.counters
         self.streams: dict[int, Stream] = {}
         """Every stream until both ended and its read is over."""
-        self._opening: dict[Any, int] = {}
-        """Streams being opened, by owner (counted against the bound before they are in ``streams``)."""
         self._held = 0
-        """Bytes of host blocks the streams hold or are opening with."""
+        """Bytes of host blocks the streams hold."""
         self.share_bytes = int(placement.host.capacity * STREAM_HOST_SHARE)
         """The most the streams hold together: so that streams of one object, however many
         connections ask for them, cannot take the host tier from everything else."""
@@ -103,58 +105,49 @@ class StreamedGets:
         return Later(lambda: self.get(h, owner=owner, namespace=ns, stream=stream, device=device))
 
     def get(self, h: Handle, *, owner: Any, namespace: str, stream: str, device: bool) -> LeaseInfo | Stream:
-        """Begin streaming the object into a block of its own and return the stream; an
-        object that does not stream (any more) gets an ordinary read lease instead."""
+        """Begin streaming the object into a block of its own and return the stream. A get
+        that does not stream gets an ordinary read lease instead (one promoted copy, shared
+        by every reader): of an object that does not stream (any more), past the streams'
+        share of the host tier or a connection's streams, or with no free block for it now
+        (outside the read reserve: a stream takes only free room, never demotes another
+        object to make it, and leaves the reserve to reads that cannot do without it)."""
         ix = self.index
         t0 = time.monotonic()
         meta, late = ix.pin(h, namespace)
         n = meta.nbytes
         with self.cv:
-            # (past the streams' share of the host tier, a get shares one promoted copy, as any other)
-            streams = self._streams(meta) and self._held + n <= self.share_bytes
-            full = streams and sum(s.owner == owner for s in self.streams.values()) + self._opening.get(owner, 0) \
-                >= MAX_STREAMS_PER_OWNER
-            if streams and not full:
-                self._opening[owner] = self._opening.get(owner, 0) + 1
+            streams = (self._streams(meta) and self._held + n <= self.share_bytes
+                       and sum(s.owner == owner for s in self.streams.values()) < MAX_STREAMS_PER_OWNER)
+            # free room only: a stream never pushes another object out of the host tier
+            off = self.placement.host_take(n) if streams else None
+            if off is not None:
+                # (the read is begun under the lock, so the stream is whole when anyone sees it;
+                # beginning it only hands chunks to the engine, and never raises: a request it
+                # could not send fails the read)
+                sid, self._next = self._next, self._next + 1
+                s = self.streams[sid] = Stream(sid, owner, meta, off, self.placement.read_stream(meta, off),
+                                               time.monotonic())
                 self._held += n
-        if full:
-            self._unpin(meta)
-            raise CapacityExceeded(f"this connection has {MAX_STREAMS_PER_OWNER} streamed gets open (or still "
-                                   "reading), the most one may; end some first")
-        if not streams:
+                self.counters["nvme_reads"] += 1
+                self.counters["streamed_gets"] += 1
+                self.counters["gets"] += 1
+                self.counters["get_bytes"] += n
+        if off is None:
             self._unpin(meta)
             return self.leases.checkout(h, "r", owner=owner, namespace=namespace, stream=stream, device=device)
+        s.read.on_done(lambda: self._read_over(s))
         try:
-            off = self.placement.alloc_host(meta.nbytes, wait_s=ix.lease_wait_s, reading=True)
-            try:
-                read = self.placement.read_stream(meta, off)
-            except BaseException:
-                with self.cv:
-                    self.placement.host_free(off, meta.nbytes)
-                raise
-        except BaseException:
             with self.cv:
-                self._opened(owner)
-                self._held -= n
-            self._unpin(meta)
+                self.prefetcher.access(owner, stream, meta, False, late, t0)
+        except BaseException:
+            self.end(sid, owner=owner)  # (the client never learns of it)
             raise
-        with self.cv:
-            self._opened(owner)
-            sid, self._next = self._next, self._next + 1
-            s = self.streams[sid] = Stream(sid, owner, meta, off, read)
-            self.counters["nvme_reads"] += 1
-            self.counters["streamed_gets"] += 1
-            self.counters["gets"] += 1
-            self.counters["get_bytes"] += meta.nbytes
-        read.on_done(lambda: self._read_over(s))
-        with self.cv:
-            self.prefetcher.access(owner, stream, meta, False, late, t0)
         return s
 
     def wait(self, sid: int, upto: int, *, owner: Any) -> int | Pending:
         """How many bytes of stream ``sid``'s object are in its block and checked, once at
         least ``upto``: now, or a ``Pending`` of it. A chunk that fails (its checksum, the
-        drive) fails this and every later wait."""
+        drive) fails every wait for bytes at or past it."""
         with self.cv:
             s = self._mine(sid, owner)
             n = s.meta.nbytes
@@ -197,6 +190,23 @@ class StreamedGets:
             s.read.cancel(NotFound(f"streamed get {s.sid} was ended with its connection"))
         return len(mine)
 
+    def expire(self, max_age_s: float) -> int:
+        """End streams open longer than ``max_age_s`` (a client that stopped, still
+        connected, must not hold host memory for its connection's life): their blocks go
+        back as ``get_end`` gives them, and the client's ``get_part`` and ``get_end`` answer
+        ``NotFound`` (its get fails: the bytes it copied may be another object's by then).
+        Returns how many."""
+        now = time.monotonic()
+        with self.cv:
+            old = [s for s in self.streams.values() if not s.ended and now - s.since > max_age_s]
+            for s in old:
+                s.ended = True
+            reading = [s for s in old if not self._forget_if_over(s)]
+            self.counters["streams_expired"] += len(old)
+        for s in reading:
+            s.read.cancel(NotFound(f"streamed get {s.sid} was open longer than {max_age_s:.0f} s and was ended"))
+        return len(old)
+
     def _mine(self, sid: int, owner: Any) -> Stream:
         """(under cv) Stream ``sid`` of ``owner``, not ended; else NotFound."""
         s = self.streams.get(sid)
@@ -220,14 +230,6 @@ class StreamedGets:
             self.placement.host_free(s.offset, s.meta.nbytes)
             self._held -= s.meta.nbytes
         return True
-
-    def _opened(self, owner: Any) -> None:
-        """(under cv) One stream of ``owner`` is no longer being opened."""
-        left = self._opening[owner] - 1
-        if left:
-            self._opening[owner] = left
-        else:
-            del self._opening[owner]
 
     def _unpin(self, meta: ObjectMeta) -> None:
         if self.index.unpin(meta):
