@@ -4,6 +4,7 @@ tensors. After each attack the daemon serves a fresh client, every error is a ty
 ``TierstoreError`` with a one-line message, and no lease or reservation outlives its
 connection."""
 
+import contextlib
 import os
 import re
 import signal
@@ -143,113 +144,125 @@ def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
     poll_until(lambda: nvme() == used0, "the NVMe space of parts left open to come back")
 
 
+@contextlib.contextmanager
+def _daemon_with_client(tmp_path, *args: str):
+    """A daemon of the test's own (``args``) and a client of it in namespace ``s``; at the
+    end the daemon is alive and logged no traceback."""
+    d = DaemonProc(tmp_path, list(args))
+    d.start()
+    try:
+        with d.client("s") as v:
+            yield d, v
+        assert d.proc.poll() is None and "Traceback" not in d.log.read_text()
+    finally:
+        d.close()
+
+
+def _nvme_object(client, nbytes: int, fill: int, key: str) -> int:
+    """An object of ``nbytes`` bytes of ``fill`` put with ``tier="nvme"``, returned once it
+    is only on NVMe (a put's host copy goes down after it)."""
+    h = int(client.put(np.full(nbytes, fill, np.uint8), key=key, tier="nvme"))
+    poll_until(lambda: client.info(h)["residency"] == ["nvme"], "the put to go down to NVMe")
+    return h
+
+
 def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
     """A streamed get (``get`` with ``parts``: a large object only on NVMe read into a
     block of the request's own) from raw clients: ``get_part`` and ``get_end`` with values
     out of range or of the wrong type, another connection's stream, one ended already are
     typed errors; past 8 streams on a connection, or half the host tier held by streams,
-    a get takes a lease; the object is held only while
-    it is read (a writer and a free go ahead while the stream stays open); the block
-    comes back when the stream ends, also before its read is over, or when its
-    connection goes with a ``get_part`` still waiting."""
-    d = DaemonProc(tmp_path, ["--host-bytes", "640MiB", "--lease-wait-s", "1"])
-    d.start()
+    a get takes a lease; the object is held only while it is read (a writer and a free
+    go ahead while the stream stays open); the block comes back when the stream ends,
+    also before its read is over, or when its connection goes with a ``get_part`` still
+    waiting."""
     n = 130 << 20
-    try:
-        with d.client("s") as v:
-            h = int(v.put(np.full(n, 7, np.uint8), key="big", tier="nvme"))
-            nvme_only = lambda h: v.info(h)["residency"] == ["nvme"]  # noqa: E731  (a put's host copy goes down)
-            poll_until(lambda: nvme_only(h), "the put to go down to NVMe")
-            small = int(v.put(np.ones(8, np.uint8), key="small"))
-            host = lambda: v.stat()["tiers"]["host"]["used_bytes"]  # noqa: E731
-            a, b = Raw(d, "s"), Raw(d, "s")
-            try:
-                assert a.err("get", handle=h, parts="yes") == "InvalidArgument"
-                lease = a.call("get", handle=small, parts=True)["ok"]  # in the host tier: a lease
-                assert "sid" not in lease and "ok" in a.call("release", lid=lease["lid"])
-                host1 = host()
-                r = a.call("get", handle=h, parts=True)["ok"]
-                sid = r["sid"]
-                assert r["nbytes"] == n and r["handle"] == h and host() == host1 + n
-                for upto in (0, -1, n + 1, 2**64 - 1, "x", None, 1.5, [1]):
-                    assert a.err("get_part", sid=sid, upto=upto) == "InvalidArgument"
-                for bad in ("x", None, -1, 1.5):
-                    assert a.err("get_part", sid=bad, upto=1) == "InvalidArgument"
-                    assert a.err("get_end", sid=bad) == "InvalidArgument"
-                assert b.err("get_part", sid=sid, upto=n) == "NotFound"
-                assert b.err("get_end", sid=sid) == "NotFound"
-                assert a.err("get_part", sid=sid + 10**6, upto=1) == "NotFound"
-                assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
-                assert "ok" in a.call("get_end", sid=sid)
-                assert a.err("get_part", sid=sid, upto=1) == "NotFound"
-                assert a.err("get_end", sid=sid) == "NotFound"
-                poll_until(lambda: host() <= host1, "an ended stream's block to come back")
-                assert nvme_only(h)
+    with _daemon_with_client(tmp_path, "--host-bytes", "640MiB", "--lease-wait-s", "1") as (d, v):
+        h = _nvme_object(v, n, 7, "big")
+        nvme_only = lambda h: v.info(h)["residency"] == ["nvme"]  # noqa: E731
+        small = int(v.put(np.ones(8, np.uint8), key="small"))
+        host = lambda: v.stat()["tiers"]["host"]["used_bytes"]  # noqa: E731
+        a, b = Raw(d, "s"), Raw(d, "s")
+        try:
+            assert a.err("get", handle=h, parts="yes") == "InvalidArgument"
+            lease = a.call("get", handle=small, parts=True)["ok"]  # in the host tier: a lease
+            assert "sid" not in lease and "ok" in a.call("release", lid=lease["lid"])
+            host1 = host()
+            r = a.call("get", handle=h, parts=True)["ok"]
+            sid = r["sid"]
+            assert r["nbytes"] == n and r["handle"] == h and host() == host1 + n
+            for upto in (0, -1, n + 1, 2**64 - 1, "x", None, 1.5, [1]):
+                assert a.err("get_part", sid=sid, upto=upto) == "InvalidArgument"
+            for bad in ("x", None, -1, 1.5):
+                assert a.err("get_part", sid=bad, upto=1) == "InvalidArgument"
+                assert a.err("get_end", sid=bad) == "InvalidArgument"
+            assert b.err("get_part", sid=sid, upto=n) == "NotFound"
+            assert b.err("get_end", sid=sid) == "NotFound"
+            assert a.err("get_part", sid=sid + 10**6, upto=1) == "NotFound"
+            assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
+            assert "ok" in a.call("get_end", sid=sid)
+            assert a.err("get_part", sid=sid, upto=1) == "NotFound"
+            assert a.err("get_end", sid=sid) == "NotFound"
+            poll_until(lambda: host() <= host1, "an ended stream's block to come back")
+            assert nvme_only(h)
+            sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
+            assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
+            with v.checkout(h, "w", timeout_s=5) as t:  # read: the object is let go, the stream still open
+                t[:] = 9
+            assert a.call("get_part", sid=sid, upto=1)["ok"]["landed"] == n  # its block is still its own
+            assert host() >= host1 + n
+            assert "ok" in a.call("get_end", sid=sid)
+            poll_until(lambda: nvme_only(h) and host() <= host1, "the block back, the written object down")
+            for _ in range(3):  # ended before its read is over: the rest is not read, the block comes back
                 sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
-                assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
-                with v.checkout(h, "w", timeout_s=5) as t:  # read: the object is let go, the stream still open
-                    t[:] = 9
-                assert a.call("get_part", sid=sid, upto=1)["ok"]["landed"] == n  # its block is still its own
-                assert host() >= host1 + n
                 assert "ok" in a.call("get_end", sid=sid)
-                poll_until(lambda: nvme_only(h) and host() <= host1, "the block back, the written object down")
-                for _ in range(3):  # ended before its read is over: the rest is not read, the block comes back
-                    sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
-                    assert "ok" in a.call("get_end", sid=sid)
-                    assert a.err("get_part", sid=sid, upto=n) == "NotFound"
-                    # (making room may have moved the small object down: at most host1)
-                    poll_until(lambda: host() <= host1, "the block of a stream ended early to come back")
-                a.send("get", handle=h, parts=True)  # a stream, left for the end of the connection
-                b.call("get", handle=small, parts=True)
-            finally:
-                a.close()
-                b.close()
-            m = 32 << 20  # the smallest object that streams: 8 streams on a connection; a ninth get, a lease
-            h32 = int(v.put(np.full(m, 3, np.uint8), key="b32", tier="nvme"))
-            poll_until(lambda: nvme_only(h32), "the put to go down to NVMe")
-            c = Raw(d, "s")
-            try:
-                sids = [c.call("get", handle=h32, parts=True)["ok"]["sid"] for _ in range(8)]
-                lease = c.call("get", handle=h32, parts=True)["ok"]
-                assert "sid" not in lease and "ok" in c.call("release", lid=lease["lid"])
-                for sid in sids:
-                    assert c.call("get_part", sid=sid, upto=m)["ok"]["landed"] == m
-                    assert "ok" in c.call("get_end", sid=sid)
-            finally:
-                c.close()
-            v.free(h32)
-            poll_until(lambda: nvme_only(h) and host() <= host1, "the object down, no block held")
-            c = Raw(d, "s")  # streams hold half the host tier at most (320 MiB): a third get takes a lease
-            try:
-                sids = [c.call("get", handle=h, parts=True)["ok"]["sid"] for _ in range(2)]
-                lease = c.call("get", handle=h, parts=True)["ok"]
-                assert "sid" not in lease and "ok" in c.call("release", lid=lease["lid"])
-                for sid in sids:
-                    assert "ok" in c.call("get_end", sid=sid)
-            finally:
-                c.close()
-            v.free(h)  # from the host tier: the next get streams from NVMe again
-            h = int(v.put(np.full(n, 5, np.uint8), key="big2", tier="nvme"))
-            poll_until(lambda: nvme_only(h), "the put to go down to NVMe")
-            c = Raw(d, "s")
-            try:
-                sid = c.call("get", handle=h, parts=True)["ok"]["sid"]
-                assert c.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
-                v.free(h)  # read: a free goes ahead of the open stream
-                assert v.lookup("big2") is None and c.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
+                assert a.err("get_part", sid=sid, upto=n) == "NotFound"
+                # (making room may have moved the small object down: at most host1)
+                poll_until(lambda: host() <= host1, "the block of a stream ended early to come back")
+            a.send("get", handle=h, parts=True)  # a stream, left for the end of the connection
+            b.call("get", handle=small, parts=True)
+        finally:
+            a.close()
+            b.close()
+        m = 32 << 20  # the smallest object that streams: 8 streams on a connection; a ninth get, a lease
+        h32 = _nvme_object(v, m, 3, "b32")
+        c = Raw(d, "s")
+        try:
+            sids = [c.call("get", handle=h32, parts=True)["ok"]["sid"] for _ in range(8)]
+            lease = c.call("get", handle=h32, parts=True)["ok"]
+            assert "sid" not in lease and "ok" in c.call("release", lid=lease["lid"])
+            for sid in sids:
+                assert c.call("get_part", sid=sid, upto=m)["ok"]["landed"] == m
                 assert "ok" in c.call("get_end", sid=sid)
-                h = int(v.put(np.full(n, 5, np.uint8), key="big2", tier="nvme"))
-                poll_until(lambda: nvme_only(h), "the put to go down to NVMe")
-                sid = c.call("get", handle=h, parts=True)["ok"]["sid"]
-                c.send("get_part", sid=sid, upto=n)  # left waiting: the connection goes
-            finally:
-                c.close()
-            poll_until(lambda: v.stat()["leases"] == 0 and host() <= host1, "a dropped stream's block to come back")
-            with v.checkout(h, "rw", timeout_s=30) as t:  # and its object to be let go
-                assert int(t[0]) == 5 and int(t[-1]) == 5
-        assert d.proc.poll() is None and "Traceback" not in d.log.read_text()
-    finally:
-        d.close()
+        finally:
+            c.close()
+        v.free(h32)
+        poll_until(lambda: nvme_only(h) and host() <= host1, "the object down, no block held")
+        c = Raw(d, "s")  # streams hold half the host tier at most (320 MiB): a third get takes a lease
+        try:
+            sids = [c.call("get", handle=h, parts=True)["ok"]["sid"] for _ in range(2)]
+            lease = c.call("get", handle=h, parts=True)["ok"]
+            assert "sid" not in lease and "ok" in c.call("release", lid=lease["lid"])
+            for sid in sids:
+                assert "ok" in c.call("get_end", sid=sid)
+        finally:
+            c.close()
+        v.free(h)  # from the host tier: the next get streams from NVMe again
+        h = _nvme_object(v, n, 5, "big2")
+        c = Raw(d, "s")
+        try:
+            sid = c.call("get", handle=h, parts=True)["ok"]["sid"]
+            assert c.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
+            v.free(h)  # read: a free goes ahead of the open stream
+            assert v.lookup("big2") is None and c.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n
+            assert "ok" in c.call("get_end", sid=sid)
+            h = _nvme_object(v, n, 5, "big2")
+            sid = c.call("get", handle=h, parts=True)["ok"]["sid"]
+            c.send("get_part", sid=sid, upto=n)  # left waiting: the connection goes
+        finally:
+            c.close()
+        poll_until(lambda: v.stat()["leases"] == 0 and host() <= host1, "a dropped stream's block to come back")
+        with v.checkout(h, "rw", timeout_s=30) as t:  # and its object to be let go
+            assert int(t[0]) == 5 and int(t[-1]) == 5
 
 
 def test_a_streamed_get_left_open_is_ended_and_its_block_comes_back(tmp_path):
@@ -258,30 +271,23 @@ def test_a_streamed_get_left_open_is_ended_and_its_block_comes_back(tmp_path):
     the stream, the block comes back, and the client's ``get_part`` and ``get_end`` answer
     ``NotFound`` (a get whose stream ended under its copy fails, not returns those bytes);
     ``counters["streams_expired"]`` counts it. A stream used in time is untouched."""
-    d = DaemonProc(tmp_path, ["--host-bytes", "256MiB", "--reservation-timeout-s", "2"])
-    d.start()
     n = 40 << 20
-    try:
-        with d.client("s") as v:
-            h = int(v.put(np.full(n, 4, np.uint8), key="big", tier="nvme"))
-            poll_until(lambda: v.info(h)["residency"] == ["nvme"], "the put to go down to NVMe")
-            host = lambda: v.stat()["tiers"]["host"]["used_bytes"]  # noqa: E731
-            a = Raw(d, "s")
-            try:
-                host0 = host()
-                sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
-                assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n and host() >= host0 + n
-                poll_until(lambda: v.stat()["counters"]["streams_expired"] == 1, "the idle stream to be ended", 30)
-                assert host() <= host0
-                assert a.err("get_part", sid=sid, upto=1) == "NotFound"
-                assert a.err("get_end", sid=sid) == "NotFound"
-                assert np.asarray(v.get(h)).min() == 4  # a get in time: whole
-                assert v.stat()["counters"]["streams_expired"] == 1
-            finally:
-                a.close()
-        assert d.proc.poll() is None and "Traceback" not in d.log.read_text()
-    finally:
-        d.close()
+    with _daemon_with_client(tmp_path, "--host-bytes", "256MiB", "--reservation-timeout-s", "2") as (d, v):
+        h = _nvme_object(v, n, 4, "big")
+        host = lambda: v.stat()["tiers"]["host"]["used_bytes"]  # noqa: E731
+        a = Raw(d, "s")
+        try:
+            host0 = host()
+            sid = a.call("get", handle=h, parts=True)["ok"]["sid"]
+            assert a.call("get_part", sid=sid, upto=n)["ok"]["landed"] == n and host() >= host0 + n
+            poll_until(lambda: v.stat()["counters"]["streams_expired"] == 1, "the idle stream to be ended", 30)
+            assert host() <= host0
+            assert a.err("get_part", sid=sid, upto=1) == "NotFound"
+            assert a.err("get_end", sid=sid) == "NotFound"
+            assert np.asarray(v.get(h)).min() == 4  # a get in time: whole
+            assert v.stat()["counters"]["streams_expired"] == 1
+        finally:
+            a.close()
 
 
 def test_nan_timeouts_are_refused_not_waited_on_forever(daemon, victim, ns):
