@@ -1021,6 +1021,28 @@ def test_a_host_tier_split_by_a_staging_area_says_it_is_fragmented_not_full(make
     s.put(np.zeros(5 << 19, np.uint8), tier="host")  # whole again once the area is gone
 
 
+def test_an_early_write_that_comes_after_its_object_went_down_begins_nothing(make_store):
+    """A ``put_part`` whose turn on a worker comes after the commit, when the committed
+    object has already gone down to NVMe and given its host block back, begins nothing
+    and fails nothing (it read the block's offset, gone by then, and raised TypeError)."""
+    from tierstore.tensors import TensorSpec
+
+    s = make_store(host_bytes="64MiB")
+    n = 6 << 20
+    spec = TensorSpec("numpy", "uint8", (n,), n)
+    owner = object()
+    res = s.daemon.reserve_put(spec, key="late", tier="nvme", durable=False, replace=False, namespace="default",
+                               owner=owner)
+    data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    s.placement.host_view(res.host_off, n)[:] = data
+    late = s.daemon.fill_put(res.rid, n // 2, owner=owner)  # (its worker has not run it yet)
+    h = s.daemon.commit_put(res.rid, owner=owner)
+    poll_until(lambda: s.info(h)["residency"] == ["nvme"], "the committed object to go down to NVMe")
+    used = s.stat()["tiers"]["nvme"]["used_bytes"]
+    assert late.run() == 0
+    assert s.stat()["tiers"]["nvme"]["used_bytes"] == used and np.array_equal(s.get(h), data)
+
+
 @pytest.mark.parametrize("durable", [False, True])
 def test_early_writes_racing_their_commit_and_each_other_keep_the_bytes_and_no_space(make_store, durable):
     """``fill`` (``put_part``) from several threads at once while the reservation commits

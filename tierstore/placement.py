@@ -478,9 +478,13 @@ class Placement:
         with self._early_lock:
             pw = self._early.get(meta.id)
         if pw is None:
+            with self.index.cv:
+                if not still_open():  # (committed or dropped: its block may be gone or another's)
+                    return 0
+                off = meta.host_off  # (the open reservation's block: it stays so while it is open)
             extents = self.nvme_take(meta.nbytes, demoting=False)
-            fresh = PartialWrite(self.nvme, extents, self.arena.view(meta.host_off, meta.nbytes),
-                                 self.arena.view(meta.host_off, align_up(meta.nbytes, PAGE)))
+            fresh = PartialWrite(self.nvme, extents, self.arena.view(off, meta.nbytes),
+                                 self.arena.view(off, align_up(meta.nbytes, PAGE)))
             with self.index.cv, self._early_lock:  # (decided here: a commit may take it the moment after)
                 pw = self._early.get(meta.id)
                 if pw is None and still_open():
