@@ -12,9 +12,9 @@ when, is the store's policy; this module only moves bytes.
 
 Length: the data files, their growth, and the read and write paths (single, batched,
 begun before all the bytes are there, read in order for a reader copying behind,
-through staging buffers for memory the drive
-cannot DMA from as it is) share one set
-of rules for chunks, alignment and checksums; they are kept together so those rules are written once.
+through staging buffers for memory the drive cannot DMA from as it is) share one set
+of rules for chunks, alignment and checksums; they are kept together so those rules
+are written once.
 """
 
 from __future__ import annotations
