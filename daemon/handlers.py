@@ -452,8 +452,9 @@ class Handlers:
         return self._off_loop_if_walking(sess, lambda: self._stat(sess, msg))
 
     def _off_loop_if_walking(self, sess: "Session", answer: Callable[[], Any]) -> Any:
-        """``answer()``, on an op worker when it walks more than a page of namespaces: a
-        client not running as root sees its uid's, found by a walk over every one."""
+        """``answer()``, on an op worker when there are more than a page of namespaces: a
+        client not running as root sees its uid's, found by one range of the table for each
+        root namespace its uid owns (which may be many)."""
         if sess.cred.uid != 0 and self.store.daemon.namespace_count() > PAGE_NAMESPACES:
             return Later(answer)
         return answer()
@@ -464,7 +465,7 @@ class Handlers:
         mine = self.store.daemon.stat_namespaces_of(sess.cred.uid, None, PAGE_NAMESPACES + 1)
         if mine is not None:  # another uid's namespaces are not this client's to see, nor their number
             st["namespaces"] = mine
-            st["namespaces_total"] = len(self.store.daemon.stat_namespaces_of(sess.cred.uid))
+            st["namespaces_total"] = self.store.daemon.namespace_count_of(sess.cred.uid)
         # the table of namespaces is one page: the rest through ``namespaces`` from "namespaces_next"
         page = _namespace_page(st["namespaces"])
         st["namespaces"], st["namespaces_next"] = page["namespaces"], page["next"]

@@ -674,3 +674,41 @@ def test_stat_shows_a_name_that_is_not_printable_escaped():
     st = {"namespaces": {"job\nFAKE 999 objects": {"objects": 1, "bytes": 8}}, "tiers": {}}
     out = render(st)
     assert "job\\nFAKE" in out and "\nFAKE" not in out
+
+
+def test_a_uids_namespaces_are_found_by_its_roots_not_by_a_walk_over_every_namespace(tmp_path):
+    """A client not running as root sees its uid's namespaces, in name order, in pages,
+    and their number: names that sort between a root and its sub-namespaces ("a-b"
+    between "a" and "a/x") belong to whoever owns their own root. The store finds them
+    without asking whose every namespace is (a uid's ``stat`` must not hold the store's
+    lock for a walk over a million other namespaces), and knows them after a restart."""
+    from tierstore import Config, Store
+
+    owned = {1000: ["a", "a/x", "a/x/y", "ab", "z", "z/0", "z/~"], 2000: ["a-b", "a-b/y", "a.b", "a0", "b", "y/z"]}
+    cfg = Config(host_bytes="8MiB", nvme_dirs=[str(tmp_path / "nvme")], nvme_bytes="64MiB", nvme_grow_bytes="4MiB")
+
+    def check(s):
+        ask = s.daemon.durability.owner_of
+        s.daemon.durability.owner_of = lambda ns: pytest.fail(f"whose {ns!r} is was asked")  # no walk
+        try:
+            for uid, names in owned.items():
+                want = sorted(names)
+                seen = s.daemon.stat_namespaces_of(uid)
+                assert list(seen) == want and s.daemon.namespace_count_of(uid) == len(want)
+                assert all(v == {"objects": 1, "bytes": 4} for v in seen.values())
+                for after in [None, "", *want, "a/", "a/x/", "a0", "zz"]:  # pages of 2 after each name
+                    rest = [n for n in want if after is None or n > after]
+                    assert list(s.daemon.stat_namespaces_of(uid, after, 2)) == rest[:2], (uid, after)
+            assert s.daemon.stat_namespaces_of(3000) == {} and s.daemon.namespace_count_of(3000) == 0
+            assert s.daemon.stat_namespaces_of(0) is None and s.daemon.namespace_count_of(0) == 13
+        finally:
+            s.daemon.durability.owner_of = ask
+
+    with Store(cfg) as s:
+        for uid, names in owned.items():
+            for ns in names:
+                s.daemon.claim_namespace(ns, uid)
+                s.put(torch.zeros(1), key="k", durable=True, namespace=ns)
+        check(s)
+    with Store(cfg) as s:  # the owners come back from the checkpoint or the journal
+        check(s)

@@ -110,8 +110,13 @@ class DaemonSurface:
         (root: every one, then None: the caller's table stands)."""
         if uid == 0:
             return None
-        owner_of = self.durability.owner_of
-        return self.index.stat_namespaces(after, limit, lambda ns: owner_of(ns) == uid)
+        return self.index.stat_namespaces(after, limit, lambda: self.durability.roots_owned_by(uid))
+
+    def namespace_count_of(self, uid: int) -> int:
+        """How many namespaces holding objects ``uid`` owns (root: every one)."""
+        if uid == 0:
+            return self.index.namespace_count()
+        return self.index.count_namespaces(lambda: self.durability.roots_owned_by(uid))
 
     def group_lease_owners(self, group_of: Callable[[Any], Any]) -> None:
         """Count each owner's leases against ``group_of(owner)``'s share as well (the

@@ -70,6 +70,9 @@ class Durability:
         start counts as journaled: their orders are below the next id)."""
         self.owners: dict[str, int] = {}
         """Root namespace -> the uid that claimed it."""
+        self.roots_of: dict[int, set[str]] = {}
+        """uid -> the root namespaces it claimed (``owners`` inverted, changed with it): a
+        uid's view of the namespaces is found without a walk over everyone's."""
         self.hostlog_on = False
         self._checkpoint_lock = threading.Lock()  # one checkpoint write at a time (they share a temp file)
         self.damage_kept = False
@@ -409,6 +412,7 @@ class Durability:
             self.journal.append({"op": "ns", "name": root, "uid": uid})
             with self.index.cv:
                 self.owners[root] = uid
+                self.roots_of.setdefault(uid, set()).add(root)
             self._after_append()
 
     def check_namespace(self, namespace: str, uid: int) -> None:
@@ -421,6 +425,10 @@ class Durability:
     def namespace_owner(self, namespace: str) -> int | None:
         with self.index.cv:
             return self.owner_of(namespace)
+
+    def roots_owned_by(self, uid: int) -> list[str]:
+        """(under cv) The root namespaces ``uid`` claimed, in name order."""
+        return sorted(self.roots_of.get(uid, ()))
 
     def owner_of(self, namespace: str) -> int | None:
         """(under cv) The uid that claimed ``namespace``'s root, if any."""
@@ -534,6 +542,8 @@ class Durability:
         ix.load(live, (rp.epoch % 0xFFFF) + 1, rp.next_id)
         rp.live = live = {}
         self.owners.update(rp.owners)
+        for root, uid in rp.owners.items():
+            self.roots_of.setdefault(uid, set()).add(root)
         info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
                 "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
                 "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,

@@ -14,6 +14,7 @@ those waits on ``cv``.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
@@ -302,15 +303,21 @@ class ObjectIndex:
         return self.keys.count(namespace)
 
     def stat_namespaces(self, after: str | None = None, limit: int | None = None,
-                        visible: Callable[[str], bool] | None = None) -> dict[str, dict[str, int]]:
-        """``visible`` (called under cv): only the namespaces it accepts."""
+                        roots: Callable[[], list[str]] | None = None) -> dict[str, dict[str, int]]:
+        """``roots`` (called under cv): only the namespaces under the root namespaces it
+        names, in name order (found by a range of the table each, not a walk over it)."""
         with self.cv:
             table = self.objects.namespaces
-            names = sorted_from(table, "", after)
-            if visible is not None:
-                names = filter(visible, names)
+            names = sorted_from(table, "", after) if roots is None else _under(table, roots(), after)
             return {ns: {"objects": table[ns][0], "bytes": table[ns][1]}
                     for ns in (names if limit is None else itertools.islice(names, limit))}
+
+    def count_namespaces(self, roots: Callable[[], list[str]]) -> int:
+        """How many namespaces holding objects are under the root namespaces ``roots()``
+        (called under cv) names: O(roots × log namespaces)."""
+        with self.cv:
+            table = self.objects.namespaces
+            return sum((r in table) + table.bisect_left(r + "0") - table.bisect_left(r + "/") for r in roots())
 
 
 INFO_FIELDS = ("handle", "key", "namespace", "kind", "dtype", "shape", "nbytes", "residency", "dirty", "readers",
@@ -334,6 +341,18 @@ def describe_row(m: ObjectMeta) -> list[Any]:
 _RESIDENCY = {(g, h, v): tuple(t for t, on in (("gpu", g), ("host", h), ("nvme", v)) if on)
               for g in (False, True) for h in (False, True) for v in (False, True)}
 """``ObjectMeta.residency`` by its (gpu, host, nvme) flags."""
+
+
+def _under(table: Any, roots: list[str], after: str | None) -> Iterator[str]:
+    """The names in ``table`` (a SortedDict) that are one of ``roots`` or under one
+    (``root/...``: the names from ``root/`` up to ``root0``, as '0' follows '/'), after
+    ``after``, in name order: the roots' ranges merged."""
+    def one(root: str) -> Iterator[str]:
+        if root in table and (after is None or root > after):
+            yield root
+        low = root + "/" if after is None or after < root + "/" else after
+        yield from table.irange(low, root + "0", inclusive=(after is None or low != after, False))
+    return heapq.merge(*(one(r) for r in roots))
 
 
 def _check_page(prefix: Any, after: Any) -> None:
