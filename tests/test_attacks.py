@@ -290,6 +290,22 @@ def test_a_streamed_get_left_open_is_ended_and_its_block_comes_back(tmp_path):
             a.close()
 
 
+def test_handle_strings_that_only_look_numeric_are_typed_errors(daemon, victim, ns):
+    """Superscript and other non-ASCII digits pass ``str.isdigit`` but not ``int()``, and
+    5 000 ASCII digits pass neither Python's digit limit nor any id: every op that takes a
+    handle answers ``InvalidArgument``, with nothing in the daemon's log (``victim``)."""
+    h = victim.put(torch.arange(3), key="k")
+    raw = Raw(daemon, ns)
+    bad = ["1.\u00b2", "\u00b2.0", "\u0661.0", "9" * 5000 + ".0", "1." + "0" * 5000, ".", "1.", ".1", "+1.0", " 1.0"]
+    for value in bad:
+        for op, fields in [("info", {"handle": value}), ("get", {"handle": value}), ("free", {"handle": value}),
+                           ("checkout", {"handle": value, "mode": "r"}), ("prefetch", {"handles": [value]}),
+                           ("checkout_many", {"handles": [value], "mode": "r"})]:
+            assert raw.err(op, **fields) == "InvalidArgument", (op, value)
+    assert raw.call("info", handle=str(h))["ok"]["key"] == "k"  # the real one still works
+    raw.close()
+
+
 def test_nan_timeouts_are_refused_not_waited_on_forever(daemon, victim, ns):
     """NaN passes every bound check (``nan > 86400`` is false): a check-out with
     ``timeout_s`` NaN behind a held lease never ended, and a put's ``wait_s`` NaN was

@@ -51,11 +51,13 @@ class Handle:
             return cls(value & ((1 << _ID_BITS) - 1), (value >> _ID_BITS) & _GEN_MASK)
         if isinstance(value, str):
             parts = value.split(".")
-            if len(parts) == 2 and all(p.isdigit() for p in parts):
+            # ASCII decimal digits only ("²" is a digit to str.isdigit, not to int), and few
+            # enough of them that int() neither fails nor takes long (an id has 48 bits)
+            if len(parts) == 2 and all(0 < len(p) <= 20 and p.isascii() and p.isdecimal() for p in parts):
                 oid, gen = int(parts[0]), int(parts[1])
                 if oid < 1 << _ID_BITS and gen <= _GEN_MASK:
                     return cls(oid, gen)
-            raise InvalidArgument(f"{value!r} is not a handle ('id.gen')")
+            raise InvalidArgument(f"{value[:64]!r} is not a handle ('id.gen')")
         raise InvalidArgument(f"a handle is a Handle, an int or an 'id.gen' string, not {type(value).__name__}")
 
 
