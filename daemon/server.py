@@ -512,7 +512,8 @@ class Server:
                 self._reply_error(sess, rid, ProtocolError("hello was already sent on this connection"))
                 return
             sess.hello_pending = True
-        elif not sess.owns_namespace and op != "ping" and not self._may_use_namespace(sess, rid):
+        elif op != "ping" and (refused := self._namespace_refusal(sess)) is not None:
+            self._reply_error(sess, rid, refused)
             return
         sess.requests += 1
         t0 = time.perf_counter()
@@ -549,7 +550,11 @@ class Server:
     def _op(self, job: Job) -> None:
         """(an op worker) Run the rest of a request (``rest()``, its reply) off the loop; a
         wait for another holder moves it to the wait threads, its timeouts counted from now
-        (what it took goes with it)."""
+        (what it took goes with it). A request whose namespace another uid claimed while it
+        was queued is refused, not run."""
+        if (refused := self._namespace_refusal(job.sess)) is not None:
+            self._unrun(job, refused)
+            return
         try:
             with wait_context(park=True):
                 out = _outcome(job.rest, job.rid, job.op)
@@ -563,19 +568,22 @@ class Server:
         finally:
             self._let_go(job)
 
-    def _may_use_namespace(self, sess: Session, rid: int) -> bool:
-        """Whether ``sess`` may still use its namespace: no other uid has claimed it since its
-        hello (else the request is refused with ``PermissionDenied``)."""
+    def _namespace_refusal(self, sess: Session) -> PermissionDenied | None:
+        """Why ``sess`` may no longer use its namespace (another uid claimed it since its
+        hello), or None. Asked as each request is read and again as a request queued for a
+        worker or a wait starts: a request read while the namespace was free must not run
+        in it once another uid's objects are there."""
+        if sess.owns_namespace:
+            return None
         uid = sess.cred.uid
         owner = self.store.daemon.namespace_owner(sess.namespace)
         if owner is None:
-            return True
+            return None
         if owner == uid or uid == 0:
             sess.owns_namespace = True
-            return True
-        self._reply_error(sess, rid, PermissionDenied(f"namespace {sess.namespace.split('/')[0]!r} now belongs "
-                                                      f"to uid {owner}; use another namespace"))
-        return False
+            return None
+        return PermissionDenied(f"namespace {sess.namespace.split('/')[0]!r} now belongs to uid {owner}; "
+                                "use another namespace")
 
     def _let_go(self, job: Job) -> None:
         """A request that went on from leases it took has run, or given them back: its
@@ -607,6 +615,9 @@ class Server:
         """(a wait thread) Run the rest of a request that must wait; its timeouts count
         from when it first had to."""
         sess = job.sess
+        if (refused := self._namespace_refusal(sess)) is not None:
+            self._unrun(job, refused)
+            return
         try:
             with wait_context(park=False, abandoned=lambda: sess.closed, since=job.since):
                 out = _outcome(job.rest, job.rid, job.op)

@@ -629,6 +629,72 @@ with Client.connect(socket=sys.argv[1], namespace="victim") as c:  # unowned yet
 """
 
 
+_QUEUED_BEHIND = r"""
+import os, socket, sys
+import msgpack
+from tierstore.protocol import PROTOCOL_VERSION
+os.setgroups([]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))
+target = int(sys.argv[4])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.settimeout(300)
+s.send(msgpack.packb({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "namespace": "shared-job",
+                      "fragments": True}))  # unowned yet: admitted
+_data, fds, _, _ = socket.recv_fds(s, 1 << 20, 4)
+for fd in fds:
+    os.close(fd)
+n = 120  # slow requests of its own first (each looks 65 536 handles up on an op worker)...
+for i in range(n):
+    s.send(msgpack.packb({"id": 1 + i, "op": "prefetch", "handles": list(range(1, 65537)), "timeout_s": 600}))
+# (requests answered as they are read, such as ``info``, run before the claim: NotFound)
+asks = {"free": {"handle": target}, "checkout_many": {"handles": [target] * 300, "mode": "r"}}
+ids = {}
+for op, fields in asks.items():  # ...then, queued behind them, requests on the object another uid will put
+    ids[n + 1 + len(ids)] = op
+    s.send(msgpack.packb({"id": n + len(ids), "op": op, **fields, "timeout_s": 600}))
+print("queued", flush=True)
+answers = {}
+while len(answers) < len(ids):
+    data = s.recv(1 << 24)
+    r = msgpack.unpackb(data, raw=False)
+    for rep in (r if isinstance(r, list) else [r]):
+        if rep.get("id") in ids:
+            answers[ids[rep["id"]]] = rep["err"]["code"] if "err" in rep else "ok"
+print(sorted(answers.items()), flush=True)
+"""
+
+
+def test_a_request_queued_before_another_uid_claims_the_namespace_is_refused_when_it_runs(daemon_factory):
+    """A uid that said hello in a free namespace queues requests behind slow ones of its
+    own, naming the id the next object will get; another uid then claims the namespace
+    with a put. Each queued request is refused as it starts (as one read after the claim
+    is), so none frees or checks out the other uid's object."""
+    import grp
+
+    nobody = pwd.getpwnam("nobody")
+    d = daemon_factory("--allowed-group", grp.getgrgid(nobody.pw_gid).gr_name, public=True)
+    with d.client("probe") as probe:
+        target = int(probe.put(torch.zeros(1))) + 1  # ids are handed out in order
+    p = subprocess.Popen([sys.executable, "-c", _QUEUED_BEHIND, d.socket, str(nobody.pw_uid), str(nobody.pw_gid),
+                          str(target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "HOME": "/tmp"})
+    try:
+        assert p.stdout.readline().strip() == "queued", p.stderr.read()
+        with d.client("shared-job") as owner:  # root's first put claims the namespace (uid 0)
+            h = owner.put(torch.full((4,), 7.0), key="weights", durable=True)
+            assert int(h) == target
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+            refused = "PermissionDenied"
+            assert out.strip() == str([("checkout_many", refused), ("free", refused)]), out
+            assert owner.lookup("weights") == h and torch.equal(owner.get(h), torch.full((4,), 7.0))
+            assert owner.stat()["leases"] == 0
+    finally:
+        p.kill()
+        p.communicate()
+    assert "Traceback" not in d.log.read_text()
+
+
 def test_a_connection_whose_namespace_another_uid_claims_after_its_hello_is_refused(daemon_factory):
     """Ownership is checked at hello, and again on each request while the namespace is
     unclaimed: a uid that said hello first cannot use it once another uid owns it."""
