@@ -264,3 +264,88 @@ def test_a_daemon_on_reserved_huge_pages_serves_clients_that_map_them(daemon_fac
     kept[:4].fill_(-1.0)
     with d.client("huge") as c:
         assert torch.equal(c.get(c.lookup("w")), t + 1)
+
+
+def _twelve(s, tier_dirs_note=""):
+    """12 durable 4 MiB objects on NVMe (48 MiB of extents); their values by key."""
+    import numpy as np
+
+    vals = {}
+    for i in range(12):
+        vals[f"k{i}"] = np.random.default_rng(i).integers(0, 255, 4 << 20, dtype=np.uint8)
+        s.put(vals[f"k{i}"], key=f"k{i}", durable=True, tier="nvme")
+    return vals
+
+
+def _all_there(s, vals):
+    import numpy as np
+
+    assert sorted(s.keys()) == sorted(vals)
+    for k, v in vals.items():
+        assert np.array_equal(np.asarray(s.get(s.lookup(k))), v), k
+
+
+def test_a_smaller_nvme_size_at_restart_keeps_every_durable_object(tmp_path, caplog):
+    """nvme_bytes lowered below what the data file already holds: the tier keeps the file's
+    size (with a warning), and no object in it is dropped — not at this start, nor later."""
+    from tierstore import Store
+
+    d = str(tmp_path / "nvme")
+
+    def cfg(size):
+        return Config(host_bytes="8MiB", nvme_bytes=size, nvme_dirs=[d], io_chunk_bytes="1MiB",
+                      nvme_grow_bytes="4MiB")
+    with Store(cfg("64MiB")) as s:
+        vals = _twelve(s)
+    with caplog.at_level(logging.WARNING, "tierstore.preflight"):
+        with Store(cfg("32MiB")) as s:
+            _all_there(s, vals)
+            assert s.replay_info["malformed_records"] == 0 and s.stat()["tiers"]["nvme"]["capacity_bytes"] >= 48 << 20
+    assert "from an earlier, larger tier: using 48.0 MiB" in caplog.text
+    with Store(cfg("64MiB")) as s:
+        _all_there(s, vals)
+
+
+def test_an_unset_nvme_size_keeps_its_objects_when_others_fill_the_filesystem(tmpfs):
+    """An unset nvme_bytes follows the filesystem's free room, which another file takes
+    between two starts: the tier still covers its data file, and every object is kept."""
+    from tierstore import Store
+
+    d = os.path.join(tmpfs, "nvme")
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[d], io_chunk_bytes="1MiB", nvme_grow_bytes="4MiB")) as s:
+        first = s.stat()["tiers"]["nvme"]["capacity_bytes"]
+        vals = {}
+        import numpy as np
+        for i in range(first // (1 << 20) - 2):  # the tier nearly full
+            vals[f"k{i}"] = np.full(1 << 20, i, np.uint8)
+            s.put(vals[f"k{i}"], key=f"k{i}", durable=True, tier="nvme")
+    st = os.statvfs(tmpfs)
+    with open(os.path.join(tmpfs, "other"), "wb") as f:  # someone else's file takes most of what is left
+        f.write(b"\0" * (st.f_bavail * st.f_frsize * 3 // 4))
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[d], io_chunk_bytes="1MiB", nvme_grow_bytes="4MiB")) as s:
+        _all_there(s, vals)
+        assert s.replay_info["malformed_records"] == 0
+
+
+def test_a_start_with_fewer_nvme_directories_is_refused_and_the_journal_kept(tmp_path):
+    """Objects striped over two directories, then a start that names only the first (it
+    holds the journal): refused, in one line saying what to do, with the journal left as it
+    was; the start with both directories again has every object."""
+    from tierstore import InvalidArgument, Store
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+
+    def cfg(dirs):
+        return Config(host_bytes="8MiB", nvme_bytes="128MiB", nvme_dirs=dirs, io_chunk_bytes="1MiB",
+                      nvme_grow_bytes="4MiB")
+    with Store(cfg([a, b])) as s:
+        vals = _twelve(s)
+    journal = open(os.path.join(a, "journal.log"), "rb").read()
+    os.remove(os.path.join(a, "index.ckpt"))  # (the journal alone: the checkpoint is refused likewise)
+    with pytest.raises(InvalidArgument, match="start with the nvme_dirs, in the same order, and the nvme_bytes"):
+        Store(cfg([a]))
+    assert open(os.path.join(a, "journal.log"), "rb").read() == journal
+    assert not [n for n in os.listdir(a) if "damaged" in n]
+    with Store(cfg([a, b])) as s:
+        _all_there(s, vals)
+        assert s.replay_info["malformed_records"] == 0

@@ -526,6 +526,14 @@ class Durability:
     def _replay(self) -> dict[str, Any]:
         ix = self.index
         res, rp, ck = self._replay_journal()
+        if rp.beyond:  # refused before anything is rewritten: the journal stays as it is
+            ndrives, drive_bytes = self.nvme.geometry()
+            oid, why = next(iter(rp.beyond.items()))
+            raise InvalidArgument(
+                f"the journal in {self.journal.directory} names {len(rp.beyond)} durable object(s) in NVMe space "
+                f"this start does not have (object {oid}: {why}; this start has {ndrives} director"
+                f"{'y' if ndrives == 1 else 'ies'} of {drive_bytes >> 20} MiB): start with the nvme_dirs, in the "
+                "same order, and the nvme_bytes that wrote them")
         rp.settle()
         dropped, live = 0, rp.live
         try:  # the usual case, in one pass: replay left the live objects' extents disjoint

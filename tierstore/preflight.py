@@ -55,7 +55,9 @@ def check_start(cfg: StoreConfig) -> StoreConfig:
             log.warning("nvme_bytes is not set and %s has room for less than the default %s: using %s "
                         "(set nvme_bytes to choose)", _where(room), format_size(DEFAULT_NVME_BYTES),
                         format_size(size))
-        cfg = dataclasses.replace(cfg, nvme_bytes=size)
+        cfg = _no_smaller_than_its_files(dataclasses.replace(cfg, nvme_bytes=size))
+    elif (kept := _no_smaller_than_its_files(cfg)) is not cfg:
+        cfg = kept  # (files that large are there already: no room to check)
     else:
         per_dir = cfg.nvme_bytes // n
         for r, k, dirs in room:
@@ -89,6 +91,31 @@ def check_daemon_start(cfg: Config) -> None:
     resolved = cfg.resolved()
     check_dir(os.path.dirname(resolved.daemon.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
     check_start(resolved.store)
+
+
+def _no_smaller_than_its_files(cfg: StoreConfig) -> StoreConfig:
+    """``cfg`` with ``nvme_bytes`` raised, with a warning, to cover the data files an
+    earlier, larger tier left in its directories: the durable objects in them are kept
+    (an unset size follows the filesystem's free room, which others' files change from
+    one start to the next; a set one may have been lowered). Their space is on disk
+    already; a tier is made smaller only by starting with empty directories."""
+    n = len(cfg.nvme_dirs)
+    largest = 0
+    for d in cfg.nvme_dirs:
+        try:
+            st = os.lstat(os.path.join(d, DATA_FILE))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            largest = max(largest, st.st_size)
+    need = -(-largest // (1 << 20)) * (1 << 20) * n
+    if need <= cfg.nvme_bytes:
+        return cfg
+    log.warning("nvme_bytes is %s, but the data files in %s hold up to %s each, from an earlier, larger tier: "
+                "using %s, so the durable objects in them are kept (start with empty directories to make the "
+                "tier smaller)", format_size(cfg.nvme_bytes), ", ".join(cfg.nvme_dirs), format_size(largest),
+                format_size(need))
+    return dataclasses.replace(cfg, nvme_bytes=need)
 
 
 def nvme_room(dirs: list[str]) -> list[tuple[int, int, list[str]]]:

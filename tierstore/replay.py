@@ -28,6 +28,7 @@ log = logging.getLogger("tierstore.durability")  # (its messages are recovery's,
 
 
 _ID_LIMIT = 1 << 48
+_BEYOND = "outside the configured NVMe tier"
 _MAX_DIMS = 64
 
 
@@ -57,6 +58,10 @@ class Replay:
         self.owners: dict[str, int] = {}
         self.epoch, self.next_id = 0, 1
         self.malformed = self.superseded = self.owner_conflicts = 0
+        self.beyond: dict[int, str] = {}
+        """Objects whose latest record is whole but names space past this start's NVMe
+        tier (fewer directories, or smaller ones, than wrote it): id -> why. The store
+        refuses to start on them rather than lose them."""
         self._space = [_Extents() for _ in range(ndrives)]
         self._key = _Keys()
         self._ns_ok: set[str] = set()  # namespaces already validated (each is checked once)
@@ -85,6 +90,9 @@ class Replay:
         object's record, when it holds nothing but the object)."""
         why = _check_record(r, self.ndrives, self.drive_bytes, self._ns_ok, self._specs)
         if why is not None:
+            if why.endswith(_BEYOND) and _check_record(r, 1 << 16, 1 << 62) is None:
+                # whole, but on a tier larger than this start's: not damage, another configuration
+                self.beyond[r["id"]] = why
             self.malformed += 1
             log.error("journal record skipped (%s): %.200r", why, r)
             return
@@ -115,6 +123,7 @@ class Replay:
     def _free(self, oid: int) -> None:
         if oid >= self.next_id:
             self.next_id = oid + 1
+        self.beyond.pop(oid, None)
         m = self.live.pop(oid, None)
         if m is None:
             return
@@ -132,6 +141,7 @@ class Replay:
             self.epoch = r["gen"]
         if r.get("nsuid") is not None:
             self._claim(r["ns"].split("/")[0], r["nsuid"])
+        self.beyond.pop(oid, None)  # (a newer record of it, inside the tier)
         if oid in self.live:
             self._free(oid)  # an earlier record of the same object (a write-back): this one is newer
         ext = r["ext"]
@@ -330,8 +340,10 @@ def _check_record(r: dict[str, Any], ndrives: int, drive_bytes: int, ns_ok: set[
         if not (isinstance(e, list) and len(e) == 4 and _ints(e)):
             return "put: bad extent"
         dev, off, obj_off, n = e
-        if dev >= ndrives or off % PAGE or off + (n + PAGE - 1 if n else PAGE) // PAGE * PAGE > drive_bytes:
-            return f"put: extent {e} is outside the configured NVMe tier"
+        if off % PAGE:
+            return f"put: extent {e} is not page-aligned"
+        if dev >= ndrives or off + (n + PAGE - 1 if n else PAGE) // PAGE * PAGE > drive_bytes:
+            return f"put: extent {e} is {_BEYOND}"
         if obj_off != covered:
             return "put: extents do not tile the object"
         covered += n

@@ -187,8 +187,19 @@ class Store:
                         self.host_pinned, self.host_pinned_reason = self.gpu.pin_host(
                             self.arena.view(0, self.arena.size).ctypes.data, self.arena.size)
         except BaseException:
-            self.engine.close()
+            self._abandon()
             raise
+        try:
+            self._open(cfg, ix, adopt)
+        except BaseException:
+            self._abandon()
+            raise
+        log.info("store open: host %s, nvme %s in %s, engine %s (%s); %d durable objects recovered",
+                 format_size(self.arena.size), format_size(self.nvme.capacity_bytes), ", ".join(cfg.nvme_dirs),
+                 self.engine.name, self.engine.reason, ix.object_count())
+
+    def _open(self, cfg: StoreConfig, ix: ObjectIndex, adopt: bool) -> None:
+        """The components over the tiers, and the journal's replay (``__init__``)."""
         self.journal = Journal(cfg.nvme_dirs[0])
         self.durability = Durability(ix, self.journal, self.hostlog, self.nvme, self.host, cfg.journal_compact_bytes,
                                      cfg.checkpoint_tail_bytes)
@@ -217,9 +228,18 @@ class Store:
         else:
             self.hostlog.start_empty()
         self.placement.start()
-        log.info("store open: host %s, nvme %s in %s, engine %s (%s); %d durable objects recovered",
-                 format_size(self.arena.size), format_size(self.nvme.capacity_bytes), ", ".join(cfg.nvme_dirs),
-                 self.engine.name, self.engine.reason, ix.object_count())
+
+    def _abandon(self) -> None:
+        """A start that failed: whatever it opened is closed (the directories' locks, files,
+        threads and memory), so the same process may start a store on them again."""
+        for name in ("prefetcher", "journal", "engine", "nvme", "gpu", "arena", "hostlog"):
+            part = self.__dict__.get(name)
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception:  # (the error that ended the start is the one to raise)
+                log.exception("closing the %s of a store that did not start", name)
 
     # ------------------------------------------------------------------ puts and gets
     def put(self, tensor: Any, key: str | None = None, tier: str | None = None, durable: bool = False, *,
