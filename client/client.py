@@ -37,7 +37,7 @@ from tierstore.batch import LeaseGroup, check_each
 from tierstore._version import __version__
 from tierstore.errors import CapacityExceeded, Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError
 from tierstore.names import Handle, validate_key, validate_new_namespace
-from tierstore.paths import default_socket_path
+from tierstore.paths import client_socket_path
 from tierstore.tensors import TensorSpec, aligned_empty, from_bytes, out_bytes, to_bytes
 
 from .connection import Connection
@@ -249,7 +249,9 @@ class Client:
     @classmethod
     def connect(cls, socket: str | None = None, namespace: str = "default", autostart: bool = False,
                 timeout_s: float = 30.0, *, prefault: bool = True) -> "Client":
-        """Connect to the daemon on ``socket`` (default: $TIERSTORE_SOCKET or the standard path).
+        """Connect to the daemon on ``socket`` (default: $TIERSTORE_SOCKET, else the standard
+        path, else the machine's daemon at /run/tierstore/tierstore.sock where only it listens:
+        ``tierstore.paths.client_socket_path``).
 
         ``autostart=True`` starts a daemon with the defaults in the background when
         none is listening (its log goes to ``~/.cache/tierstore/daemon.log``).
@@ -257,9 +259,7 @@ class Client:
         instead of on a background thread (O(arena) of kernel work): for short-lived
         processes that move little data, such as the CLI.
         """
-        path = socket or os.environ.get("TIERSTORE_SOCKET")
-        if not path:
-            path = default_socket_path()
+        path = socket or os.environ.get("TIERSTORE_SOCKET") or client_socket_path()
         ns = validate_new_namespace(namespace)
         try:
             conn = Connection(path, timeout_s=timeout_s)

@@ -200,6 +200,32 @@ def test_a_reply_packet_larger_than_the_protocol_allows_fails_the_connection_wit
         os.close(fd)
 
 
+def test_a_client_finds_the_machines_daemon_where_none_listens_on_its_own_socket(daemon, tmp_path, monkeypatch):
+    """A login session sets XDG_RUNTIME_DIR; the systemd unit's daemon listens on
+    /run/tierstore/tierstore.sock (here: a stand-in path). With no socket of its own a
+    client connects to the machine's; one of its own, where there is one, comes first."""
+    import tierstore.paths as paths
+    from tierstore import DaemonUnavailable
+    from tierstore.client import Client
+
+    monkeypatch.delenv("TIERSTORE_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "user"))
+    system = tmp_path / "system.sock"
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", str(system))
+    with pytest.raises(DaemonUnavailable, match=str(tmp_path / "user")):  # neither: the user's own path is named
+        Client.connect(namespace="found", timeout_s=2)
+    os.symlink(daemon.socket, system)
+    with Client.connect(namespace="found") as c:
+        c.put(np.ones(2), key="via-system")
+    mine = tmp_path / "user" / "tierstore" / "tierstore.sock"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("")  # not a socket: still the machine's
+    assert paths.client_socket_path() == str(system)
+    mine.unlink()
+    os.symlink(daemon.socket, mine)
+    assert paths.client_socket_path() == str(mine)
+
+
 def test_the_client_loads_only_the_core_modules_it_uses(daemon, tmp_path):
     """A process that only talks to a daemon imports the handles, the arena mapping, the
     wire codec and the tensor helpers of the core, not the store, its NVMe tier (and its

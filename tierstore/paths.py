@@ -4,15 +4,37 @@ without the settings (``config.py``) that the daemon reads."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["default_nvme_dir", "default_socket_path"]
+__all__ = ["SYSTEM_SOCKET", "client_socket_path", "default_nvme_dir", "default_socket_path"]
+
+SYSTEM_SOCKET = "/run/tierstore/tierstore.sock"
+"""The socket of a daemon run for the whole machine (the systemd unit's)."""
 
 
 def default_socket_path() -> str:
     """``$XDG_RUNTIME_DIR/tierstore/tierstore.sock``, else ``/run/tierstore/tierstore.sock``."""
     base = os.environ.get("XDG_RUNTIME_DIR") or "/run"
     return str(Path(base) / "tierstore" / "tierstore.sock")
+
+
+def client_socket_path() -> str:
+    """The socket a client connects to when none is named: ``default_socket_path()``, or
+    the machine's daemon (``SYSTEM_SOCKET``) where there is no socket at the former and
+    there is one at the latter — a login session sets ``XDG_RUNTIME_DIR``, and the
+    systemd unit's daemon listens on ``/run``."""
+    path = default_socket_path()
+    if path != SYSTEM_SOCKET and not _is_socket(path) and _is_socket(SYSTEM_SOCKET):
+        return SYSTEM_SOCKET
+    return path
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def default_nvme_dir() -> str:
