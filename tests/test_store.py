@@ -314,6 +314,19 @@ def test_second_store_on_same_dir_is_refused(make_store):
         make_store()
 
 
+def test_a_second_store_is_refused_also_after_the_lock_file_was_removed(make_store):
+    """The directory itself is locked, not only its lock file: a removed lock file, made
+    anew by the next store, does not let two stores share the data file (the second
+    would reuse the first's extents, and lose what either acknowledged)."""
+    first = make_store()
+    d = first.config.nvme_dirs[0]
+    os.remove(os.path.join(d, "lock"))
+    with pytest.raises(InvalidArgument, match="in use by pid"):
+        make_store()
+    h = first.put(torch.arange(4.0), durable=True, tier="nvme")
+    assert torch.equal(first.get(h), torch.arange(4.0))
+
+
 def test_full_filesystem_fails_only_that_request(make_store, tmpfs):
     s = make_store(nvme_dirs=[tmpfs], nvme_bytes="256MiB", nvme_grow_bytes="1MiB", host_bytes="4MiB")
     kept = [s.put(torch.full((256 * 1024,), float(i)), tier="nvme", durable=True) for i in range(4)]  # 4 MiB
@@ -891,6 +904,25 @@ def test_a_link_planted_in_the_nvme_directory_is_refused_at_start_and_its_target
     with pytest.raises(InvalidArgument, match=f"symbolic link, {name}"):
         Store(host_bytes="16MiB", nvme_bytes="64MiB", nvme_dirs=[str(nvme)])
     assert victim.read_bytes() == b"precious" * 10
+
+
+@pytest.mark.parametrize("name", ["lock", "data.bin", "journal.log", "index.ckpt"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_directory_planted_at_a_tier_files_name_is_refused_at_start(tmp_path, name, kind):
+    """A FIFO at the journal's or the checkpoint's name would hang the start's read of it
+    (nothing ever writes to it); a directory would fail it obscurely: both are refused in
+    one line, at once, and left alone."""
+    import subprocess
+    import sys
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(mode=0o700)
+    (os.mkfifo if kind == "fifo" else os.mkdir)(nvme / name)
+    code = ("from tierstore import Store\n"
+            f"Store(host_bytes='16MiB', nvme_bytes='64MiB', nvme_dirs=[{str(nvme)!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"holds {name}, which is not a regular file" in r.stderr, r.stderr[-2000:]
+    assert (nvme / name).exists() and not (nvme / name).is_file()
 
 
 def test_a_link_planted_at_a_temporary_name_while_the_store_runs_is_not_followed(tmp_path, caplog):

@@ -64,13 +64,27 @@ class _Drive:
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._lock_fd = open_own(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT)
+        # the directory itself is locked too: a lock file someone removed (and the next store
+        # made anew) would let two stores share the directory's files
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             other = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "another process"
             os.close(self._lock_fd)
+            os.close(self._dir_fd)
             raise InvalidArgument(f"NVMe directory {directory} is in use by pid {other}; "
                                   "stop that store/daemon or configure another directory") from None
+        try:
+            self._open(directory, engine, direct_mode, capacity)
+        except BaseException:
+            os.close(self._lock_fd)
+            os.close(self._dir_fd)
+            raise
+
+    def _open(self, directory: str, engine: IOEngine, direct_mode: str, capacity: int) -> None:
+        """(the directory locked) Its data file, and how it is read and written."""
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
         if direct_mode == "off":
@@ -82,11 +96,7 @@ class _Drive:
         if not self.direct:
             log.warning("NVMe dir %s: %s", directory, self.direct_reason)
         self.path = os.path.join(directory, DATA_FILE)
-        try:
-            refuse_link(self.path)  # (the posix engine opens with O_NOFOLLOW; KvikIO takes a path)
-        except StorageError:
-            os.close(self._lock_fd)
-            raise
+        refuse_link(self.path)  # (the posix engine opens with O_NOFOLLOW; KvikIO takes a path)
         self.file = engine.open(self.path, direct=self.direct)
         self.file_size = os.fstat(self.file.fileno()).st_size
         # user memory aligned to the device's DMA alignment goes to the kernel as it is (the
@@ -100,6 +110,7 @@ class _Drive:
     def close(self) -> None:
         self.file.close()
         os.close(self._lock_fd)
+        os.close(self._dir_fd)
 
 
 class _BouncePool:

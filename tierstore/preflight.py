@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"  # the NVMe tier's lock (tierstore.nvme.LOCK_FILE; not imported: numpy-free here)
 DATA_FILE = "data.bin"
+_OWN_FILES = (LOCK_FILE, DATA_FILE, "journal.log", "index.ckpt")
+"""The tier's files by name (``tierstore.journal.JOURNAL_FILE``, ``tierstore.checkpoint.CHECKPOINT_FILE``):
+each is a regular file or absent."""
 _MIN_AUTO_NVME_BYTES = 16 << 20
 _AUTO_NVME_SHARE = 0.9
 """An unset nvme_bytes takes at most this share of a filesystem's room, leaving some for
@@ -166,6 +169,10 @@ def _check_private(d: str) -> None:
             if entry.is_symlink():
                 raise InvalidArgument(f"NVMe directory {d} holds a symbolic link, {entry.name}; the tier's directory "
                                       "holds only its own files (someone may have planted it): remove it")
+            if entry.name in _OWN_FILES and not entry.is_file(follow_symlinks=False):
+                # (a FIFO would hang the start's read of it; a directory would fail it obscurely)
+                raise InvalidArgument(f"NVMe directory {d} holds {entry.name}, which is not a regular file; the "
+                                      "tier's files are its own (someone may have planted it): remove it")
     st = os.stat(d)
     if st.st_mode & 0o022 or st.st_uid != os.geteuid():
         log.warning("NVMe directory %s is %s (mode %o, owner uid %d): others could plant files or links there; "
@@ -183,16 +190,18 @@ def _check_unlocked(d: str) -> None:
         raise InvalidArgument(e.message) from None
     except OSError as e:
         raise InvalidArgument(f"cannot open {path}: {e.strerror}; choose a directory you can write") from None
+    dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for held in (dir_fd, fd):  # (the directory too: ``nvme._Drive`` locks both)
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(held, fcntl.LOCK_UN)
     except BlockingIOError:
         other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         raise InvalidArgument(f"NVMe directory {d} is in use by pid {other}; stop that store/daemon or "
                               "configure another directory") from None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+        os.close(dir_fd)
 
 
 def _mem_available() -> int | None:
