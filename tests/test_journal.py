@@ -285,6 +285,45 @@ def test_durable_objects_stay_readable_when_the_disk_and_both_tiers_are_full(tmp
                 assert torch.equal(s.get(h), torch.full((40_000,), v))
 
 
+def test_a_store_opens_on_a_full_filesystem_whose_journal_ends_on_a_page_boundary(tmpfs):
+    """The start appends a record of its own: where the journal's last page is full and the
+    filesystem has no byte left, that append needs a new block. The journal keeps room
+    allocated past its end, so the store still opens, every durable object reads back,
+    and a durable free and a durable put into the data file's space still go through."""
+    from tierstore.journal import _frame, pack
+
+    d = os.path.join(tmpfs, "nvme")
+
+    def cfg():
+        return Config(host_bytes="4MiB", nvme_dirs=[d], nvme_bytes="8MiB", io_chunk_bytes="1MiB")
+    with Store(cfg()) as s:
+        vals = {f"k{i}": torch.full((250_000,), float(i)) for i in range(4)}
+        for k, v in vals.items():
+            s.put(v, key=k, durable=True, tier="nvme")
+    j = os.path.join(d, JOURNAL_FILE)
+    need = -os.path.getsize(j) % 4096 or 4096
+    need += 4096 if need < 64 else 0
+    pad = _frame(pack({"op": "close", "p": "x" * (need - 40)}))
+    pad = _frame(pack({"op": "close", "p": "x" * (need - 40 + need - len(pad))}))  # a valid record, ignored
+    with open(j, "ab") as f:
+        f.write(pad)
+    assert os.path.getsize(j) % 4096 == 0
+    os.remove(os.path.join(d, "index.ckpt"))
+    _fill(os.path.join(tmpfs, "filler"))
+    assert os.statvfs(tmpfs).f_bavail == 0
+    with Store(cfg()) as s:
+        for k, v in vals.items():
+            assert torch.equal(s.get(s.lookup(k)), v), k
+        s.free(s.lookup("k3"))  # its record: in the room kept past the journal's end
+        vals["k4"] = torch.full((250_000,), 4.0)  # and a durable put into the data file's own space
+        s.put(vals["k4"], key="k4", durable=True, tier="nvme")
+        del vals["k3"]
+    with Store(cfg()) as s:
+        assert sorted(s.keys()) == sorted(vals)
+        for k, v in vals.items():
+            assert torch.equal(s.get(s.lookup(k)), v), k
+
+
 def test_a_journal_that_cannot_be_kept_aside_is_not_rewritten(tmp_path, monkeypatch):
     """No copy as found, no final decision: the damaged journal is appended to as it is."""
     import shutil

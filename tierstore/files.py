@@ -14,7 +14,10 @@ import os
 
 from .errors import StorageError
 
-__all__ = ["create_fresh", "open_own", "refuse_link"]
+__all__ = ["FALLOC_KEEP_SIZE", "create_fresh", "fallocate", "open_own", "refuse_link"]
+
+FALLOC_KEEP_SIZE = 1
+"""fallocate(2)'s ``FALLOC_FL_KEEP_SIZE``: blocks past the end, the size unchanged."""
 
 
 def open_own(path: str, flags: int, mode: int = 0o600) -> int:
@@ -46,3 +49,18 @@ def create_fresh(path: str, flags: int = os.O_WRONLY, mode: int = 0o600) -> int:
     except FileNotFoundError:
         pass
     return open_own(path, flags | os.O_CREAT | os.O_EXCL, mode)
+
+
+def fallocate(fd: int, offset: int, length: int, mode: int = 0) -> int:
+    """fallocate(2) (not ``posix_fallocate``, which writes the whole range where the
+    filesystem cannot reserve it); returns 0 or the errno (EOPNOTSUPP where unsupported)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+    if fn is None:
+        return errno.EOPNOTSUPP
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fn(fd, mode, offset, length) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EIO

@@ -36,7 +36,7 @@ import msgpack
 
 from .checksum import crc32c
 from .errors import StorageError
-from .files import create_fresh, open_own
+from .files import FALLOC_KEEP_SIZE, create_fresh, fallocate, open_own
 from .groupsync import GroupSync
 
 __all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "scan", "pack"]
@@ -50,6 +50,10 @@ _MAGIC_BYTES = struct.pack("<I", _MAGIC)
 _HEADER = struct.Struct("<III")
 _MAX_RECORD = 64 << 20
 ECHO_BYTES = 8192
+SLACK_BYTES = 1 << 20
+"""Room the journal keeps allocated past its end (``fallocate`` keeping its size), renewed
+as appends use it: a filesystem that filled up meanwhile still takes the next start's
+record, and the frees and durable puts of about that many bytes."""
 """How far past a free or a namespace claim later records repeat it: two pages, so
 neither a zeroed page nor a flipped byte takes every copy."""
 
@@ -94,6 +98,7 @@ class Journal:
         self._fd = -1
         self.appended = 0
         self._pos = 0  # bytes in the file: where the next record starts
+        self._slack_end = 0  # where the room allocated past the end ends (``_keep_slack``)
         self._echo: deque[tuple[int, str, Any]] = deque()  # (end of the original, field, value)
         # group commit: records appended with sync=False are made durable by ``commit``,
         # which shares one fdatasync among every caller waiting at the time
@@ -167,6 +172,16 @@ class Journal:
         self._fd = open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self._pos = os.fstat(self._fd).st_size
         _fsync_dir(self.directory)
+        self._keep_slack()
+
+    def _keep_slack(self) -> None:
+        """(under lock, or before appends begin) Allocate ``SLACK_BYTES`` past the end once
+        less than half of it is left; where the filesystem cannot (full, or no fallocate)
+        the journal goes on as it is."""
+        if self._pos + SLACK_BYTES // 2 <= self._slack_end:
+            return
+        if fallocate(self._fd, self._pos, SLACK_BYTES, FALLOC_KEEP_SIZE) == 0:
+            self._slack_end = self._pos + SLACK_BYTES
 
     def append(self, record: dict[str, Any], *, sync: bool = True) -> None:
         """Append one record; with ``sync`` it is on stable storage when this returns
@@ -219,12 +234,14 @@ class Journal:
                 # record whose caller was told it failed (if even that fails, the partial record
                 # is a damaged stretch that replay skips, and the next record starts after it)
                 try:
-                    os.ftruncate(self._fd, self._pos)
+                    os.ftruncate(self._fd, self._pos)  # (which frees the room past the end too)
                 except OSError:
                     self._pos = _size(self._fd, self._pos)
+                self._slack_end = 0
                 raise StorageError(f"journal append to {self.path} failed: {os.strerror(e.errno)}; "
                                    "free space on that filesystem or check the drive") from None
             self._pos = pos
+            self._keep_slack()
             self.appended += len(blob)
             self._echo.extend(echoes)
             while self._echo and self._echo[0][0] + ECHO_BYTES <= self._pos:
@@ -300,6 +317,8 @@ class Journal:
                     os.close(self._fd)
                 self._fd = open_own(self.path, os.O_WRONLY | os.O_APPEND)
             self._pos = os.fstat(self._fd).st_size
+            self._slack_end = 0
+            self._keep_slack()
             self._echo.clear()  # the new file holds the state itself: nothing freed is in it
             self.rewrites += 1
         log.info("journal compacted to %d bytes", self._pos)

@@ -35,7 +35,7 @@ from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, dio_memory_alignment, probe_direct_io
 from .extent import Extent
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
-from .files import open_own, refuse_link
+from .files import fallocate, open_own, refuse_link
 from .groupsync import GroupSync
 from .units import PAGE, align_up
 
@@ -190,7 +190,7 @@ class NvmeTier:
             with drv.grow_lock:
                 # fallocate(2) itself, not posix_fallocate: where the filesystem cannot reserve
                 # space, glibc would write the whole file instead
-                err = _fallocate(drv.file.fileno(), drv.file_size, drv.alloc.capacity - drv.file_size)
+                err = fallocate(drv.file.fileno(), drv.file_size, drv.alloc.capacity - drv.file_size)
                 if err == 0:
                     drv.file_size = drv.alloc.capacity
                     continue
@@ -791,20 +791,6 @@ def _pwritev_all(fd: int, bufs: list[np.ndarray], offset: int) -> None:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
-
-
-def _fallocate(fd: int, offset: int, length: int) -> int:
-    """fallocate(2) mode 0; returns 0 or the errno (EOPNOTSUPP where unsupported)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
-    if fn is None:
-        return errno.EOPNOTSUPP
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    if fn(fd, 0, offset, length) == 0:
-        return 0
-    return ctypes.get_errno() or errno.EIO
 
 
 def _io_error(e: OSError, path: str, doing: str) -> Exception:
