@@ -327,10 +327,12 @@ def test_an_unset_nvme_size_keeps_its_objects_when_others_fill_the_filesystem(tm
         assert s.replay_info["malformed_records"] == 0
 
 
-def test_a_start_with_fewer_nvme_directories_is_refused_and_the_journal_kept(tmp_path):
-    """Objects striped over two directories, then a start that names only the first (it
-    holds the journal): refused, in one line saying what to do, with the journal left as it
-    was; the start with both directories again has every object."""
+def test_a_start_with_other_nvme_directories_is_refused_and_the_journal_kept(tmp_path):
+    """Objects striped over two directories, then starts that name only the first (it
+    holds the journal), the two swapped, or a third added: each refused, in one line
+    saying what to do (by the directories' tier.id; without one, by the journal's
+    extents), with the journal and data files left as they were; the start with both
+    directories in order again has every object."""
     from tierstore import InvalidArgument, Store
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -341,11 +343,25 @@ def test_a_start_with_fewer_nvme_directories_is_refused_and_the_journal_kept(tmp
     with Store(cfg([a, b])) as s:
         vals = _twelve(s)
     journal = open(os.path.join(a, "journal.log"), "rb").read()
+    data = [open(os.path.join(x, "data.bin"), "rb").read() for x in (a, b)]
     os.remove(os.path.join(a, "index.ckpt"))  # (the journal alone: the checkpoint is refused likewise)
+    for dirs, why in [([a], "is directory 1 of 2 of its tier, but this start names it as 1 of 1"),
+                      ([b, a], "is directory 2 of 2 of its tier, but this start names it as 1 of 2"),
+                      ([a, b, str(tmp_path / "c")], "is directory 1 of 2 of its tier, but this start names it as 1 of 3"),
+                      ([str(tmp_path / "c"), b], "has no tier.id, but the others named with it belong to a tier")]:
+        with pytest.raises(InvalidArgument, match=why):
+            Store(cfg(dirs))
+    for x in (a, b):  # a tier of a version that wrote no tier.id: the journal itself refuses
+        os.remove(os.path.join(x, "tier.id"))
     with pytest.raises(InvalidArgument, match="start with the nvme_dirs, in the same order, and the nvme_bytes"):
         Store(cfg([a]))
     assert open(os.path.join(a, "journal.log"), "rb").read() == journal
+    assert [open(os.path.join(x, "data.bin"), "rb").read() for x in (a, b)] == data
     assert not [n for n in os.listdir(a) if "damaged" in n]
     with Store(cfg([a, b])) as s:
         _all_there(s, vals)
         assert s.replay_info["malformed_records"] == 0
+    with open(os.path.join(b, "tier.id"), "w") as f:  # damaged: refused, never rewritten
+        f.write("{not json")
+    with pytest.raises(InvalidArgument, match="tier.id is damaged"):
+        Store(cfg([a, b]))

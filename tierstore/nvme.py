@@ -35,6 +35,7 @@ from .checksum import BLOCK_BYTES, crc32c
 from .engine import IOEngine, dio_memory_alignment, probe_direct_io
 from .extent import Extent
 from .errors import CapacityExceeded, ChecksumMismatch, InvalidArgument, NoSpace, StorageError
+from . import tierid
 from .files import fallocate, open_own, refuse_link
 from .groupsync import GroupSync
 from .units import PAGE, align_up
@@ -160,6 +161,8 @@ class NvmeTier:
         try:
             for i, d in enumerate(dirs):
                 self.drives.append(_Drive(i, d, engine, direct_io, per_drive))
+            # (every directory locked) named as the tier's own, in its order
+            self._unrecorded = tierid.check(dirs)
         except BaseException:
             for drv in self.drives:
                 drv.close()
@@ -199,6 +202,14 @@ class NvmeTier:
                         "need it, and a full filesystem fails the write that meets it (NoSpace)", drv.directory,
                         drv.alloc.capacity, os.strerror(err))
         return ok
+
+    def record_identity(self) -> None:
+        """Write each directory's ``tier.id`` where the tier has none yet (``tierstore.tierid``):
+        once the journal's objects were found where these directories, in this order, hold
+        them."""
+        if self._unrecorded:
+            tierid.record([d.directory for d in self.drives])
+            self._unrecorded = False
 
     def geometry(self) -> tuple[int, int]:
         """How many drives, and the bytes each holds (the index checkpoint records both)."""

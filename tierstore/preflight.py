@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"  # the NVMe tier's lock (tierstore.nvme.LOCK_FILE; not imported: numpy-free here)
 DATA_FILE = "data.bin"
-_OWN_FILES = (LOCK_FILE, DATA_FILE, "journal.log", "index.ckpt")
-"""The tier's files by name (``tierstore.journal.JOURNAL_FILE``, ``tierstore.checkpoint.CHECKPOINT_FILE``):
-each is a regular file or absent."""
+_OWN_FILES = (LOCK_FILE, DATA_FILE, "journal.log", "index.ckpt", "tier.id")
+"""The tier's files by name (``tierstore.journal.JOURNAL_FILE``, ``tierstore.checkpoint.CHECKPOINT_FILE``,
+``tierstore.tierid.ID_FILE``): each is a regular file or absent."""
 _MIN_AUTO_NVME_BYTES = 16 << 20
 _AUTO_NVME_SHARE = 0.9
 """An unset nvme_bytes takes at most this share of a filesystem's room, leaving some for

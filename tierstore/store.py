@@ -219,6 +219,7 @@ class Store:
                                     self.staging, self.hints, self.streams)
         """The calls only the daemon makes, for its connections (``tierstore.daemonsurface``)."""
         self.replay_info = self.durability.replay()
+        self.nvme.record_identity()
         self.replay_info["adopted"] = 0
         if adopt:
             adopted = self.durability.adopt_host_objects()
