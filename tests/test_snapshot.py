@@ -185,3 +185,65 @@ def test_cli_snapshot_and_restore_through_the_daemon(daemon, tmp_path):
     with daemon.client("job") as a, daemon.client("job-copy") as b:
         for k in ("a", "b/c"):
             assert torch.equal(a.get(a.lookup(k)), b.get(b.lookup(k)))
+
+
+def test_a_snapshot_reads_a_key_replaced_after_the_listing_and_skips_what_was_freed(make_store, tmp_path):
+    """Between the listing and the reads, one key is replaced (twice, the second time with
+    another shape), another freed: the snapshot holds the key's value as read, leaves the
+    freed one out and says so; restored, it is that state."""
+    from tierstore.snapshot import snapshot
+    from tierstore.store import _NamespaceView
+
+    s = make_store(host_bytes="32MiB")
+    s.put(torch.zeros(4), key="kept")
+    s.put(torch.zeros(4), key="replaced")
+    s.put(torch.zeros(300_000), key="gone")  # an array of its own (>= 1 MiB)
+
+    class AfterListing(_NamespaceView):
+        def ls(self, prefix=""):
+            rows = super().ls(prefix)
+            s.put(torch.ones(4), key="replaced", replace=True)
+            s.put(torch.full((2, 3), 2.0), key="replaced", replace=True)
+            s.free(s.lookup("gone"))
+            return rows
+
+    dest = str(tmp_path / "snap.zarr")
+    r = snapshot(AfterListing(s, "default"), dest, namespace="default")
+    assert r["objects"] == 2 and r["freed_meanwhile"] == 1
+    s.restore(dest, namespace="copy")
+    assert sorted(s.keys(namespace="copy")) == ["kept", "replaced"]
+    assert torch.equal(s.get(s.lookup("replaced", namespace="copy"), namespace="copy"), torch.full((2, 3), 2.0))
+
+
+def test_a_snapshot_while_a_writer_replaces_every_key_succeeds(make_store, tmp_path):
+    """A writer thread replaces every key in a loop while snapshots run: each snapshot
+    completes, and each object in it is one whole value its key held."""
+    import threading
+
+    s = make_store(host_bytes="64MiB")
+    keys = [f"k{i}" for i in range(20)]
+    for k in keys:
+        s.put(torch.zeros(100_000), key=k)
+    stop = threading.Event()
+
+    def writer():
+        v = 0
+        while not stop.is_set():
+            v += 1
+            for k in keys:
+                s.put(torch.full((100_000,), float(v)), key=k, replace=True)
+
+    w = threading.Thread(target=writer)
+    w.start()
+    try:
+        for i in range(3):
+            dest = str(tmp_path / f"snap{i}.zarr")
+            assert s.snapshot(dest)["objects"] == len(keys)
+            root = zarr.open_group(dest, mode="r")
+            for e in root.attrs["objects"]:
+                arr = np.asarray(root[e["array"]][...]) if "array" in e else None
+                if arr is not None:
+                    assert (arr == arr.reshape(-1)[0]).all(), e["key"]
+    finally:
+        stop.set()
+        w.join()

@@ -71,6 +71,9 @@ class Objects(Protocol):
 
     def ls(self, prefix: str = "") -> list[dict[str, Any]]: ...
 
+    def lookup(self, key: str) -> Handle | None:
+        """The handle of the object under ``key`` now, or None."""
+
 
 @runtime_checkable
 class Pool(Objects, Protocol):

@@ -40,7 +40,7 @@ import numpy as np
 
 from ._version import __version__
 from .checksum import crc32c
-from .errors import ChecksumMismatch, InvalidArgument, KeyExists, StorageError, TierstoreError
+from .errors import Busy, ChecksumMismatch, InvalidArgument, KeyExists, NotFound, StaleHandle, StorageError, TierstoreError
 from .index import validate_key, validate_namespace
 from .tensors import TensorSpec, aligned_empty, from_bytes, to_bytes
 from .units import PAGE
@@ -52,6 +52,8 @@ __all__ = ["snapshot", "restore", "open_snapshot", "snapshot_namespace", "SMALL_
 
 SMALL_BYTES = 1 << 20
 _PACK_BYTES = 64 << 20
+_REREADS = 8
+"""Times a snapshot reads a key again that was replaced while it read it."""
 _PACK_CHUNK = 4 << 20
 _NUMPY_NAMES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
                 "float32", "float64", "complex64", "complex128"}
@@ -252,6 +254,24 @@ def _is_local(dest: str) -> bool:
     return "://" not in dest or dest.startswith("file://")
 
 
+def _current(source: Objects, e: dict[str, Any]) -> Any:
+    """The bytes of listed object ``e`` as they are now: a key replaced since the listing
+    is read under its new handle (the snapshot holds each key's value at the time it was
+    read); None for an object freed meanwhile."""
+    handle = e["handle"]
+    for _ in range(_REREADS):
+        try:
+            return source.get(handle)
+        except (StaleHandle, NotFound):
+            if e.get("key") is None:
+                return None
+            handle = source.lookup(e["key"])
+            if handle is None:
+                return None
+    raise Busy(f"key {e['key']!r} was replaced {_REREADS} times while the snapshot read it; snapshot it when "
+               "its writer pauses")
+
+
 def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
              progress: bool | None = None) -> dict[str, Any]:
     """Write every object of ``source`` (a ``Pool``, or a store's view of ``namespace``) under
@@ -269,6 +289,7 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
     writer = _LocalWriter(work) if local else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
     prog = _Progress(len(entries), sum(e["nbytes"] for e in entries), "snapshot", progress)
     index: list[dict[str, Any]] = []
+    freed_meanwhile = 0
     pack_n, pack_buf, pack_used = 0, np.empty(0, np.uint8), 0
 
     def flush_pack() -> None:
@@ -281,7 +302,10 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
 
     try:
         for e in entries:
-            data = source.get(e["handle"])
+            data = _current(source, e)
+            if data is None:  # freed since the listing: not in the snapshot
+                freed_meanwhile += 1
+                continue
             u8, spec = to_bytes(data)
             entry = {"key": e["key"], "kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape),
                      "nbytes": spec.nbytes, "crc32c": crc32c(u8), "durable": bool(e.get("durable"))}
@@ -326,7 +350,8 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
         except OSError as e:
             raise StorageError(f"snapshot to {path} could not be put in place: {e.strerror or e}; "
                                "nothing was written at the destination") from None
-    return {"objects": len(index), "bytes": prog.bytes, "seconds": time.monotonic() - prog.t0, "dest": dest}
+    return {"objects": len(index), "bytes": prog.bytes, "seconds": time.monotonic() - prog.t0, "dest": dest,
+            "freed_meanwhile": freed_meanwhile}
 
 
 def _chunks(shape: list[int] | tuple[int, ...], item: int) -> tuple[int, ...]:

@@ -124,6 +124,9 @@ class _NamespaceView:
     def keys(self, prefix: str = "") -> list[str]:
         return self._s.keys(prefix, namespace=self._ns)
 
+    def lookup(self, key: str) -> Handle | None:
+        return self._s.lookup(key, namespace=self._ns)
+
     def get(self, handle: Any) -> Any:
         return self._s.get(handle, namespace=self._ns)
 

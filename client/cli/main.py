@@ -262,6 +262,12 @@ def _client_command(args: argparse.Namespace) -> int:
             r = c.snapshot(args.dest, prefix=args.prefix)
         print(f"snapshot of {args.namespace}: {r['objects']} objects, {format_size(r['bytes'])} in "
               f"{r['seconds']:.1f} s -> {args.dest}")
+        if r["freed_meanwhile"]:
+            print(f"{r['freed_meanwhile']} objects were freed while the snapshot ran, and are not in it",
+                  file=sys.stderr)
+        if not r["objects"]:  # (a mistyped namespace, most likely)
+            print(f"warning: namespace {args.namespace!r} holds no objects{' under ' + repr(args.prefix) if args.prefix else ''}: "
+                  "the snapshot is empty", file=sys.stderr)
         return 0
     if args.cmd == "restore":
         ns = args.namespace
