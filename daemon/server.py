@@ -47,10 +47,12 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 from tierstore.config import Config
 from tierstore.errors import Closed, PermissionDenied, ProtocolError, TierstoreError
+from tierstore.objectindex import acting_for
 from tierstore.waits import Later, WouldWait, wait_context
 from tierstore.preflight import check_dir
 from tierstore.protocol import decode, reply_err, reply_ok
@@ -518,7 +520,8 @@ class Server:
         sess.requests += 1
         t0 = time.perf_counter()
         try:
-            result = fn(sess, msg)
+            with _acting(sess):
+                result = fn(sess, msg)
         except TierstoreError as e:
             if op == "hello":
                 sess.hello_pending = False
@@ -556,7 +559,7 @@ class Server:
             self._unrun(job, refused)
             return
         try:
-            with wait_context(park=True):
+            with wait_context(park=True), _acting(job.sess):
                 out = _outcome(job.rest, job.rid, job.op)
         except WouldWait:
             now = time.monotonic()
@@ -619,7 +622,7 @@ class Server:
             self._unrun(job, refused)
             return
         try:
-            with wait_context(park=False, abandoned=lambda: sess.closed, since=job.since):
+            with wait_context(park=False, abandoned=lambda: sess.closed, since=job.since), _acting(sess):
                 out = _outcome(job.rest, job.rid, job.op)
             self._finish(sess, job.rid, *out, time.perf_counter() - job.t0)
         finally:
@@ -870,6 +873,13 @@ def _outcome(get, rid: int, op: str) -> tuple[bytes, str, str | None]:
     except Exception as e:
         log.exception("op %s failed", op)
         return reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal"
+
+
+def _acting(sess: Session) -> Any:
+    """What a request of ``sess`` runs in: for a connection whose namespace no uid had
+    claimed when it was last asked, a check, as each object, key or listing of the
+    namespace is looked up, that no other uid claimed it since (``acting_for``)."""
+    return nullcontext() if sess.owns_namespace or sess.cred.uid == 0 else acting_for(sess.cred.uid)
 
 
 def _uid_of(owner: Any) -> Any:

@@ -778,3 +778,31 @@ def test_a_uids_namespaces_are_found_by_its_roots_not_by_a_walk_over_every_names
         check(s)
     with Store(cfg) as s:  # the owners come back from the checkpoint or the journal
         check(s)
+
+
+def test_a_request_acting_for_a_uid_is_refused_where_another_uid_claimed_the_namespace_under_it(tmp_path):
+    """What a daemon request of a connection whose namespace was free when last asked runs
+    in (``acting_for``): its lookups of objects, keys and listings check the namespace's
+    owner under the store's lock, so a claim and a put that come between the request's
+    start and its lookup (another uid's first put) leave the request nothing to act on."""
+    from tierstore import Config, PermissionDenied, Store
+    from tierstore.objectindex import acting_for
+
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[str(tmp_path / "nvme")], nvme_bytes="64MiB")) as s:
+        with acting_for(2000):  # the request started while "shared-job" was free...
+            assert s.lookup("weights", namespace="shared-job") is None
+            s.daemon.claim_namespace("shared-job", 1000)  # ...then another uid's first put came
+            h = s.put(torch.full((4,), 7.0), key="weights", durable=True, namespace="shared-job")
+            for name, call in [("free", lambda: s.free(h, namespace="shared-job")),
+                               ("get", lambda: s.get(h, namespace="shared-job")),
+                               ("checkout", lambda: s.checkout(h, "w", namespace="shared-job")),
+                               ("info", lambda: s.info(h, namespace="shared-job")),
+                               ("lookup", lambda: s.lookup("weights", namespace="shared-job")),
+                               ("keys", lambda: s.keys(namespace="shared-job")),
+                               ("ls", lambda: s.ls(namespace="shared-job"))]:
+                with pytest.raises(PermissionDenied, match="now belongs to uid 1000"):
+                    call()
+            assert s.keys(namespace="mine") == []  # (a free namespace is still its to use)
+        with acting_for(1000):  # the owner's own requests
+            assert s.lookup("weights", namespace="shared-job") == h
+        assert torch.equal(s.get(h, namespace="shared-job"), torch.full((4,), 7.0))

@@ -73,6 +73,7 @@ class Durability:
         self.roots_of: dict[int, set[str]] = {}
         """uid -> the root namespaces it claimed (``owners`` inverted, changed with it): a
         uid's view of the namespaces is found without a walk over everyone's."""
+        index.owner_of = self.owner_of  # (``objectindex.acting_for``)
         self.hostlog_on = False
         self._checkpoint_lock = threading.Lock()  # one checkpoint write at a time (they share a temp file)
         self.damage_kept = False

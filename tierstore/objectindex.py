@@ -14,6 +14,7 @@ those waits on ``cv``.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
@@ -21,11 +22,11 @@ import time
 from operator import attrgetter
 from typing import Any, Callable, Iterator
 
-from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, StaleHandle
+from .errors import Busy, Closed, InvalidArgument, KeyExists, NotFound, PermissionDenied, StaleHandle
 from .index import Handle, KeyIndex, ObjectMeta, ObjectTable, sorted_from, validate_key, validate_namespace
 from .waits import wait_for_others, waits_since
 
-__all__ = ["ObjectIndex", "COUNTERS"]
+__all__ = ["ObjectIndex", "COUNTERS", "acting_for"]
 
 _by_id = attrgetter("id")
 
@@ -35,6 +36,27 @@ COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "pr
             "source_handovers", "source_copies", "leases_revoked", "reservations_expired", "put_early_bytes",
             "streamed_gets", "streams_expired")
 """The store's counters (``stat()["counters"]``)."""
+
+
+_acting = threading.local()
+
+
+@contextlib.contextmanager
+def acting_for(uid: int) -> Iterator[None]:
+    """The calls made on this thread meanwhile act for a daemon connection of ``uid`` whose
+    namespace no uid had claimed when it was last asked: a namespace another uid owns by
+    the time an object, a key or a listing of it is looked up (under the lock, so a claim
+    cannot come between) is ``PermissionDenied``."""
+    before = getattr(_acting, "uid", None)
+    _acting.uid = uid
+    try:
+        yield
+    finally:
+        _acting.uid = before
+
+
+def _nobody(namespace: str) -> int | None:
+    return None
 
 
 class ObjectIndex:
@@ -54,6 +76,18 @@ class ObjectIndex:
         self.epoch = 1
         """The generation new objects get (one per start of the store)."""
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.owner_of: Callable[[str], int | None] = _nobody
+        """(under cv) The uid that owns a namespace (``Durability.owner_of``), for ``acting_for``."""
+
+    def _guard(self, ns: str) -> None:
+        """(under cv) ``PermissionDenied`` if this thread acts for a uid (``acting_for``)
+        and another uid owns ``ns`` now."""
+        uid = getattr(_acting, "uid", None)
+        if uid is not None:
+            owner = self.owner_of(ns)
+            if owner is not None and owner != uid:
+                raise PermissionDenied(f"namespace {ns.split('/')[0]!r} now belongs to uid {owner}; "
+                                       "use another namespace")
 
     # ------------------------------------------------------------ names and ids
     def ns(self, namespace: str | None) -> str:
@@ -72,6 +106,7 @@ class ObjectIndex:
     def get_meta(self, h: Handle, ns: str) -> ObjectMeta:
         """(under cv) The live object ``h`` names in ``ns``; NotFound or StaleHandle otherwise."""
         self.check_open()
+        self._guard(ns)
         meta = self.objects.get(h.id)
         # nothing outside the caller's namespace is told apart from nothing at all: an id
         # another namespace holds (or held) is NotFound, whatever its generation
@@ -256,8 +291,10 @@ class ObjectIndex:
     # ------------------------------------------------------------ reading the index
     def lookup(self, key: str, namespace: str | None = None) -> Handle | None:
         key = validate_key(key)
+        ns = self.ns(namespace)
         with self.cv:
-            oid = self.keys.get((self.ns(namespace), key))
+            self._guard(ns)
+            oid = self.keys.get((ns, key))
             return None if oid is None else self.objects[oid].handle
 
     def info(self, h: Handle, namespace: str | None = None) -> dict[str, Any]:
@@ -268,12 +305,14 @@ class ObjectIndex:
         _check_page(prefix, after)
         ns = self.ns(namespace)
         with self.cv:
+            self._guard(ns)
             return self.keys.scan_keys(ns, prefix, after, limit)
 
     def ls_page(self, prefix: str, after: str | None, limit: int | None, namespace: str | None) -> list[dict[str, Any]]:
         _check_page(prefix, after)
         ns = self.ns(namespace)
         with self.cv:
+            self._guard(ns)
             return [describe(self.objects[oid]) for _, oid in self.keys.scan(ns, prefix, after, limit)]
 
     def ls_columns(self, prefix: str, after: str | None, limit: int | None,
@@ -286,6 +325,7 @@ class ObjectIndex:
         ns = self.ns(namespace)
         objects = self.objects
         with self.cv:
+            self._guard(ns)
             keys, ids = self.keys.scan_ids(ns, prefix, after, limit)
             ms = list(map(objects.__getitem__, ids))
             hv = [m.host_valid for m in ms]
