@@ -288,8 +288,10 @@ def test_durable_objects_stay_readable_when_the_disk_and_both_tiers_are_full(tmp
 def test_a_store_opens_on_a_full_filesystem_whose_journal_ends_on_a_page_boundary(tmpfs):
     """The start appends a record of its own: where the journal's last page is full and the
     filesystem has no byte left, that append needs a new block. The journal keeps room
-    allocated past its end, so the store still opens, every durable object reads back,
-    and a durable free and a durable put into the data file's space still go through."""
+    allocated past its end, so the store still opens (with O_DIRECT where it had it: the
+    probe reads the data file when it cannot write a file of its own), every durable
+    object reads back, and a durable free and a durable put into the data file's space
+    still go through."""
     from tierstore.journal import _frame, pack
 
     d = os.path.join(tmpfs, "nvme")
@@ -297,6 +299,7 @@ def test_a_store_opens_on_a_full_filesystem_whose_journal_ends_on_a_page_boundar
     def cfg():
         return Config(host_bytes="4MiB", nvme_dirs=[d], nvme_bytes="8MiB", io_chunk_bytes="1MiB")
     with Store(cfg()) as s:
+        direct = s.stat()["tiers"]["nvme"]["direct_io"]
         vals = {f"k{i}": torch.full((250_000,), float(i)) for i in range(4)}
         for k, v in vals.items():
             s.put(v, key=k, durable=True, tier="nvme")
@@ -312,6 +315,7 @@ def test_a_store_opens_on_a_full_filesystem_whose_journal_ends_on_a_page_boundar
     _fill(os.path.join(tmpfs, "filler"))
     assert os.statvfs(tmpfs).f_bavail == 0
     with Store(cfg()) as s:
+        assert s.stat()["tiers"]["nvme"]["direct_io"] == direct  # (its probe file cannot be written: data.bin is read)
         for k, v in vals.items():
             assert torch.equal(s.get(s.lookup(k)), v), k
         s.free(s.lookup("k3"))  # its record: in the room kept past the journal's end

@@ -186,9 +186,26 @@ def probe_direct_io(directory: str) -> tuple[bool, str]:
         os.pwritev(fd, [buf], 0)
         os.preadv(fd, [buf], 0)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and _reads_direct(os.path.join(directory, "data.bin"), buf):
+            # a full filesystem says nothing of O_DIRECT: the tier's own file, read, does
+            return True, f"O_DIRECT supported in {directory} (read of its data file: the filesystem is full)"
         return False, f"O_DIRECT I/O failed in {directory}: {os.strerror(e.errno)}; using buffered I/O"
     finally:
         os.close(fd)
         os.unlink(path)
         buf.close()
     return True, f"O_DIRECT supported in {directory}"
+
+
+def _reads_direct(path: str, buf: mmap.mmap) -> bool:
+    """Whether the first page of the existing file ``path`` reads with O_DIRECT."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.preadv(fd, [buf], 0) == len(buf)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
