@@ -51,7 +51,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from tierstore.config import Config
-from tierstore.errors import Closed, PermissionDenied, ProtocolError, TierstoreError
+from tierstore.errors import Closed, InvalidArgument, PermissionDenied, ProtocolError, TierstoreError
 from tierstore.objectindex import acting_for
 from tierstore.waits import Later, WouldWait, wait_context
 from tierstore.preflight import check_dir
@@ -385,7 +385,16 @@ class Server:
         if not os.path.isdir(d):
             os.makedirs(d, mode=0o750, exist_ok=True)
             os.chmod(d, 0o750)
-        mode = stat_mod.S_IMODE(os.stat(d).st_mode)
+        st = os.stat(d)
+        mode = stat_mod.S_IMODE(st.st_mode)
+        # whoever may rename or replace names in the directory could move the socket away, put
+        # their own in its place, or swap it for a link between the bind and the chown below
+        if st.st_uid not in (os.geteuid(), 0):
+            raise InvalidArgument(f"socket directory {d} belongs to uid {st.st_uid}, who could replace the "
+                                  f"daemon's socket; use a directory of uid {os.geteuid()} (or root's)")
+        if mode & 0o022 and not mode & stat_mod.S_ISVTX:
+            raise InvalidArgument(f"socket directory {d} has mode {mode:o}: others may replace the daemon's socket "
+                                  "in it; use a directory only its owner writes (0750), or a sticky one")
         if mode & 0o027:
             log.warning("socket directory %s has mode %o; 0750 keeps other users from even reaching the socket",
                         d, mode)
@@ -395,12 +404,11 @@ class Server:
             sock.bind(path)
         finally:
             os.umask(old)
-        os.chmod(path, 0o660)
         if self.allowed_gids:
             # members of the first allowed group reach the socket through group permissions;
-            # admission is still decided per connection from SO_PEERCRED
+            # admission is still decided per connection from SO_PEERCRED (never through a link)
             gid = sorted(self.allowed_gids)[0]
-            os.chown(path, -1, gid)
+            os.chown(path, -1, gid, follow_symlinks=False)
             if stat_mod.S_IMODE(os.stat(d).st_mode) == 0o750 and os.stat(d).st_uid == os.geteuid():
                 os.chown(d, -1, gid)
         sock.listen(128)

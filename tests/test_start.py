@@ -365,3 +365,35 @@ def test_a_start_with_other_nvme_directories_is_refused_and_the_journal_kept(tmp
         f.write("{not json")
     with pytest.raises(InvalidArgument, match="tier.id is damaged"):
         Store(cfg([a, b]))
+
+
+@pytest.mark.parametrize("case", ["another uid's", "writable by others", "a link to another uid's"])
+def test_a_socket_directory_others_may_write_is_refused(tmp_path, case):
+    """Whoever may rename names in the socket's directory could swap the socket for a link
+    between its bind and the chown that gives it to the allowed group (turning root's chown
+    onto a file of their choosing), or put a socket of their own in its place: a directory
+    another uid owns, or one others may write without the sticky bit, is refused in one
+    line, nothing made in it."""
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    nobody = pwd.getpwnam("nobody")
+    d = tmp_path / "s"
+    if case == "a link to another uid's":
+        real = tmp_path / "theirs"
+        real.mkdir(mode=0o700)
+        os.chown(real, nobody.pw_uid, nobody.pw_gid)
+        os.symlink(real, d)
+    else:
+        d.mkdir()
+        if case == "another uid's":
+            os.chmod(d, 0o755)
+            os.chown(d, nobody.pw_uid, nobody.pw_gid)
+        else:
+            os.chmod(d, 0o777)
+    r = _daemon(tmp_path, "--nvme-dir", str(tmp_path / "n"), "--host-bytes", "64MiB")
+    line = _one_error_line(r)
+    assert r.returncode == 1 and f"socket directory {d}" in line, line
+    assert ("belongs to uid" if case != "writable by others" else "others may replace") in line
+    assert os.listdir(d) == []
