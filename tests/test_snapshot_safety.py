@@ -43,6 +43,55 @@ def test_a_link_planted_at_the_old_temporary_name_is_not_followed(make_store, tm
 
 
 @needs_root
+@pytest.mark.parametrize("suffix", [".zip", ".zarr"])
+def test_a_temporary_directory_swapped_for_a_link_mid_snapshot_is_not_written_through(make_store, tmp_path, suffix):
+    """In a shared directory without the sticky bit others may rename names: halfway
+    through, the snapshot's temporary directory is renamed away and a link to a private
+    directory planted at its name. Nothing is written into the private directory, nothing
+    of it is read into a zip; the directory snapshot fails (its name no longer names
+    what was written), the zip is whole."""
+    import glob
+
+    from tierstore.snapshot import snapshot
+    from tierstore.store import _NamespaceView
+
+    s = make_store()
+    s.put(torch.randn(300_000), key="a/big")
+    s.put(torch.ones(5), key="b/small")
+    s.put(torch.randn(300_000), key="c/big")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "id_rsa").write_bytes(b"secret key")
+    dest = shared / f"ckpt{suffix}"
+
+    class Swapping(_NamespaceView):
+        swapped = False
+
+        def get(self, handle, *a, **kw):
+            if not Swapping.swapped:
+                [work] = glob.glob(f"{dest}.partial-*")
+                os.rename(work, shared / "moved-away")
+                os.symlink(private, work)
+                Swapping.swapped = True
+            return super().get(handle, *a, **kw)
+
+    if suffix == ".zarr":
+        with pytest.raises(TierstoreError, match="moved or replaced"):
+            snapshot(Swapping(s, "default"), str(dest), namespace="default")
+        assert not dest.exists()
+    else:
+        assert snapshot(Swapping(s, "default"), str(dest), namespace="default")["objects"] == 3
+        import zipfile
+        names = zipfile.ZipFile(dest).namelist()
+        assert "id_rsa" not in names
+        t = make_store(nvme_dirs=[str(tmp_path / "nvme2")])
+        t.restore(str(dest))
+        assert torch.equal(t.get(t.lookup("c/big")), s.get(s.lookup("c/big")))
+    assert sorted(os.listdir(private)) == ["id_rsa"] and (private / "id_rsa").read_bytes() == b"secret key"
+
+
 def test_a_link_planted_by_another_uid_is_not_followed(make_store, request):
     """The attacker is another user with write access to the shared directory."""
     import pwd

@@ -30,6 +30,7 @@ import os
 import re
 import tempfile
 import shutil
+import stat
 import sys
 import time
 import zipfile
@@ -285,8 +286,8 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
     is_zip = local and path.endswith(".zip")
     if local and os.path.lexists(path):
         raise InvalidArgument(f"{path} already exists; choose a new destination or remove it")
-    work = _private_dir(path) if local else None  # unpredictable, new, ours: nothing planted is followed
-    writer = _LocalWriter(work) if local else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
+    work = _WorkDir(path) if local else None  # unpredictable, new, ours, held open: nothing planted is followed
+    writer = _LocalWriter(work.root) if work else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
     prog = _Progress(len(entries), sum(e["nbytes"] for e in entries), "snapshot", progress)
     index: list[dict[str, Any]] = []
     freed_meanwhile = 0
@@ -335,16 +336,16 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
         writer.finish({"tierstore_version": __version__, "namespace": namespace, "objects": index,
                        "complete": True})
     except BaseException as e:
-        if local:
+        if work:
             writer.abort()
-            shutil.rmtree(work, ignore_errors=True)
+            work.remove()
         if isinstance(e, OSError):
             raise StorageError(f"snapshot to {path} failed: {e.strerror or e} ({e.filename}); "
                                "nothing was written at the destination") from None
         raise
     finally:
         prog.done()
-    if local:
+    if work:
         try:
             _publish(work, path, is_zip)
         except OSError as e:
@@ -363,14 +364,53 @@ def _chunks(shape: list[int] | tuple[int, ...], item: int) -> tuple[int, ...]:
     return (first, *shape[1:])
 
 
-def _private_dir(path: str) -> str:
-    """A new directory beside ``path`` with a name nobody can predict (mkdtemp: created
-    exclusively, mode 0700), so a name planted in a shared directory is never followed."""
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        return tempfile.mkdtemp(prefix=os.path.basename(path) + ".partial-", dir=parent)
-    except OSError as e:
-        raise StorageError(f"cannot write a snapshot in {parent}: {e.strerror}") from None
+class _WorkDir:
+    """A local snapshot's temporary directory: new, beside the destination, under a name
+    nobody can predict (mkdtemp: created exclusively, mode 0700), and held open. Its files
+    are reached through the descriptor (``root``, ``/proc/self/fd/N``), never through its
+    name: in a shared directory without the sticky bit, others may rename the name away
+    and plant a link, or another directory, in its place, and nothing is then written
+    there, read from there (into a zip), or removed there."""
+
+    def __init__(self, dest: str) -> None:
+        parent = os.path.dirname(os.path.abspath(dest))
+        try:
+            self.path = tempfile.mkdtemp(prefix=os.path.basename(dest) + ".partial-", dir=parent)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise StorageError(f"cannot write a snapshot in {parent}: {e.strerror}") from None
+        st = os.fstat(self.fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700 or os.listdir(self.fd):
+            os.close(self.fd)
+            raise StorageError(f"the snapshot's temporary directory {self.path} was replaced as it was made (someone "
+                               f"else can rename names in {parent}); nothing was written")
+        self.id = (st.st_dev, st.st_ino)
+        self.root = f"/proc/self/fd/{self.fd}"
+
+    def named(self, path: str) -> bool:
+        """Whether ``path`` names this directory (not a link, nor another one put there)."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.id
+
+    def remove(self) -> None:
+        """Remove what it holds, through the descriptor; then the name, if it still names it."""
+        for name in os.listdir(self.fd):
+            try:
+                if stat.S_ISDIR(os.lstat(name, dir_fd=self.fd).st_mode):
+                    shutil.rmtree(name, dir_fd=self.fd)
+                else:
+                    os.unlink(name, dir_fd=self.fd)
+            except OSError:
+                pass
+        if self.named(self.path):
+            try:
+                os.rmdir(self.path)
+            except OSError:
+                pass
+        os.close(self.fd)
 
 
 def _umask_mode(mode: int) -> int:
@@ -383,33 +423,46 @@ def _umask_mode(mode: int) -> int:
     return mode & ~mask
 
 
-def _publish(work: str, path: str, is_zip: bool) -> None:
+def _publish(work: _WorkDir, path: str, is_zip: bool) -> None:
     """Put a finished snapshot (the directory ``work``) at ``path``: renamed into place,
     or packed into a zip created exclusively beside it (mkstemp) and linked into place;
     neither replaces anything that appeared at ``path`` meanwhile."""
     if not is_zip:
         try:
-            os.chmod(work, _umask_mode(0o777))
-            os.rename(work, path)  # (fails onto anything but an empty directory: nothing is followed)
-        except OSError:
-            shutil.rmtree(work, ignore_errors=True)
+            os.fchmod(work.fd, _umask_mode(0o777))
+            if not work.named(work.path):
+                raise StorageError(f"the snapshot's temporary directory {work.path} was moved or replaced while "
+                                   "the snapshot was written (someone else can rename names there)")
+            os.rename(work.path, path)  # (fails onto anything but an empty directory: nothing is followed)
+        except BaseException:
+            work.remove()
             raise
+        moved = not work.named(path)
+        os.close(work.fd)
+        if moved:
+            raise StorageError(f"{path} is not the snapshot just written there: someone else can rename names in "
+                               "its directory; write snapshots where only you can")
         _fsync_parent(path)
         return
     try:
         fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".partial-", suffix=".zip",
                                    dir=os.path.dirname(os.path.abspath(path)))
     except OSError:
-        shutil.rmtree(work, ignore_errors=True)
+        work.remove()
         raise
     try:
         with os.fdopen(fd, "wb") as f:
-            _zip_dir(work, f)
+            _zip_dir(work.root, f)  # (read through the descriptor: whatever was planted at the name is not)
             os.fchmod(f.fileno(), _umask_mode(0o666))
+            zipped = os.fstat(f.fileno())
         os.link(tmp, path)  # EEXIST rather than replace: whatever appeared at DEST stays as it was
     finally:
         os.unlink(tmp)
-        shutil.rmtree(work, ignore_errors=True)
+        work.remove()
+    st = os.lstat(path)
+    if (st.st_dev, st.st_ino) != (zipped.st_dev, zipped.st_ino):
+        raise StorageError(f"{path} is not the snapshot just written there: someone else can rename names in its "
+                           "directory; write snapshots where only you can")
     _fsync_parent(path)
 
 
