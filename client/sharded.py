@@ -21,6 +21,7 @@ import json
 import os
 import re
 import socket as _socket
+import stat
 import tempfile
 from typing import Any, Callable
 
@@ -32,6 +33,9 @@ __all__ = ["snapshot_job", "restore_job", "read_index", "INDEX_DIR"]
 INDEX_DIR = "index"
 _FORMAT = 1
 _RANK = re.compile(r"rank(\d+)$")
+_STORE = re.compile(r"[A-Za-z0-9._-]{1,250}\.zarr")
+"""A store's name in a fragment: a plain file name (``_store_name`` makes them)."""
+_MAX_FRAGMENT = 64 << 20
 
 
 def _node_name(node: str | None) -> str:
@@ -70,7 +74,11 @@ def _write_fragment(dest: str, name: str, doc: dict[str, Any]) -> None:
         fs.pipe_file(f"{root.rstrip('/')}/{INDEX_DIR}/{name}", data)  # one object: whole or absent
         return
     d = os.path.join(_local(dest), INDEX_DIR)
-    os.makedirs(d, exist_ok=True)
+    try:
+        os.mkdir(d, 0o755)
+    except FileExistsError:
+        pass
+    _own_dir(d)
     fd, tmp = tempfile.mkstemp(prefix=name + ".partial-", dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -99,7 +107,7 @@ def _read_fragments(dest: str) -> list[tuple[str, dict[str, Any]]]:
             names = sorted(p for p in fs.ls(d, detail=False) if p.endswith(".json"))
         except FileNotFoundError:
             names = None
-        return None if names is None else [(p, json.loads(fs.cat_file(p))) for p in names]
+        return None if names is None else [(p, _decode(p, fs.cat_file(p))) for p in names]
     d = os.path.join(_local(dest), INDEX_DIR)
     try:
         names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
@@ -107,9 +115,56 @@ def _read_fragments(dest: str) -> list[tuple[str, dict[str, Any]]]:
         return None
     out = []
     for n in names:
-        with open(os.path.join(d, n)) as f:
-            out.append((os.path.join(d, n), json.load(f)))
+        where = os.path.join(d, n)
+        try:
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise InvalidArgument(f"{where} is not a regular file")
+                out.append((where, _decode(where, f.read(_MAX_FRAGMENT + 1))))
+        except OSError as e:
+            raise InvalidArgument(f"cannot read the index fragment {where}: {e.strerror}") from None
     return out
+
+
+def _decode(where: str, data: bytes) -> Any:
+    if len(data) > _MAX_FRAGMENT:
+        raise InvalidArgument(f"index fragment {where} is larger than {_MAX_FRAGMENT >> 20} MiB")
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise InvalidArgument(f"index fragment {where} is not JSON: {e}") from None
+
+
+def _own_dir(d: str) -> None:
+    """``d`` is a directory of this uid, not a link to one: a sharded snapshot's files are
+    written in it."""
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else \
+            ("not a directory" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}")
+        raise InvalidArgument(f"{d} is {what}; a sharded snapshot writes only into directories of its own uid "
+                              f"({os.geteuid()}): choose another destination")
+
+
+def _check_fragment(where: str, doc: Any) -> None:
+    """Refuse a fragment that does not hold together: every name in it is used as a path
+    (its stores) or a namespace to restore into."""
+    if not (isinstance(doc, dict) and isinstance(doc.get("job"), str) and isinstance(doc.get("node"), str)
+            and isinstance(doc.get("namespaces"), dict)):
+        raise InvalidArgument(f"index fragment {where} lacks 'job', 'node' or 'namespaces'")
+    job = doc["job"]
+    for ns, e in doc["namespaces"].items():
+        if not (isinstance(ns, str) and ns.startswith(job + "/")):
+            raise InvalidArgument(f"index fragment {where} names namespace {ns!r}, which is not under its job "
+                                  f"{job + '/'!r}")
+        store = e.get("store") if isinstance(e, dict) else None
+        if not (isinstance(store, str) and _STORE.fullmatch(store) and store not in (".zarr", "..zarr")):
+            raise InvalidArgument(f"index fragment {where} gives namespace {ns!r} the store {store!r}, which is "
+                                  "not a plain name inside the snapshot")
+        rank = e.get("rank")
+        if rank is not None and (type(rank) is not int or rank < 0):
+            raise InvalidArgument(f"index fragment {where} gives namespace {ns!r} the rank {rank!r}")
 
 
 def snapshot_job(connect: Callable[[str], Pool], job: str, dest: str, *, node: str | None = None,
@@ -124,7 +179,13 @@ def snapshot_job(connect: Callable[[str], Pool], job: str, dest: str, *, node: s
     if not namespaces:
         raise NotFound(f"this node's daemon has no namespace under {job + '/'!r}; is the job name right?")
     if not _is_url(dest):
-        os.makedirs(_local(dest), exist_ok=True)
+        try:
+            os.mkdir(_local(dest), 0o755)
+        except FileExistsError:
+            pass
+        _own_dir(_local(dest))
+        if os.path.lexists(os.path.join(_local(dest), INDEX_DIR)):  # (checked again as the fragment is written)
+            _own_dir(os.path.join(_local(dest), INDEX_DIR))
     entries: dict[str, Any] = {}
     for ns in namespaces:
         store = _store_name(job, ns)
@@ -148,9 +209,11 @@ def read_index(dest: str) -> dict[str, Any]:
                        "--sharded)?")
     job, merged, ranks = None, {}, {}
     for where, doc in fragments:
-        if doc.get("format") != _FORMAT:
-            raise InvalidArgument(f"{where} is index format {doc.get('format')!r}; this tierstore "
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise InvalidArgument(f"{where} is index format "
+                                  f"{doc.get('format') if isinstance(doc, dict) else None!r}; this tierstore "
                                   f"reads format {_FORMAT}")
+        _check_fragment(where, doc)
         if job is not None and doc["job"] != job:
             raise InvalidArgument(f"{dest} holds fragments of two jobs, {job!r} and {doc['job']!r}")
         job = doc["job"]

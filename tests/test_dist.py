@@ -373,6 +373,80 @@ def test_sharded_snapshot_to_an_fsspec_url(daemon):
             assert torch.equal(c.get(c.lookup("opt/x@0")), torch.full((4,), float(rank)))
 
 
+@pytest.mark.parametrize("bad", ["absolute store", "store up", "namespace outside the job", "not a map",
+                                 "no namespaces", "rank", "not json"])
+def test_a_sharded_index_that_names_paths_or_namespaces_outside_is_refused(daemon, tmp_path, bad):
+    """Every name in an index fragment is used as a path (its stores) or a namespace to
+    restore into: a store that is not a plain name inside the snapshot, a namespace outside
+    the job, or a fragment that does not hold together is refused in one line, and nothing
+    is restored."""
+    import json
+
+    import torch
+
+    from tierstore import InvalidArgument
+    from tierstore.client.sharded import read_index, restore_job, snapshot_job
+
+    with daemon.client("jobh/rank0") as c:
+        c.put(torch.ones(4), key="x")
+    dest = tmp_path / "ckpt"
+    snapshot_job(daemon.client, "jobh", str(dest), node="n0")
+    frag = dest / "index" / "n0.json"
+    doc = json.loads(frag.read_text())
+    e = doc["namespaces"]["jobh/rank0"]
+    if bad == "absolute store":
+        e["store"] = str(tmp_path / "elsewhere.zarr")
+    elif bad == "store up":
+        e["store"] = "../victim.zarr"
+    elif bad == "namespace outside the job":
+        doc["namespaces"]["other-team/rank7"] = doc["namespaces"].pop("jobh/rank0")
+    elif bad == "not a map":
+        doc = [doc]
+    elif bad == "no namespaces":
+        doc["namespaces"] = ["jobh/rank0"]
+    elif bad == "rank":
+        e["rank"] = "0; rm"
+    frag.write_text("{not json" if bad == "not json" else json.dumps(doc))
+    with pytest.raises(InvalidArgument) as err:
+        read_index(str(dest))
+    assert "\n" not in str(err.value)
+    with daemon.client("jobh/rank0") as c:
+        c.free(c.lookup("x"))
+    with pytest.raises(InvalidArgument):
+        restore_job(daemon.client, str(dest), node="n0")
+    with daemon.client("jobh/rank0") as c:
+        assert c.keys() == []
+
+
+def test_a_sharded_snapshot_writes_through_no_planted_index_link(daemon, tmp_path):
+    """A destination whose index directory is a link (planted by whoever could write the
+    destination), or that another uid owns, is refused before anything is written."""
+    import pwd
+
+    import torch
+
+    from tierstore import InvalidArgument
+    from tierstore.client.sharded import snapshot_job
+
+    with daemon.client("jobl/rank0") as c:
+        c.put(torch.ones(4), key="x")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    dest = tmp_path / "ckpt"
+    dest.mkdir()
+    os.symlink(private, dest / "index")
+    with pytest.raises(InvalidArgument, match="is a symbolic link"):
+        snapshot_job(daemon.client, "jobl", str(dest), node="n0")
+    assert os.listdir(private) == [] and os.listdir(dest) == ["index"]
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        nobody = pwd.getpwnam("nobody")
+        os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
+        with pytest.raises(InvalidArgument, match="owned by uid"):
+            snapshot_job(daemon.client, "jobl", str(theirs), node="n0")
+
+
 def test_rewind_to_goes_back_one_step_with_two_versions_only(make_store):
     """rewind_to(completed - 1) restores the previous step's state and (fp32 masters) its
     parameters, so continuing equals plain; further back, with single-version state, or over
