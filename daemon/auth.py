@@ -12,6 +12,7 @@ import os
 import pwd
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 __all__ = ["PeerCred", "peer_cred", "resolve_groups", "admitted"]
@@ -45,12 +46,26 @@ def resolve_groups(names: list[str]) -> set[int]:
     return gids
 
 
-def _groups_of(uid: int, gid: int) -> set[int]:
+_GROUPS_KEPT_S = 5.0
+"""How long a uid's groups are kept once looked up: a process opening connections in a
+tight loop costs the daemon no user-database lookup each (a membership change is seen
+within this long)."""
+_groups_cache: dict[tuple[int, int], tuple[float, frozenset[int]]] = {}
+
+
+def _groups_of(uid: int, gid: int) -> frozenset[int]:
+    now = time.monotonic()
+    hit = _groups_cache.get((uid, gid))
+    if hit is not None and now - hit[0] < _GROUPS_KEPT_S:
+        return hit[1]
     try:
-        name = pwd.getpwuid(uid).pw_name
+        groups = frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
     except KeyError:
-        return {gid}
-    return set(os.getgrouplist(name, gid))
+        groups = frozenset({gid})
+    if len(_groups_cache) >= 4096:
+        _groups_cache.clear()
+    _groups_cache[(uid, gid)] = (now, groups)
+    return groups
 
 
 def admitted(cred: PeerCred, allowed_gids: set[int], own_uid: int | None = None) -> bool:

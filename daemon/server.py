@@ -99,6 +99,8 @@ class Server:
         self._replies = ReplyBudget()
         self._holding_lock = threading.Lock()  # guards every session's holding / drop_waiting
         self._refused: dict[socket.socket, float] = {}
+        self._refusals_logged: dict[int, tuple[float, int]] = {}
+        """uid -> (when its last refusal was logged, how many since were not)."""
         self._cids = itertools.count(1)
         ops = max(8, self.config.store.io_threads)
         # one connection or namespace runs at most half the op workers, a uid all but one:
@@ -416,7 +418,10 @@ class Server:
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
-        while True:
+        """Accept the connections waiting, at most ``_ACCEPTS_PER_TURN`` before the loop
+        serves everything else once: a process that opens and closes connections in a tight
+        loop cannot keep the event loop from the requests (and the closes) of others."""
+        for _ in range(_ACCEPTS_PER_TURN):
             try:
                 conn, _ = self._listen.accept()
             except BlockingIOError:
@@ -442,7 +447,7 @@ class Server:
             if reason is not None:
                 self.refused += 1
                 self._count_error(reason.code)
-                log.warning("refused connection from pid %d uid %d: %s", cred.pid, cred.uid, reason.message)
+                self._log_refusal(cred, reason)
                 try:
                     conn.send(reply_err(None, reason))
                 except OSError:
@@ -460,6 +465,20 @@ class Server:
             self.accepted += 1
             self._sel.register(conn, selectors.EVENT_READ, ("sess", sess))
             log.debug("session %d: pid %d uid %d connected", sess.cid, cred.pid, cred.uid)
+
+    def _log_refusal(self, cred: Any, reason: TierstoreError) -> None:
+        """A refused connection's warning: at most one a second per uid, saying how many
+        were refused since the last (a refused uid retrying in a loop does not fill the log)."""
+        now = time.monotonic()
+        last, quiet = self._refusals_logged.get(cred.uid, (0.0, 0))
+        if now - last < 1.0:
+            self._refusals_logged[cred.uid] = (last, quiet + 1)
+            return
+        if len(self._refusals_logged) > 4096:
+            self._refusals_logged.clear()
+        self._refusals_logged[cred.uid] = (now, 0)
+        log.warning("refused connection from pid %d uid %d%s: %s", cred.pid, cred.uid,
+                    f" (and {quiet} more of that uid's in the last second)" if quiet else "", reason.message)
 
     def _room_for(self, uid: int, holds: int) -> int:
         """Connections at once beyond which ``uid``, holding ``holds``, is refused: root may
@@ -881,6 +900,10 @@ def _outcome(get, rid: int, op: str) -> tuple[bytes, str, str | None]:
     except Exception as e:
         log.exception("op %s failed", op)
         return reply_err(rid, TierstoreError(f"internal error in {op}: {type(e).__name__}: {e}")), op, "internal"
+
+
+_ACCEPTS_PER_TURN = 32
+"""Connections accepted in one turn of the event loop (``Server._accept``)."""
 
 
 def _acting(sess: Session) -> Any:

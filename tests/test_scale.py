@@ -806,3 +806,57 @@ def test_a_request_acting_for_a_uid_is_refused_where_another_uid_claimed_the_nam
         with acting_for(1000):  # the owner's own requests
             assert s.lookup("weights", namespace="shared-job") == h
         assert torch.equal(s.get(h, namespace="shared-job"), torch.full((4,), 7.0))
+
+
+_STORM = r"""
+import os, socket, sys, time
+os.setgroups([]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[2]))
+held = []
+for _ in range(4):  # its whole share of connections, kept
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    held.append(s)
+print("holding", flush=True)
+n, end = 0, time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:  # then open and close in a tight loop: each one refused
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(sys.argv[1])
+    except OSError:
+        pass
+    s.close()
+    n += 1
+print(n, flush=True)
+"""
+
+
+def test_a_connect_storm_neither_holds_up_other_uids_nor_fills_the_log(daemon_factory):
+    """A uid holding its share of connections opens and closes more in a tight loop, each
+    refused: the event loop still serves another uid's requests meanwhile (it accepts a
+    bounded number of connections a turn), and the log gets at most one refusal line a
+    second for that uid, saying how many more there were."""
+    import grp
+
+    from tierstore.client import Client
+
+    nobody = pwd.getpwnam("nobody")
+    d = daemon_factory("--allowed-group", grp.getgrgid(nobody.pw_gid).gr_name, "--max-clients-per-uid", "4",
+                       public=True)
+    p = subprocess.Popen([sys.executable, "-c", _STORM, d.socket, str(nobody.pw_uid), str(nobody.pw_gid), "6"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "holding", p.stderr.read()
+        answered = 0
+        with Client.connect(socket=d.socket, namespace="bystander", timeout_s=10) as c:
+            while p.poll() is None:
+                h = c.put(torch.arange(4.0), key="k", replace=True)  # each within the client's 10 s
+                assert torch.equal(c.get(h), torch.arange(4.0))
+                answered += 1
+            refused = c.stat()["connections_refused"]
+        tries = int(p.communicate(timeout=60)[0].strip())
+    finally:
+        p.kill()
+    assert answered >= 2 and refused >= 100 and tries >= refused, (answered, refused, tries)
+    lines = [ln for ln in d.log.read_text().splitlines() if "refused connection from" in ln]
+    assert 1 <= len(lines) <= 12, len(lines)  # ~6 s of refusals: one line a second at most
+    assert "more of that uid's in the last second" in "\n".join(lines)
