@@ -373,3 +373,42 @@ def test_the_next_steps_first_state_is_hinted_at_the_end_of_a_step(make_store, u
         last_hint = [c for c in calls[:at] if c[0] == "hint"][-1][1]
         first_read = next(c for c in calls[at:] if c[0] == "read")[1]
         assert first_read <= last_hint, step
+
+
+def test_two_offloaded_optimizers_on_one_prefix_cannot_share_state(make_store):
+    """A GAN's two optimizers, both on the default prefix: the second takes the prefix
+    over, and the first raises on its next step (and update in backward) instead of
+    updating with the other's state; with a prefix each, both equal plain."""
+    from tierstore import InvalidArgument
+
+    s = make_store()
+    torch.manual_seed(0)
+    g, d = nn.Linear(8, 8), nn.Linear(8, 8)  # equal shapes: their state keys would be the same
+    opt_g = offload_optimizer(torch.optim.AdamW(g.parameters(), lr=1e-2), s, tier="host")
+    opt_d = offload_optimizer(torch.optim.AdamW(d.parameters(), lr=1e-2), s, tier="host", update_in_backward=True)
+    for p in g.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(InvalidArgument, match="taken over by a newer one"):
+        opt_g.step()
+    d(torch.ones(2, 8)).sum().backward()
+    opt_d.step()  # the newer one is its prefix's
+    opt_g2 = offload_optimizer(torch.optim.AdamW(g.parameters(), lr=1e-2), s, tier="host", update_in_backward=True)
+    x = torch.ones(2, 8)
+    with pytest.raises(InvalidArgument, match="taken over by a newer one"):
+        d(x).sum().backward()  # opt_d's hooks: its prefix is opt_g2's now
+
+    torch.manual_seed(0)
+    g, d = nn.Linear(8, 8), nn.Linear(8, 8)
+    pg, pd = copy.deepcopy(g), copy.deepcopy(d)
+    plain = [torch.optim.AdamW(pg.parameters(), lr=1e-2), torch.optim.AdamW(pd.parameters(), lr=1e-2)]
+    off = [offload_optimizer(torch.optim.AdamW(g.parameters(), lr=1e-2), s, tier="host", prefix="opt_g"),
+           offload_optimizer(torch.optim.AdamW(d.parameters(), lr=1e-2), s, tier="host", prefix="opt_d")]
+    for _ in range(3):
+        for models, opts in [((pg, pd), plain), ((g, d), off)]:
+            for m, o in zip(models, opts):
+                m(torch.ones(2, 8)).square().sum().backward()
+                o.step()
+                o.zero_grad()
+    for a, b in zip([*pg.parameters(), *pd.parameters()], [*g.parameters(), *d.parameters()]):
+        assert torch.equal(a, b)
+    del opt_g2

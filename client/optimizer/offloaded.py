@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from tierstore.contract import Pool
+from tierstore.errors import InvalidArgument
 
 from .backward import BackwardUpdates
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
@@ -30,6 +32,27 @@ from .state_dict import Placeholders, PoolState, finish_lazy_load, pack, placed,
 from .update import Updates
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded"]
+
+_prefixes: "weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
+"""Per pool (a ``Store`` or ``Client``), the prefixes of the offloaded optimizers alive on
+it: two over one prefix (or one nested in the other) would overwrite each other's state."""
+
+
+def _claim_prefix(store: Any, prefix: str, opt: "OffloadedOptimizer") -> None:
+    """Record ``opt`` as the owner of ``prefix`` on ``store``: a live optimizer on the same
+    prefix, or one nested with it, is taken over (its state is the new one's, or cleared by
+    it), and any use of it from now on raises instead of changing state that is not its own."""
+    try:
+        mine = _prefixes.setdefault(store, {})
+    except TypeError:  # a pool that cannot be weakly referenced: nothing to check against
+        return
+    for other, ref in list(mine.items()):
+        holder = ref()
+        if holder is None or other == prefix or other.startswith(prefix + "/") or prefix.startswith(other + "/"):
+            del mine[other]
+            if holder is not None:
+                holder._taken_over = prefix
+    mine[prefix] = weakref.ref(opt)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +159,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                self._set_state)  # the pool's, not a dict
         self._in_step = _StepWork()
         self._lazy: Placeholders | None = None  # set inside lazy_state_dict()
+        self._taken_over: str | None = None
+        """The prefix of a newer offloaded optimizer on this pool that took this one's over."""
+        _claim_prefix(store, self.prefix, self)
         if resume and self.progress.resume():
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
         else:
@@ -173,6 +199,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._check_owner()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -193,12 +220,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         clipped or unscaled before ``step()``."""
         return self.backward.deferred() if self.backward is not None else contextlib.nullcontext()
 
+    def _check_owner(self) -> None:
+        if self._taken_over is not None:
+            raise InvalidArgument(
+                f"this offloaded optimizer's state (prefix {self.prefix!r}) was taken over by a newer one on the "
+                f"same pool (prefix {self._taken_over!r}); step the newer one, or give each optimizer a prefix of "
+                "its own (e.g. prefix='opt_g' and prefix='opt_d')")
+
     def update_now(self, work: list[Item]) -> None:
         """Update the parameters ``work`` names, in that order, each read from its current
         version, as part of the step under way (``step()``, and update in backward); the
         step's end makes the versions they wrote current."""
         if not work:
             return
+        self._check_owner()
         self.progress.begin_updates()
         cur = self.state_tensors.cur
         ver = {(gi, pi): cur.get((gi, pi), 0) for gi, pi, _ in work}
