@@ -412,3 +412,35 @@ def test_two_offloaded_optimizers_on_one_prefix_cannot_share_state(make_store):
     for a, b in zip([*pg.parameters(), *pd.parameters()], [*g.parameters(), *d.parameters()]):
         assert torch.equal(a, b)
     del opt_g2
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True])
+def test_a_parameter_changed_in_place_between_steps_is_not_undone_by_its_master(make_store, update_in_backward):
+    """fp32 masters (``master_weights=True`` on fp32 parameters: each step equals plain bit
+    for bit): after steps, the model's weights are loaded anew and one is scaled in place.
+    The next updates start from the parameters as the model has them, as plain AdamW's do,
+    instead of from the masters (which would silently undo the change)."""
+    s = make_store()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    off = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), s, tier="host", master_weights=True,
+                            update_in_backward=update_in_backward)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def steps(n):
+        for m, o in ((twin, plain), (model, off)):
+            for _ in range(n):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+    steps(2)
+    fresh = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    for m in (twin, model):
+        m.load_state_dict(fresh)
+        with torch.no_grad():
+            m[1].weight.mul_(0.5)
+    steps(3)
+    for a, b in zip(twin.parameters(), model.parameters()):
+        assert torch.equal(a, b)

@@ -9,9 +9,11 @@ bookkeeping (which versions are current, the progress record) is the caller's.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tierstore.errors import CapacityExceeded
 from tierstore.units import format_size
@@ -19,6 +21,8 @@ from tierstore.units import format_size
 from .buckets import Buckets
 from .gpu import GpuItem, GpuUpdates
 from .state import Item, Key, StateTensors, local, pytag, untag, wrap_like
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Updates"]
 
@@ -38,6 +42,25 @@ class Updates:
         self._on_gpu = on_gpu
         self._needs_master = needs_master
         self.gpu = GpuUpdates(states, groups, self.apply)
+        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Each parameter with a master: its version (``_version``) once its update wrote it
+        (``_master_of``)."""
+
+    def _wrote(self, p: torch.Tensor) -> None:
+        self._written[p] = p._version
+
+    def _master_of(self, p: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """``p``'s master, made ``p`` again where something changed ``p`` in place since its
+        last update wrote it (``load_state_dict``, a ``mul_``, a ``fill_``): the update then
+        starts from the parameter as the model has it, as the plain optimizer's does,
+        instead of silently undoing the change. The version moved but the values are the
+        master's rounding (a parameter offload writing the same values back): kept."""
+        seen = self._written.get(p)
+        if seen is not None and p._version != seen and not torch.equal(p, master.to(p.device, p.dtype)):
+            log.info("a parameter of shape %s was changed in place since the optimizer's last update: its fp32 "
+                     "master starts again from it", tuple(p.shape))
+            master.copy_(p.detach())
+        return master
 
     def run(self, work: list[Item], ver: dict[Key, int]) -> None:
         """Update the parameters ``work`` names, in that order, each from version ``ver`` of
@@ -172,6 +195,7 @@ class Updates:
                 layout["master"] = "tensor"
                 states.put_both(gi, pi, "master", target.detach())
                 p.copy_(target)
+                self._wrote(p)
                 target.grad = None
 
     def apply(self, group: dict[str, Any], p: torch.Tensor, layout: dict[str, str], views: Views) -> None:
@@ -198,7 +222,7 @@ class Updates:
                         state[name] = untag(tag, views[name])
                 master = views.get("master") if "master" in layout else None
                 if master is not None:
-                    target = master
+                    target = self._master_of(p, master)
                     target.grad = p.grad.to(target.device, torch.float32)  # device-to-host when updating on the host
                 else:
                     target = p
@@ -213,6 +237,7 @@ class Updates:
                         views[name].fill_(new_state[name])
                 if target is not p:
                     p.copy_(target)  # the parameter is the master rounded to its dtype
+                    self._wrote(p)
         finally:
             for (p, _, _), target in zip(updates, targets):
                 inner.state.pop(target, None)  # the views go with their leases
