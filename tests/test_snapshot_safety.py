@@ -326,3 +326,93 @@ def test_something_appearing_at_dest_meanwhile_is_left_alone(make_store, tmp_pat
         s.snapshot(str(dest))
     assert victim.read_bytes() == b"precious" and os.readlink(dest) == str(victim)
     assert sorted(os.listdir(tmp_path)) == sorted(["victim", dest.name, "nvme"])  # no temporary left
+
+
+def _meta(d, apath, change):
+    p = os.path.join(d, apath, "zarr.json")
+    with open(p) as f:
+        m = json.load(f)
+    change(m)
+    with open(p, "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize("attack", ["chunks for nothing", "shape that wraps", "pack chunks for nothing",
+                                    "fifo chunk", "fifo array metadata", "fifo index", "index is /dev/zero",
+                                    "sparse chunk", "link out, read by zarr", "zip bomb"])
+def test_a_hostile_snapshots_metadata_or_files_are_refused_at_once(make_store, tmp_path, attack):
+    """Metadata that asks for 10^12 chunk files of nothing, a shape whose product wraps
+    around in 64 bits, a FIFO where a file is read (which would hang), an index that is
+    /dev/zero, a 2 GiB sparse chunk declared as 1.2 MB, a chunk link leading out read
+    through zarr (an unusual codec), a 2 GiB zip entry deflated to 2 MiB: each refused in
+    one line, at once, with nothing restored and no large allocation."""
+    import zipfile
+
+    s = make_store(host_bytes="64MiB")
+    s.put(torch.arange(300_000, dtype=torch.float32), key="big")  # an array of its own
+    s.put(torch.ones(5), key="small")  # in a pack
+    d = str(tmp_path / "snap.zarr")
+    s.snapshot(d)
+    chunk = os.path.join(d, "big/~data/c/0")
+    unusual = lambda m: m.update(codecs=[{"name": "bytes", "configuration": {"endian": "big"}}])  # noqa: E731
+    src = d
+    if attack == "chunks for nothing":
+        _meta(d, "big/~data", lambda m: (m.update(shape=[10**12, 0]), m["chunk_grid"]["configuration"].update(
+            chunk_shape=[1, 0])))
+    elif attack == "shape that wraps":
+        _meta(d, "big/~data", lambda m: (m.update(shape=[2**62, 4], data_type="uint8"),
+                                         m["chunk_grid"]["configuration"].update(chunk_shape=[1, 4])))
+    elif attack == "pack chunks for nothing":
+        _meta(d, "_packs/0", lambda m: (m.update(shape=[10**12, 0]), m["chunk_grid"]["configuration"].update(
+            chunk_shape=[1, 0])))
+    elif attack == "fifo chunk":
+        _meta(d, "big/~data", unusual)
+        os.unlink(chunk)
+        os.mkfifo(chunk)
+    elif attack == "fifo array metadata":
+        os.unlink(os.path.join(d, "big/~data/zarr.json"))
+        os.mkfifo(os.path.join(d, "big/~data/zarr.json"))
+    elif attack == "fifo index":
+        os.unlink(os.path.join(d, "zarr.json"))
+        os.mkfifo(os.path.join(d, "zarr.json"))
+    elif attack == "index is /dev/zero":
+        os.unlink(os.path.join(d, "zarr.json"))
+        os.symlink("/dev/zero", os.path.join(d, "zarr.json"))
+    elif attack == "sparse chunk":
+        _meta(d, "big/~data", unusual)
+        with open(chunk, "r+b") as f:
+            f.truncate(2 << 30)
+    elif attack == "link out, read by zarr":
+        _meta(d, "big/~data", unusual)
+        outside = tmp_path / "outside.bin"
+        outside.write_bytes(open(chunk, "rb").read())
+        os.unlink(chunk)
+        os.symlink(outside, chunk)
+    else:
+        src = str(tmp_path / "bomb.zip")
+        with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as z:
+            for dp, _, fs in os.walk(d):
+                for f in fs:
+                    full = os.path.join(dp, f)
+                    rel = os.path.relpath(full, d)
+                    if rel == "big/~data/c/0":
+                        info = zipfile.ZipInfo(rel)
+                        info.compress_type = zipfile.ZIP_DEFLATED
+                        with z.open(info, "w", force_zip64=True) as w:
+                            for _ in range(32):
+                                w.write(b"\0" * (64 << 20))
+                    else:
+                        z.write(full, rel)
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"  # a large allocation fails, not the machine
+            "from tierstore import Store, TierstoreError\n"
+            f"s = Store(host_bytes='16MiB', nvme_bytes='64MiB', nvme_dirs=[{str(tmp_path / 'nvme2')!r}])\n"
+            "try:\n"
+            f"    s.restore({src!r}, namespace='copy')\n"
+            "except TierstoreError as e:\n"
+            "    print(type(e).__name__, str(e).count(chr(10)), sorted(s.keys(namespace='copy')))\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, why = r.stdout.split("\n", 1)
+    assert first.split() == ["InvalidArgument", "0", "[]"] and "MemoryError" not in why, r.stdout

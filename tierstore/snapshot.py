@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -493,11 +494,55 @@ def open_snapshot(src: str) -> Any:
     if _is_local(src):
         if not os.path.exists(path):
             raise InvalidArgument(f"no snapshot at {path}")
-        store = zarr.storage.ZipStore(path, mode="r") if path.endswith(".zip") else zarr.storage.LocalStore(
-            path, read_only=True)
+        if path.endswith(".zip"):
+            _check_zip(path)
+            store = zarr.storage.ZipStore(path, mode="r")
+        else:
+            if os.path.isdir(path):
+                _regular_file(os.path.join(path, "zarr.json"), _MAX_INDEX_BYTES)
+            store = zarr.storage.LocalStore(path, read_only=True)
     else:
         store = zarr.storage.FsspecStore.from_url(src, read_only=True)
     return zarr.open_group(store, mode="r")
+
+
+_MAX_INDEX_BYTES = 2 << 30
+"""The most a snapshot's root ``zarr.json`` (its index: a few hundred bytes an object) may hold."""
+
+
+def _regular_file(path: str, most: int) -> None:
+    """Refuse a metadata file of a local snapshot that is not a regular file (a FIFO would
+    hang the read, a link to ``/dev/zero`` never end it) or is larger than ``most``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # (zarr says what is missing)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"{path} is not a regular file; the snapshot is damaged and was not restored")
+    if st.st_size > most:
+        raise InvalidArgument(f"{path} holds {st.st_size} bytes, more than a snapshot's metadata needs")
+
+
+_ZIP_RATIO = 16
+"""The most a zip entry of a snapshot may expand by (tierstore writes them stored, 1:1)."""
+
+
+def _check_zip(path: str) -> None:
+    """Refuse a zip that could not be one of tierstore's snapshots before zarr reads it: an
+    entry that is not a regular file, or that expands far beyond its stored size (a zip
+    bomb; tierstore stores entries uncompressed)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.is_dir():
+                    continue
+                if stat.S_IFMT(info.external_attr >> 16) not in (0, stat.S_IFREG):
+                    raise InvalidArgument(f"{path}: entry {info.filename[:80]!r} is not a regular file")
+                if info.file_size > _ZIP_RATIO * max(info.compress_size, 1 << 20):
+                    raise InvalidArgument(f"{path}: entry {info.filename[:80]!r} expands from {info.compress_size} "
+                                          f"to {info.file_size} bytes; tierstore's snapshots store entries as they are")
+    except zipfile.BadZipFile as e:
+        raise InvalidArgument(f"{path} is not a readable zip: {e}") from None
 
 
 def snapshot_namespace(src: str) -> str:
@@ -682,7 +727,9 @@ def _read_array(root: Any, path: str, local_dir: str | None, limit: int) -> np.n
     local directory in tierstore's own layout, through zarr otherwise. An array of more
     than ``limit`` bytes is refused before anything is allocated for it."""
     if local_dir is not None:
-        with open(_inside(local_dir, path + "/zarr.json")) as f:
+        meta_path = _inside(local_dir, path + "/zarr.json")
+        _regular_file(meta_path, 1 << 20)
+        with open(meta_path) as f:
             meta = json.load(f)
         grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
         shape = meta.get("shape")
@@ -691,10 +738,12 @@ def _read_array(root: Any, path: str, local_dir: str | None, limit: int) -> np.n
                 isinstance(grid, list) and len(grid) == len(shape) and _is_int(grid[0], 1) and grid[1:] == shape[1:]:
             chunk0 = grid[0]
             item = np.dtype(str(meta["data_type"])).itemsize
-            total = int(np.prod(shape)) * item
+            total = math.prod(shape) * item  # (Python ints: a hostile shape cannot wrap around)
             if total > limit:
                 raise InvalidArgument(f"array {path!r} holds {total} bytes, its entry {limit}")
             per = chunk0 * (total // shape[0]) if shape[0] else 0
+            if -(-shape[0] // chunk0) > max(1, -(-total // max(per, 1))):
+                raise InvalidArgument(f"array {path!r} is split into more chunks than its {total} bytes need")
             zeros = ["/".join("0" for _ in shape[1:])] if len(shape) > 1 else []
             files = [_inside(local_dir, "/".join([path, "c", str(k), *zeros]))
                      for k in range(max(1, -(-shape[0] // chunk0)))]
@@ -706,10 +755,35 @@ def _read_array(root: Any, path: str, local_dir: str | None, limit: int) -> np.n
                 if _read_chunk_file(p, out[k * per:k * per + n]) != n:
                     raise ChecksumMismatch(f"chunk {k} of {path} is truncated")
             return out
+    if local_dir is not None:
+        _plain_files(local_dir, path, limit)
     arr = root[path]
-    if int(np.prod(arr.shape)) * arr.dtype.itemsize > limit:
+    if math.prod(arr.shape) * arr.dtype.itemsize > limit:
         raise InvalidArgument(f"array {path!r} holds more bytes than its entry says")
+    chunks = math.prod(-(-s // max(c, 1)) for s, c in zip(arr.shape, arr.chunks))
+    if chunks > max(1, math.prod(arr.shape)):  # (each chunk holds at least one of its elements)
+        raise InvalidArgument(f"array {path!r} is split into more chunks ({chunks}) than it has elements")
     return np.ascontiguousarray(arr[...]).reshape(-1).view(np.uint8)
+
+
+def _plain_files(local_dir: str, path: str, limit: int) -> None:
+    """Before zarr reads an array of a local snapshot: every file under it a regular file
+    inside the snapshot (a link leading out, a FIFO, a device are refused) and none larger
+    than the array's bytes could need."""
+    top = _inside(local_dir, path)
+    for dirpath, dirs, files in os.walk(top):
+        for name in dirs + files:
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                _inside(local_dir, os.path.relpath(full, local_dir))
+                st = os.stat(full)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise InvalidArgument(f"{os.path.relpath(full, local_dir)[:80]!r} in the snapshot is not a regular "
+                                      "file")
+            if stat.S_ISREG(st.st_mode) and st.st_size > limit + (1 << 20):
+                raise InvalidArgument(f"{os.path.relpath(full, local_dir)[:80]!r} holds {st.st_size} bytes, more "
+                                      f"than the {limit} its array needs")
 
 
 def _read_chunk_file(path: str, dst: np.ndarray) -> int:
