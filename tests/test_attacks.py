@@ -166,6 +166,35 @@ def _nvme_object(client, nbytes: int, fill: int, key: str) -> int:
     return h
 
 
+def test_reservations_of_empty_objects_count_against_their_bound(tmp_path):
+    """Objects of no bytes take no block, so they are bounded by count (one per page of the
+    tiers). Reservations of them, never committed, count too: a client cannot grow the
+    daemon's memory without bound by reserving, nor pass the bound by committing them all
+    later; a connection's close gives them back."""
+    with _daemon_with_client(tmp_path, "--host-bytes", "8MiB", "--nvme-bytes", "16MiB") as (d, v):
+        bound = (8 + 16) * 256  # pages of the tiers
+        a = Raw(d, "s")
+        rids = []
+        empty = {"kind": "numpy", "dtype": "uint8", "shape": [0], "nbytes": 0}
+        for i in range(bound + 64):
+            r = a.call("put_reserve", **empty)
+            if "err" in r:
+                assert r["err"]["code"] == "CapacityExceeded", r
+                break
+            rids.append(r["ok"]["rid"])
+        else:
+            pytest.fail("reservations of empty objects were not bounded")
+        assert len(rids) == bound, len(rids)
+        for rid in rids[:100]:
+            assert "ok" in a.call("put_commit", rid=rid)
+        assert a.call("put_reserve", **empty)["err"]["code"] == "CapacityExceeded"  # the committed ones still count
+        a.close()  # its reservations end with it
+        poll_until(lambda: v.stat()["reservations"] == 0, "the closed connection's reservations dropped")
+        b = Raw(d, "s")
+        assert "ok" in b.call("put_reserve", **empty)  # room again
+        b.close()
+
+
 def test_streamed_gets_are_typed_and_give_their_blocks_back(tmp_path):
     """A streamed get (``get`` with ``parts``: a large object only on NVMe read into a
     block of the request's own) from raw clients: ``get_part`` and ``get_end`` with values

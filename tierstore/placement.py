@@ -121,12 +121,13 @@ class Placement:
             raise InvalidArgument(f"the gpu tier is not available in this store: {self.gpu_reason}")
         return tier
 
-    def room_for_empty(self) -> bool:
-        """(under cv) Whether one more object of no bytes may be made: such objects take no
-        block, so they are bounded by count instead, at one per page of the host and NVMe
-        tiers together, as many as objects of one byte could be (each takes a page): the
-        daemon's memory for them is bounded as for any small object."""
-        return self.index.object_count() < (self.host.capacity + self.nvme.capacity_bytes) // PAGE
+    def room_for_empty(self, reserved: int = 0) -> bool:
+        """(under cv) Whether one more object of no bytes may be made, beside ``reserved``
+        reservations of such objects: they take no block, so they are bounded by count
+        instead, at one per page of the host and NVMe tiers together, as many as objects of
+        one byte could be (each takes a page): the daemon's memory for them is bounded as
+        for any small object."""
+        return self.index.object_count() + reserved < (self.host.capacity + self.nvme.capacity_bytes) // PAGE
 
     def check_fits(self, nbytes: int, tier: str | None) -> None:
         if tier == "gpu":

@@ -76,6 +76,9 @@ class Puts:
         self.cv = index.cv
         self.counters = index.counters
         self.reservations: dict[int, Reservation] = {}
+        self._empty_open = 0
+        """Reservations of objects of no bytes: they count against ``room_for_empty`` as the
+        objects they will be (else reserving without committing made them without bound)."""
         self.committer = GroupCommit(placement, durability)
         """Durable commits go through it, a batch at a time."""
 
@@ -190,7 +193,7 @@ class Puts:
             with self.cv:
                 if key is not None:
                     self.index.check_key(namespace, key, replace)
-                if not spec.nbytes and not self.placement.room_for_empty():
+                if not spec.nbytes and not self.placement.room_for_empty(self._empty_open):
                     raise CapacityExceeded(f"the store holds {self.index.object_count()} objects, as many as its "
                                            "tiers have pages: an object of no bytes counts as one page; free some")
 
@@ -212,6 +215,7 @@ class Puts:
                 res = Reservation(rid=oid, owner=owner, host_off=max(loc, 0), meta=meta, tier=tier,
                                   replace=replace, since=time.monotonic())
             self.reservations[oid] = res
+            self._empty_open += not spec.nbytes
             return res
 
     def commit(self, rid: int, *, owner: Any = LOCAL) -> Handle:
@@ -262,7 +266,8 @@ class Puts:
     def _publish(self, res: Reservation, landing: Landing) -> None:
         """(under cv, run by durability) The object becomes visible; placement places it and
         takes what it replaced (``Landing.placed``)."""
-        self.reservations.pop(res.rid, None)
+        if self.reservations.pop(res.rid, None) is not None:
+            self._empty_open -= not res.meta.spec.nbytes
         landing.placed(self.index.publish(res.meta))
 
     def _submit(self, res: Reservation) -> Pending:
@@ -424,6 +429,7 @@ class Puts:
             if res is None or res.owner != owner or res.committing != committing:
                 return
             del self.reservations[rid]
+            self._empty_open -= not res.meta.spec.nbytes
             meta = res.meta
             meta.gpu_loc = res.gpu_loc
             extents = self.placement.free_space(meta)
@@ -444,9 +450,11 @@ class Puts:
         with self.cv:
             old = [(r.rid, r.owner, r.meta.nbytes) for r in self.reservations.values()
                    if now - r.since > max_age_s and not r.committing]
-        for rid, owner, nbytes in old:
-            log.warning("dropping reservation %d (%d bytes) left uncommitted for more than %.0f s", rid, nbytes,
-                        max_age_s)
+        if old:
+            log.warning("dropping %d reservation(s) (%d bytes) left uncommitted for more than %.0f s: %s", len(old),
+                        sum(n for _, _, n in old), max_age_s, ", ".join(str(rid) for rid, _, _ in old[:8]) +
+                        (", ..." if len(old) > 8 else ""))
+        for rid, owner, _ in old:
             self.abort(rid, owner=owner)
         if old:
             with self.cv:
