@@ -10,18 +10,31 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
 from msgpack import unpackb as _unpackb
 
-from tierstore.errors import DaemonUnavailable, ProtocolError, TierstoreError, error_for_code
+from tierstore.errors import DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError, error_for_code
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, PROTOCOL_VERSION, encode
 
 __all__ = ["Connection"]
+
+_open: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+"""Every connection of this process: a fork's child marks them its parent's."""
+
+
+def _in_child() -> None:
+    for conn in list(_open):
+        conn._parent = os.getppid()
+
+
+os.register_at_fork(after_in_child=_in_child)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,11 @@ class Connection:
         # call, and at MAX_REPLY_BYTES that malloc costs more than the round trip itself
         self._rbuf = bytearray(_RECV_BYTES)
         self._rview = memoryview(self._rbuf)
+        self._parent: int | None = None
+        """The pid of the process that made this connection, in a child it forked (which
+        must connect its own: the two would share the socket, the request ids and the
+        staging area, and both hang)."""
+        _open.add(self)
 
     # ------------------------------------------------------------------ handshake
     def hello(self, namespace: str) -> tuple[dict[str, Any], int]:
@@ -99,6 +117,10 @@ class Connection:
         self._send(op, fields, waiter)
 
     def _send(self, op: str, fields: dict[str, Any], waiter: Any) -> int:
+        if self._parent is not None:
+            raise InvalidArgument(f"this client was connected by process {self._parent}, which forked this one; a "
+                                  "forked process must connect a client of its own (Client.connect), e.g. in a "
+                                  "DataLoader's worker_init_fn")
         with self._send_lock:
             if self._closed is not None:
                 raise DaemonUnavailable(f"connection to {self.path} is closed: {self._closed}")
@@ -228,6 +250,8 @@ class Connection:
     def drain(self, timeout_s: float = 5.0) -> None:
         """Read the replies of requests still in flight (fire-and-forget check-ins), so
         they have taken effect before the connection closes."""
+        if self._parent is not None:
+            return  # (its replies are the parent's to read)
         deadline = time.monotonic() + timeout_s
         while self._pending and self._closed is None:
             left = deadline - time.monotonic()

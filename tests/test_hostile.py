@@ -3,6 +3,7 @@ processes against a real daemon and checks that the other clients are still serv
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 
@@ -498,3 +499,38 @@ def test_idle_connections_cannot_pin_the_host_tier_with_staging_areas(daemon_fac
     finally:
         p.stdin.close()
         p.wait(timeout=60)
+
+
+def test_a_forked_child_using_its_parents_client_gets_a_typed_error_and_the_parent_goes_on(daemon):
+    """A process forked from one holding a client shares its socket, request ids and
+    staging area: the child's request would hang both. It raises ``InvalidArgument``
+    instead, the child's close reads none of the parent's replies, and the parent keeps
+    using its client."""
+    import torch
+
+    from tierstore import InvalidArgument
+
+    with daemon.client("forked") as c:
+        h = c.put(torch.arange(8.0), key="k")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            try:
+                try:
+                    c.get(h)
+                    out = b"no error"
+                except InvalidArgument as e:
+                    out = b"InvalidArgument" if b"forked" in str(e).encode() else b"other message"
+                except BaseException as e:  # noqa: BLE001
+                    out = type(e).__name__.encode()
+                c.close()
+                os.write(w, out)
+            finally:
+                os._exit(0)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        got = os.read(r, 100)
+        os.close(r)
+        assert got == b"InvalidArgument" and status == 0, (got, status)
+        for _ in range(20):  # the parent's requests and replies are its own still
+            assert torch.equal(c.get(h), torch.arange(8.0))
