@@ -237,7 +237,10 @@ def test_two_nodes_train_with_their_own_daemons_equal_plain(daemon_factory):
     daemons = [daemon_factory(name="node0-"), daemon_factory(name="node1-")]
     procs = _two_nodes(daemons, "nodes-job", 3)
     out = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), _errors(out)
+    # (node 0's torchrun agent hosts the rendezvous store: when it is done first on a busy
+    # machine, node 1's agent can fail its exit barrier after every rank finished; the
+    # ranks' own lines below are what this test checks)
+    assert all(p.returncode == 0 or "Error waiting on exit barrier" in o for p, o in zip(procs, out)), _errors(out)
     for node, d in enumerate(daemons):
         for rank in (2 * node, 2 * node + 1):
             assert f"rank {rank} nodes ok from 0 (found 0)" in out[node], out[node][-2000:]
