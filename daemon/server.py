@@ -547,8 +547,11 @@ class Server:
         sess.requests += 1
         t0 = time.perf_counter()
         try:
-            with _acting(sess):
+            if sess.owns_namespace or sess.cred.uid == 0:
                 result = fn(sess, msg)
+            else:
+                with acting_for(sess.cred.uid):
+                    result = fn(sess, msg)
         except TierstoreError as e:
             if op == "hello":
                 sess.hello_pending = False
@@ -910,7 +913,11 @@ def _acting(sess: Session) -> Any:
     """What a request of ``sess`` runs in: for a connection whose namespace no uid had
     claimed when it was last asked, a check, as each object, key or listing of the
     namespace is looked up, that no other uid claimed it since (``acting_for``)."""
-    return nullcontext() if sess.owns_namespace or sess.cred.uid == 0 else acting_for(sess.cred.uid)
+    return _NOTHING if sess.owns_namespace or sess.cred.uid == 0 else acting_for(sess.cred.uid)
+
+
+_NOTHING = nullcontext()
+"""(reusable) What a request of a connection that owns its namespace runs in."""
 
 
 def _uid_of(owner: Any) -> Any:

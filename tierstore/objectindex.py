@@ -14,7 +14,6 @@ those waits on ``cv``.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import threading
@@ -41,18 +40,34 @@ COUNTERS = ("puts", "gets", "checkouts", "frees", "host_hits", "nvme_reads", "pr
 _acting = threading.local()
 
 
-@contextlib.contextmanager
-def acting_for(uid: int) -> Iterator[None]:
+class acting_for:  # noqa: N801 (used as a function: ``with acting_for(uid):``)
     """The calls made on this thread meanwhile act for a daemon connection of ``uid`` whose
     namespace no uid had claimed when it was last asked: a namespace another uid owns by
     the time an object, a key or a listing of it is looked up (under the lock, so a claim
-    cannot come between) is ``PermissionDenied``."""
-    before = getattr(_acting, "uid", None)
-    _acting.uid = uid
-    try:
-        yield
-    finally:
-        _acting.uid = before
+    cannot come between) is ``PermissionDenied``. (A class, not a generator: the daemon
+    enters one per request of such a connection.)"""
+
+    __slots__ = ("uid", "before")
+
+    def __init__(self, uid: int) -> None:
+        self.uid = uid
+
+    def __enter__(self) -> None:
+        self.before = getattr(_acting, "uid", None)
+        _acting.uid = self.uid
+        with _acting_lock:
+            _acting_threads[0] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _acting.uid = self.before
+        with _acting_lock:
+            _acting_threads[0] -= 1
+
+
+_acting_threads = [0]
+"""How many ``acting_for`` blocks are open, on any thread: while none is, the lookups skip
+the check (the common case: every connection owns its namespace)."""
+_acting_lock = threading.Lock()
 
 
 def _nobody(namespace: str) -> int | None:
@@ -81,7 +96,7 @@ class ObjectIndex:
 
     def _guard(self, ns: str) -> None:
         """(under cv) ``PermissionDenied`` if this thread acts for a uid (``acting_for``)
-        and another uid owns ``ns`` now."""
+        and another uid owns ``ns`` now. (Callers skip it while no thread acts for one.)"""
         uid = getattr(_acting, "uid", None)
         if uid is not None:
             owner = self.owner_of(ns)
@@ -106,7 +121,8 @@ class ObjectIndex:
     def get_meta(self, h: Handle, ns: str) -> ObjectMeta:
         """(under cv) The live object ``h`` names in ``ns``; NotFound or StaleHandle otherwise."""
         self.check_open()
-        self._guard(ns)
+        if _acting_threads[0]:
+            self._guard(ns)
         meta = self.objects.get(h.id)
         # nothing outside the caller's namespace is told apart from nothing at all: an id
         # another namespace holds (or held) is NotFound, whatever its generation
@@ -293,7 +309,8 @@ class ObjectIndex:
         key = validate_key(key)
         ns = self.ns(namespace)
         with self.cv:
-            self._guard(ns)
+            if _acting_threads[0]:
+                self._guard(ns)
             oid = self.keys.get((ns, key))
             return None if oid is None else self.objects[oid].handle
 
@@ -305,14 +322,16 @@ class ObjectIndex:
         _check_page(prefix, after)
         ns = self.ns(namespace)
         with self.cv:
-            self._guard(ns)
+            if _acting_threads[0]:
+                self._guard(ns)
             return self.keys.scan_keys(ns, prefix, after, limit)
 
     def ls_page(self, prefix: str, after: str | None, limit: int | None, namespace: str | None) -> list[dict[str, Any]]:
         _check_page(prefix, after)
         ns = self.ns(namespace)
         with self.cv:
-            self._guard(ns)
+            if _acting_threads[0]:
+                self._guard(ns)
             return [describe(self.objects[oid]) for _, oid in self.keys.scan(ns, prefix, after, limit)]
 
     def ls_columns(self, prefix: str, after: str | None, limit: int | None,
@@ -325,7 +344,8 @@ class ObjectIndex:
         ns = self.ns(namespace)
         objects = self.objects
         with self.cv:
-            self._guard(ns)
+            if _acting_threads[0]:
+                self._guard(ns)
             keys, ids = self.keys.scan_ids(ns, prefix, after, limit)
             ms = list(map(objects.__getitem__, ids))
             hv = [m.host_valid for m in ms]
