@@ -145,6 +145,19 @@ def test_ls_without_a_namespace_says_which_others_exist(daemon):
     assert r.returncode == 0 and r.stderr == "" and r.stdout.splitlines()[1].startswith("a ")
 
 
+def test_ls_escapes_format_characters_that_would_disguise_a_key(daemon):
+    """Keys may hold format characters (a right-to-left override, a zero-width space): in
+    `tierstore ls` they are shown escaped, so "weights\u202egnp.exe" cannot pass for
+    another name, nor two keys look the same."""
+    with daemon.client("disguise") as c:
+        c.put(torch.ones(1), key="weights\u202egnp.exe")
+        c.put(torch.ones(1), key="opt\u200b/x")
+    r = cli("ls", "--namespace", "disguise", env={"TIERSTORE_SOCKET": daemon.socket})
+    assert r.returncode == 0, r.stderr
+    assert "\u202e" not in r.stdout and "\u200b" not in r.stdout
+    assert "weights\\u202egnp.exe" in r.stdout and "opt\\u200b/x" in r.stdout
+
+
 def test_demo_whose_daemon_cannot_start_is_one_line(tmp_path):
     r = cli("demo", "--socket", str(tmp_path / "run" / "d.sock"),
             env={"TIERSTORE_PREFETCH_MAX_INFLIGHT": "abc", "XDG_CACHE_HOME": str(tmp_path / "cache")})

@@ -19,6 +19,8 @@ from tierstore.config import ArgumentParser, ConfigError
 from tierstore.errors import TierstoreError
 from tierstore.units import format_size
 
+from .statview import shown
+
 __all__ = ["main", "build_parser"]
 
 _SIGPIPE_STATUS = 141  # what a shell reports for a process killed by SIGPIPE, as `yes | head` gives
@@ -220,12 +222,12 @@ def _client_command(args: argparse.Namespace) -> int:
                 print(f"{'KEY':40} {'HANDLE':>14} {'DTYPE':>9} {'SHAPE':>16} {'SIZE':>10} {'TIERS':12} FLAGS")
                 for r in c.iter_ls(prefix=args.prefix):  # a page at a time: any number of objects
                     flags = [f for f in ("durable", "ephemeral") if r.get(f)]
-                    print(f"{str(r['key']):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
+                    print(f"{shown(str(r['key'])):40} {r['handle']:>14} {r['dtype']:>9} {str(r['shape']):>16} "
                           f"{format_size(r['nbytes']):>10} {','.join(r['residency']):12} {','.join(flags)}")
         if others:
-            shown = sorted(others)[:5]
-            more = f" and {len(others) - len(shown)} more" if len(others) > len(shown) else ""
-            print(f"tierstore: listed namespace 'default'; the daemon also has {', '.join(shown)}{more} "
+            first = sorted(others)[:5]
+            more = f" and {len(others) - len(first)} more" if len(others) > len(first) else ""
+            print(f"tierstore: listed namespace 'default'; the daemon also has {', '.join(map(shown, first))}{more} "
                   f"(tierstore ls --namespace NAME; tierstore stat lists them)", file=sys.stderr)
         return 0
     if args.cmd == "free":

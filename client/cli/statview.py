@@ -10,7 +10,7 @@ from typing import Any, Callable
 from tierstore.errors import TierstoreError
 from tierstore.units import format_size
 
-__all__ = ["render", "print_stat", "watch"]
+__all__ = ["render", "print_stat", "shown", "watch"]
 
 
 def _bar(used: int, cap: int, width: int = 30) -> str:
@@ -77,7 +77,7 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     ns = st.get("namespaces", {})
     lines.append(f"  namespaces ({len(ns)}):")
     for name in sorted(ns):
-        lines.append(f"    {_shown(name):30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
+        lines.append(f"    {shown(name):30} objects {ns[name]['objects']:>8}  {format_size(ns[name]['bytes']):>10}")
     j = st.get("journal", {})
     if "checkpoint" in j:
         how = ("from the index checkpoint, then" if j["checkpoint"] == "used" else
@@ -124,7 +124,9 @@ def watch(connect: Callable[[], Any], interval_s: float, *, as_json: bool = Fals
     return 0
 
 
-def _shown(name: str) -> str:
+def shown(name: str) -> str:
     """A name as the terminal may print it: escapes for anything not printable (a name
-    journaled before such names were refused must not move the cursor or forge a line)."""
+    journaled before such names were refused must not move the cursor or forge a line; a
+    key's format characters, such as a right-to-left override or a zero-width space, must
+    not disguise it as another)."""
     return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
