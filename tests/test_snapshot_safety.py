@@ -416,3 +416,40 @@ def test_a_hostile_snapshots_metadata_or_files_are_refused_at_once(make_store, t
     assert r.returncode == 0, r.stderr[-2000:]
     first, why = r.stdout.split("\n", 1)
     assert first.split() == ["InvalidArgument", "0", "[]"] and "MemoryError" not in why, r.stdout
+
+
+def test_an_overwriting_restore_of_a_snapshot_changed_under_it_says_what_it_wrote(make_store, tmp_path):
+    """A restore checks every object before writing any, then reads each again as it writes
+    it: a snapshot that changes in between (a byte of its last object flipped after the
+    first write) fails the restore. Without --overwrite what it wrote is taken back; with
+    it, the keys already written over cannot be, and the error says how many were."""
+    from tierstore import ChecksumMismatch
+    from tierstore.snapshot import restore
+    from tierstore.store import _NamespaceView
+
+    s = make_store(host_bytes="128MiB")
+    for i in range(10):
+        s.put(torch.full((300_000,), float(i)), key=f"k{i}")
+    dest = str(tmp_path / "snap.zarr")
+    s.snapshot(dest)
+    last = os.path.join(dest, "k9", "~data", "c", "0")
+
+    class FlipAfterFirst(_NamespaceView):
+        puts = 0
+
+        def put(self, *a, **kw):
+            h = super().put(*a, **kw)
+            FlipAfterFirst.puts += 1
+            if FlipAfterFirst.puts == 1:
+                with open(last, "r+b") as f:
+                    b = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([b[0] ^ 0xFF]))
+            return h
+
+    for i in range(10):
+        s.put(torch.full((300_000,), -1.0), key=f"k{i}", replace=True)
+    with pytest.raises(ChecksumMismatch, match=r"changed while it was restored .*: 9 of 10 objects were already "
+                                               r"written over their keys"):
+        restore(FlipAfterFirst(s, "default"), dest, overwrite=True)
+    assert [float(s.get(s.lookup(f"k{i}"))[0]) for i in range(10)] == [*map(float, range(9)), -1.0]

@@ -615,12 +615,18 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
             done.append(target.put(_tensor(u8, spec, owned="pack" not in e), key=e["key"], replace=overwrite,
                                    durable=bool(e.get("durable"))))
             prog.update(e["nbytes"])
-    except (ChecksumMismatch, InvalidArgument):
+    except (ChecksumMismatch, InvalidArgument) as err:
         # changed since it was verified: refuse the whole snapshot, take back what this restore put
         if not overwrite:
             for h in done:
                 target.free(h)
-        raise
+            raise
+        if not done:
+            raise
+        # (keys written over cannot be given their old values back: say so, not "not restored")
+        raise type(err)(f"{src} changed while it was restored ({str(err)[:200]}): {len(done)} of {len(index)} "
+                        "objects were already written over their keys (--overwrite: their values before are gone), "
+                        "the rest were not; restore again from a snapshot nothing writes to") from None
     finally:
         for f in ahead.values():
             f.cancel()
