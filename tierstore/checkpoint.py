@@ -56,9 +56,9 @@ import numpy as np
 
 from .checksum import BLOCK_BYTES, crc32c
 from .errors import InvalidArgument
-from .files import create_fresh
+from .files import create_fresh, fsync_dir
 from .index import ObjectMeta, validate_key, validate_namespace
-from .journal import _fsync_dir, _write_all
+from .journal import _write_all
 from .nvme import Extent
 from .tensors import TensorSpec
 from .units import PAGE
@@ -210,7 +210,7 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
     if tmp_name is not None:
         return len(ids)
     os.replace(tmp, path)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     log.info("index checkpoint of %d durable objects written (journal offset %d, %.2f s)",
              len(ids), size, time.perf_counter() - t0)
     return len(ids)
@@ -219,7 +219,7 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
 def publish_background(directory: str) -> None:
     """The background checkpoint's temp file of ``directory`` becomes its checkpoint."""
     os.replace(os.path.join(directory, BACKGROUND_TMP), path_in(directory))
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def remove_temp(directory: str) -> None:

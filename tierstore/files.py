@@ -14,7 +14,7 @@ import os
 
 from .errors import StorageError
 
-__all__ = ["FALLOC_KEEP_SIZE", "create_fresh", "fallocate", "open_own", "refuse_link"]
+__all__ = ["FALLOC_KEEP_SIZE", "create_fresh", "fallocate", "fsync_dir", "open_own", "refuse_link"]
 
 FALLOC_KEEP_SIZE = 1
 """fallocate(2)'s ``FALLOC_FL_KEEP_SIZE``: blocks past the end, the size unchanged."""
@@ -64,3 +64,12 @@ def fallocate(fd: int, offset: int, length: int, mode: int = 0) -> int:
     if fn(fd, mode, offset, length) == 0:
         return 0
     return ctypes.get_errno() or errno.EIO
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the names in ``directory`` (a rename, a new file) survive a crash."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -36,7 +36,7 @@ import msgpack
 
 from .checksum import crc32c
 from .errors import StorageError
-from .files import FALLOC_KEEP_SIZE, create_fresh, fallocate, open_own
+from .files import FALLOC_KEEP_SIZE, create_fresh, fallocate, fsync_dir, open_own
 from .groupsync import GroupSync
 
 __all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "scan", "pack"]
@@ -163,7 +163,7 @@ class Journal:
                 except OSError as e:
                     log.error("journal %s: could not keep a copy as found at %s: %s", self.path, dst, e)
                     return None
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             return dst
         return None
 
@@ -171,7 +171,7 @@ class Journal:
     def open_for_append(self) -> None:
         self._fd = open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self._pos = os.fstat(self._fd).st_size
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._keep_slack()
 
     def _keep_slack(self) -> None:
@@ -311,7 +311,7 @@ class Journal:
                 raise StorageError(f"journal compaction into {tmp} failed: {os.strerror(e.errno)}") from None
             os.close(fd)
             os.replace(tmp, self.path)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             with self._fd_guard:  # the new file holds every record so far, fsynced above
                 if self._fd >= 0:
                     os.close(self._fd)
@@ -395,11 +395,3 @@ def _resync(data: bytes, start: int) -> int | None:
             return pos
         pos = data.find(_MAGIC_BYTES, pos + 1)
     return None
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

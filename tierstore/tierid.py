@@ -20,7 +20,7 @@ import os
 import uuid
 
 from .errors import InvalidArgument
-from .files import create_fresh, open_own
+from .files import create_fresh, fsync_dir, open_own
 
 __all__ = ["ID_FILE", "check", "record"]
 
@@ -94,8 +94,4 @@ def _write(d: str, f: dict) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(d)
