@@ -19,6 +19,8 @@ memory is its own), the offloaded ones against a daemon started for it:
   ...+4k             any tierstore variant with its daemon's host arena in 4 KiB pages
                      (``--host-huge-pages off``; the others ask for transparent huge pages,
                      which the kernel gives only where ``shmem_enabled`` allows: docs/store.md)
+  ...+crc32c         any tierstore variant with its checksums computed by the ``crc32c``
+                     package (``TIERSTORE_CRC32C=crc32c``) instead of the faster ``fastcrc``
   cache+prefetch     state placed by the store (tier=None): the 25 % host tier keeps what
                      fits resident across steps (trace eviction), the rest on NVMe; prefetch
   deepspeed          the peer: DeepSpeed ZeRO-3 (its CPU accelerator, gloo, world size 1)
@@ -261,14 +263,16 @@ def loss_gap(a: dict, b: dict) -> float:
 
 
 def _daemon(base: str, host_bytes: int, nvme_bytes: int, prefetch: bool, policy: str, budget_bytes: int,
-            huge: bool = True):
+            huge: bool = True, env: dict | None = None):
     return start_daemon(base, "--host-bytes", str(host_bytes), "--nvme-bytes", str(nvme_bytes),
                         "--prefetch", "1" if prefetch else "0", "--policy", policy,
                         "--prefetch-budget-bytes", str(max(budget_bytes, 1 << 20)),
-                        "--host-huge-pages", "auto" if huge else "off")
+                        "--host-huge-pages", "auto" if huge else "off", env=env)
 
 
 def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
+    crc_env = {"TIERSTORE_CRC32C": "crc32c"} if variant.endswith("+crc32c") else None
+    variant = variant.removesuffix("+crc32c")
     huge = not variant.endswith("+4k")
     variant = variant.removesuffix("+4k")
     d = tempfile.mkdtemp(dir=base)
@@ -277,7 +281,8 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
     try:
         wcfg = dict(cfg, variant=variant, in_backward="+bwd" in variant, drop_grads=variant.endswith("+drop"),
                     crash_consistent={"-1v": False, "-2v": True}.get(variant[-3:]))
-        python, worker, env = sys.executable, WORKER, None
+        python, worker = sys.executable, WORKER
+        env = dict(os.environ, **crc_env) if crc_env else None
         if variant == "deepspeed":
             python, worker = cfg["deepspeed_python"], DS_WORKER
             env = dict(os.environ, DS_ACCELERATOR="cpu")
@@ -296,7 +301,8 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
             # next step's first reads overlap the forward and backward passes. A cache keeps what
             # fits resident, and every byte of budget is a byte it cannot keep (docs/prefetch.md).
             budget = int(host * cfg["nvme_budget"]) if tier == "nvme" else host // 3
-            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace", budget, huge)
+            daemon, sock, ns = _daemon(d, host, 3 * state_bytes + (256 << 20), prefetch, "trace", budget, huge,
+                                       crc_env)
             wcfg.update(socket=sock, tier=tier)
         r = subprocess.run([python, "-c", worker, json.dumps(wcfg)], capture_output=True, text=True, env=env)
         if r.returncode != 0:
@@ -342,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < args.nvme_budget <= 1:
         p.error("--nvme-budget must be in (0, 1]")
     variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
-    unknown = {v for v in variants if v.removesuffix("+4k") not in VARIANTS or v in ("plain+4k", "deepspeed+4k")}
+    unknown = {v for v in variants if v.removesuffix("+crc32c").removesuffix("+4k") not in VARIANTS
+               or v.split("+")[0] in ("plain", "deepspeed") and v not in ("plain", "deepspeed")}
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.quick:
