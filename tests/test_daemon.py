@@ -447,11 +447,13 @@ def test_cli_stat_ls_free(daemon):
                               env=env, timeout=60)
     r = cli("stat")
     assert r.returncode == 0 and "host" in r.stdout and "engine: posix" in r.stdout and "job" in r.stdout
+    assert "checksums: CRC32C per 1 MiB block (fastcrc)" in r.stdout
     import json
 
     r = cli("stat", "--json")
     st = json.loads(r.stdout)
     assert st["namespaces"]["job"]["objects"] == 2 and st["tiers"]["nvme"]["engine"] == "posix"
+    assert st["tiers"]["nvme"]["checksums"] == "fastcrc"
     r = cli("ls", "--namespace", "job", "--json")
     assert [row["key"] for row in json.loads(r.stdout)] == ["opt/a", "opt/b"]
     r = cli("ls", "--namespace", "job")

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
 
+from . import checksum
 from ._version import __version__
 from .allocator import ExtentAllocator
 from .arena import Arena
@@ -446,6 +447,7 @@ class Store:
                              "engine": self.engine.name, "engine_reason": self.engine.reason,
                              "device_io": self.engine.device_reason,
                              "direct_io": self.nvme.direct, "direct_io_reason": self.nvme.direct_reason,
+                             "checksums": checksum.IMPLEMENTATION,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "staged_bytes": self.nvme.staged_bytes,
                              "drives": self.nvme.describe()},

@@ -51,6 +51,8 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     if n:
         lines.append(f"        engine: {n.get('engine')} ({n.get('engine_reason')})")
         lines.append(f"        O_DIRECT: {n.get('direct_io')} ({n.get('direct_io_reason')})")
+        if "checksums" in n:
+            lines.append(f"        checksums: CRC32C per 1 MiB block ({n['checksums']})")
         if prev and interval_s:
             pn = prev["tiers"]["nvme"]
             rd = (n["bytes_read"] - pn["bytes_read"]) / interval_s
