@@ -49,6 +49,7 @@ class _ParamOffload:
         self.live: dict[int, int] = {}  # id(param) -> how many running modules need it
         self.staged: dict[int, tuple[torch.Tensor, Any, Any]] = {}  # id(param) -> (device buffer, event, lease)
         self.objects: dict[int, Any] = {}  # id(param) -> its object's handle (set by every put)
+        self.loaded_as: dict[int, tuple[int, int]] = {}  # id(param) -> (version, data_ptr) when fetched
         self.streams: Any = None
         for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
             key = f"{self.prefix}/{name}"
@@ -103,7 +104,7 @@ class _ParamOffload:
         """Load ``p`` for a use no module hook announced; it stays until its gradient is
         accumulated (trainable) or the next ``writeback()`` / no-grad forward end (frozen)."""
         if self.live.get(id(p), 0) == 0 and p.numel() == 0 and self.shapes[id(p)][0].numel():
-            p.data = self._fetch(p)
+            self._bring_in(p)
             self.live[id(p)] = 1
             self.demanded[id(p)] = torch.is_grad_enabled()
 
@@ -113,10 +114,37 @@ class _ParamOffload:
         for pid in [pid for pid, grad in self.demanded.items() if not grad]:
             del self.demanded[pid]
             self.live[pid] = 0
-            self.params[pid].data = self._empty(self.params[pid])
+            self._drop(self.params[pid])
 
     def _own(self, m: torch.nn.Module) -> list[torch.nn.Parameter]:
         return [p for p in m.parameters(recurse=False) if id(p) in self.keys]
+
+    def _bring_in(self, p: torch.Tensor) -> None:
+        """Give ``p`` its bytes from the pool, unless it still holds them (``materialize()``
+        loaded it and no ``writeback()`` has released it yet: those bytes may hold an update)."""
+        if p.numel() == 0:
+            p.data = self._fetch(p)
+            self.loaded_as[id(p)] = (p._version, p.data_ptr())
+        else:
+            self._unstage(p)
+
+    def _changed(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` changed since its bytes came from the pool (in place, or new ``.data``)."""
+        return self.loaded_as.get(id(p)) != (p._version, p.data_ptr())
+
+    def _drop(self, p: torch.Tensor) -> None:
+        """Release ``p``'s bytes; first store them if they changed since they came in (an
+        optimizer step after ``materialize()`` whose ``writeback()`` a forward came before)."""
+        if p.numel() and self.shapes[id(p)][0].numel() and self._changed(p):
+            self.objects[id(p)] = self.store.put(p.detach(), key=self.keys[id(p)], replace=True)
+        self.loaded_as.pop(id(p), None)
+        p.data = self._empty(p)
+
+    def _unstage(self, p: torch.Tensor) -> None:
+        staged = self.staged.pop(id(p), None)
+        if staged is not None:  # a copy of the pool's bytes, older than the ones p holds
+            staged[1].synchronize()
+            staged[2].release()
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=p.dtype, device=self.shapes[id(p)][2] if id(p) in self.shapes else p.device)
@@ -155,7 +183,7 @@ class _ParamOffload:
         they overlap the current module's compute; others get a prefetch hint."""
         hints = []
         for p in self._own(m):
-            if self.live.get(id(p), 0) or id(p) in self.staged:
+            if self.live.get(id(p), 0) or id(p) in self.staged or p.numel():  # loaded, staged, or materialised
                 continue
             shape, dtype, device = self.shapes[id(p)]
             if device.type != "cuda":
@@ -195,7 +223,7 @@ class _ParamOffload:
         for p in self._own(m):
             n = self.live.get(id(p), 0)
             if n == 0:
-                p.data = self._fetch(p)
+                self._bring_in(p)
             self.live[id(p)] = n + 1
         nxt = order.get(id(m))
         if nxt is not None:  # bring the next module's parameters up while this one computes
@@ -210,7 +238,7 @@ class _ParamOffload:
             n = self.live.get(id(p), 0) - 1
             self.live[id(p)] = max(n, 0)
             if n <= 0:
-                p.data = self._empty(p)
+                self._drop(p)
 
     @contextlib.contextmanager
     def _quiet(self):
@@ -248,21 +276,21 @@ class _ParamOffload:
         for p in self._own(m):
             if not p.requires_grad:
                 self.live[id(p)] = 0
-                p.data = self._empty(p)
+                self._drop(p)
 
     def _after_grad(self, p: torch.Tensor) -> None:
         # the engine accumulates a leaf's gradient once, after every use of it in this
         # backward pass: no backward computation needs its bytes after this point
         self.live[id(p)] = 0
         self.demanded.pop(id(p), None)
-        p.data = self._empty(p)
+        self._drop(p)
 
     def materialize(self) -> None:
         """Load every parameter (for an optimizer step or a checkpoint)."""
         for m in self.modules:
             for p in self._own(m):
                 if self.live.get(id(p), 0) == 0 and p.numel() == 0:
-                    p.data = self._fetch(p)
+                    self._bring_in(p)
         self._drop_staged()
 
     def writeback(self) -> None:
@@ -272,6 +300,7 @@ class _ParamOffload:
         for pid, p in self.params.items():
             if p.numel():
                 self.objects[pid] = self.store.put(p.detach(), key=self.keys[pid], replace=True)
+                self.loaded_as.pop(pid, None)
                 p.data = self._empty(p)
             self.live[pid] = 0  # between steps nothing runs: whatever a pass left loaded goes too
 

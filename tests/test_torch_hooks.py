@@ -342,6 +342,33 @@ def test_parameter_offload_with_optimizer_steps(make_store):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cls", [Net, Functional])
+def test_a_step_whose_writeback_is_forgotten_is_stored_before_its_parameters_are_released(make_store, cls):
+    # materialize(); opt.step(); then the next forward without writeback(): each module uses
+    # the loaded (updated) bytes, and a changed parameter is put in the pool before it is
+    # released, also one loaded outside its module's forward (Functional's tied projection)
+    plain, model, handle = _offloaded_twin(make_store, cls, 8)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        x = _batches(step, 1)[0]
+        for m in (plain, model):
+            m(x).square().mean().backward()
+        opt_p.step()
+        handle.materialize()
+        opt_o.step()
+        if step == 3:
+            handle.writeback()
+        opt_p.zero_grad()
+        opt_o.zero_grad()
+    assert all(p.numel() == 0 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x))
+    handle()
+    for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n
+
+
 TRAIN = r"""
 import sys, torch
 from torch import nn
