@@ -444,3 +444,29 @@ def test_a_parameter_changed_in_place_between_steps_is_not_undone_by_its_master(
     steps(3)
     for a, b in zip(twin.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True])
+def test_a_rule_without_state_and_a_state_reset_equal_plain(make_store, update_in_backward):
+    """SGD without momentum keeps no state per parameter (every step is a first one); and
+    ``optimizer.state[p] = {}`` resets one parameter's AdamW state, as plain code does:
+    its next update starts the state again, as the plain optimizer's does."""
+    s = make_store()
+    for rule, reset_at in [(lambda ps: torch.optim.SGD(ps, lr=0.1), None),
+                           (lambda ps: torch.optim.AdamW(ps, lr=1e-2), 2)]:
+        plain, model = _twin(3)
+        opt_p = rule(plain.parameters())
+        opt_o = offload_optimizer(rule(model.parameters()), s, tier="nvme", update_in_backward=update_in_backward,
+                                  prefix=f"opt{reset_at}")
+        for step in range(5):
+            if step == reset_at:
+                opt_p.state[plain.block[0].weight] = {}
+                opt_o.state[model.block[0].weight] = {}
+                assert opt_o.state[model.block[0].weight] == {}
+            for m, o in [(plain, opt_p), (model, opt_o)]:
+                _loss(m, _batches(step)[0]).backward()
+                o.step()
+                o.zero_grad()
+            _assert_equal(plain, model, (reset_at, step))
+        assert sorted(opt_o.state[model.block[0].weight]) == sorted(opt_p.state[plain.block[0].weight])
+        opt_o.free()

@@ -247,3 +247,47 @@ def test_a_snapshot_while_a_writer_replaces_every_key_succeeds(make_store, tmp_p
     finally:
         stop.set()
         w.join()
+
+
+def _fill_up(directory, leave=0):
+    """Fill ``directory``'s filesystem up to ``leave`` bytes free with one file; its path."""
+    path = os.path.join(directory, "filler")
+    with open(path, "wb") as f:
+        while os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize > leave:
+            try:
+                f.write(b"\0" * min(1 << 20, max(4096, os.statvfs(directory).f_bavail * 4096 - leave)))
+                f.flush()
+            except OSError:
+                break
+    return path
+
+
+def test_a_full_disk_fails_a_snapshot_or_a_restore_cleanly(make_store, tmp_path, tmpfs):
+    """A snapshot onto a full filesystem: one-line StorageError, nothing left behind. A
+    restore that fills the pool's disk part-way: its error, and every object it had put
+    taken back, so the same restore succeeds once there is room."""
+    from tierstore import StorageError, TierstoreError
+
+    s = make_store(host_bytes="64MiB")
+    for i in range(12):
+        s.put(torch.full((256 * 1024,), float(i)), key=f"t/{i}")  # 1 MiB each
+    filler = _fill_up(tmpfs)
+    with pytest.raises(StorageError, match="No space left") as e:
+        s.snapshot(os.path.join(tmpfs, "snap.zarr"))
+    assert "\n" not in str(e.value) and "(None)" not in str(e.value)
+    assert sorted(os.listdir(tmpfs)) == ["filler"]
+    os.unlink(filler)
+    dest = str(tmp_path / "snap.zarr")
+    s.snapshot(dest)
+
+    nvme = os.path.join(tmpfs, "nvme")
+    full = make_store(host_bytes="4MiB", nvme_dirs=[nvme], nvme_bytes="20MiB", nvme_grow_bytes="1MiB")
+    filler = _fill_up(tmpfs, leave=3 << 20)
+    with pytest.raises(TierstoreError):
+        full.restore(dest, namespace="copy")
+    assert full.keys(namespace="copy") == []
+    os.unlink(filler)
+    full.restore(dest, namespace="copy")
+    for i in range(12):
+        assert torch.equal(full.get(full.lookup(f"t/{i}", namespace="copy"), namespace="copy"),
+                           torch.full((256 * 1024,), float(i)))

@@ -288,7 +288,7 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
     if local and os.path.lexists(path):
         raise InvalidArgument(f"{path} already exists; choose a new destination or remove it")
     work = _WorkDir(path) if local else None  # unpredictable, new, ours, held open: nothing planted is followed
-    writer = _LocalWriter(work.root) if work else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
+    writer: _LocalWriter | _ZarrWriter | None = None
     prog = _Progress(len(entries), sum(e["nbytes"] for e in entries), "snapshot", progress)
     index: list[dict[str, Any]] = []
     freed_meanwhile = 0
@@ -303,6 +303,8 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
             pack_used = 0
 
     try:
+        # its first file is written at once: a full disk fails here, inside the clean-up
+        writer = _LocalWriter(work.root) if work else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
         for e in entries:
             data = _current(source, e)
             if data is None:  # freed since the listing: not in the snapshot
@@ -338,10 +340,12 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
                        "complete": True})
     except BaseException as e:
         if work:
-            writer.abort()
+            if writer is not None:
+                writer.abort()
             work.remove()
         if isinstance(e, OSError):
-            raise StorageError(f"snapshot to {path} failed: {e.strerror or e} ({e.filename}); "
+            where = f" ({e.filename})" if e.filename else ""
+            raise StorageError(f"snapshot to {path} failed: {e.strerror or e}{where}; "
                                "nothing was written at the destination") from None
         raise
     finally:
@@ -615,18 +619,23 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
             done.append(target.put(_tensor(u8, spec, owned="pack" not in e), key=e["key"], replace=overwrite,
                                    durable=bool(e.get("durable"))))
             prog.update(e["nbytes"])
-    except (ChecksumMismatch, InvalidArgument) as err:
-        # changed since it was verified: refuse the whole snapshot, take back what this restore put
+    except BaseException as err:
+        # changed since it was verified, a full pool or disk, the daemon gone, an interrupt:
+        # without overwrite, what this restore put is taken back (as far as the target still answers)
         if not overwrite:
-            for h in done:
-                target.free(h)
+            kept = _take_back(target, done)
+            if kept and isinstance(err, TierstoreError):
+                raise type(err)(f"{err.message}; {kept} of the {len(done)} objects this restore put could not be "
+                                "taken back (free them, or restore with --overwrite)") from None
             raise
-        if not done:
+        if not done or not isinstance(err, TierstoreError):
             raise
         # (keys written over cannot be given their old values back: say so, not "not restored")
-        raise type(err)(f"{src} changed while it was restored ({str(err)[:200]}): {len(done)} of {len(index)} "
-                        "objects were already written over their keys (--overwrite: their values before are gone), "
-                        "the rest were not; restore again from a snapshot nothing writes to") from None
+        cause = f"{src} changed while it was restored" if isinstance(err, (ChecksumMismatch, InvalidArgument)) \
+            else "the restore failed"
+        raise type(err)(f"{cause} ({str(err)[:200]}): {len(done)} of {len(index)} objects were already written "
+                        "over their keys (--overwrite: their values before are gone), the rest were not; restore "
+                        "again (from a snapshot nothing writes to)") from None
     finally:
         for f in ahead.values():
             f.cancel()
@@ -634,6 +643,19 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
         prog.done()
     return {"objects": len(index), "bytes": prog.bytes, "seconds": time.monotonic() - prog.t0,
             "namespace": attrs.get("namespace")}
+
+
+def _take_back(target: Objects, handles: list[Any]) -> int:
+    """Free what a failed restore put; how many could not be freed (the target gone)."""
+    kept = 0
+    for h in handles:
+        try:
+            target.free(h)
+        except (NotFound, StaleHandle):
+            pass  # freed or replaced by someone else meanwhile
+        except Exception:  # noqa: BLE001 - the daemon gone, a full journal: count it, free the rest
+            kept += 1
+    return kept
 
 
 _FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}

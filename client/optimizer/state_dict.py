@@ -36,7 +36,17 @@ def param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor) -> dict
 def set_param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor, st: dict[str, Any], *,
                     master: bool) -> None:
     """Put parameter ``p``'s state (the wrapped optimizer's form) into the pool as every
-    version kept, with a fresh fp32 master where one is kept (``master``)."""
+    version kept, with a fresh fp32 master where one is kept (``master``). An empty state (as
+    ``optimizer.state[p] = {}`` resets one) frees what the parameter kept: its next update
+    is a first one again, as the wrapped optimizer's would be (its master made anew from
+    the parameter)."""
+    old = states.layout.pop((gi, pi), {})
+    if not st:
+        for name in old:
+            for version in range(states.versions):
+                states.free_key(states.key(gi, pi, name, version))
+        states.cur.pop((gi, pi), None)
+        return
     layout = states.layout[(gi, pi)] = {}
     for name, v in st.items():
         if isinstance(v, torch.Tensor):

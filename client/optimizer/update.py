@@ -184,7 +184,9 @@ class Updates:
         self._inner.step()
         for (gi, pi, p), target in zip(items, targets):
             state = self._inner.state.pop(target, {})
-            layout = states.layout[(gi, pi)] = {}
+            layout: dict[str, str] = {}
+            if state or target is not p:  # a rule that keeps no state (SGD without momentum) keeps nothing
+                states.layout[(gi, pi)] = layout
             for name, v in state.items():
                 if isinstance(v, torch.Tensor):
                     layout[name], t = local(v)
