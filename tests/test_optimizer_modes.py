@@ -65,10 +65,11 @@ def test_both_version_modes_equal_plain_and_hold_the_state_once_or_twice(make_st
             opt.zero_grad(set_to_none=True)
         _assert_equal(plain, off, step)
     # the progress records (the last step's, and with two versions the one before it, for
-    # rewind_to) are bookkeeping of a few hundred bytes, not state
+    # rewind_to) are bookkeeping of a few hundred bytes, not state; so is the owner's mark
     records = [h for h in (s.lookup("opt/_progress"), s.lookup("opt/_progress.prev")) if h is not None]
     assert len(records) == opt_o.versions
-    held = s.stat()["namespaces"]["default"]["bytes"] - sum(s.info(h)["nbytes"] for h in records)
+    mark = s.info(s.lookup("opt/_owner"))["nbytes"]
+    held = s.stat()["namespaces"]["default"]["bytes"] - sum(s.info(h)["nbytes"] for h in records) - mark
     assert held == opt_o.versions * _state_bytes(opt_p)  # 1.0x or 2.0x the state, nothing else
     assert s.lookup("opt/_torn") is None  # no step under way
     assert s.stat()["leases"] == 0
@@ -470,3 +471,66 @@ def test_a_rule_without_state_and_a_state_reset_equal_plain(make_store, update_i
             _assert_equal(plain, model, (reset_at, step))
         assert sorted(opt_o.state[model.block[0].weight]) == sorted(opt_p.state[plain.block[0].weight])
         opt_o.free()
+
+
+def test_an_optimizer_relaunched_on_another_connection_takes_the_prefix_over(daemon):
+    """Two connections to one namespace (a job relaunched while the old process still
+    runs, or two models' optimizers each on its own Client): the newer optimizer takes
+    the prefix over through the pool, and the older one's next step raises instead of
+    updating with the newer one's state; the newer one equals plain."""
+    from tierstore import InvalidArgument
+
+    plain, model = _twin(4)
+    old_model = copy.deepcopy(model)
+    with daemon.client("job") as c1, daemon.client("job") as c2:
+        old = offload_optimizer(torch.optim.AdamW(old_model.parameters(), lr=1e-2), c1, tier="nvme")
+        _loss(old_model, _batches(0)[0]).backward()
+        old.step()
+        opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        new = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), c2, tier="nvme")
+        for step in range(3):
+            for m, o in [(plain, opt_p), (model, new)]:
+                _loss(m, _batches(step)[0]).backward()
+                o.step()
+                o.zero_grad()
+            _assert_equal(plain, model, step)
+            _loss(old_model, _batches(step)[0]).backward()
+            with pytest.raises(InvalidArgument, match="taken over by a newer one"):
+                old.step()
+
+
+def test_a_resume_makes_volatile_state_durable_and_refuses_a_record_whose_state_is_gone(make_store):
+    """A job that ran with durable=False resumed with durable=True: its state is put again
+    durable, so it survives the pool's restart (the store closed and opened again, which
+    keeps only durable objects). A progress record that names a parameter whose objects are
+    gone is refused, not resumed with that parameter's state started afresh."""
+    plain, model = _twin(5)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+
+    def steps(opt, first, last):
+        for step in range(first, last):
+            for m, o in [(plain, opt_p), (model, opt)]:
+                _loss(m, _batches(step)[0]).backward()
+                o.step()
+                o.zero_grad()
+            _assert_equal(plain, model, step)
+
+    s = make_store()
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), s, tier="nvme", durable=False,
+                            master_weights=True)
+    steps(opt, 0, 2)
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), s, tier="nvme", durable=True,
+                            master_weights=True, resume=True)
+    steps(opt, 2, 3)
+    assert all(e["durable"] for e in s.ls("opt/") if not e["key"].endswith("/_owner"))
+    s.close()
+    s = make_store()
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), s, tier="nvme", durable=True,
+                            master_weights=True, resume=True)
+    assert opt.completed_steps == 3
+    steps(opt, 3, 5)
+    for k in s.keys("opt/0.2/"):
+        s.free(s.lookup(k))
+    with pytest.raises(ValueError, match="does not hold"):
+        offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), s, tier="nvme", durable=True,
+                          master_weights=True, resume=True)

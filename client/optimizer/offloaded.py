@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import secrets
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -161,9 +162,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._lazy: Placeholders | None = None  # set inside lazy_state_dict()
         self._taken_over: str | None = None
         """The prefix of a newer offloaded optimizer on this pool that took this one's over."""
+        self._owner: Any = None
+        """The handle of this optimizer's mark under its prefix (``_owner``): a newer optimizer
+        on the same prefix in any process or connection puts its own there."""
+        self._owner_seen = -1  # the completed step count at which the mark was last found ours
         _claim_prefix(store, self.prefix, self)
         if resume and self.progress.resume():
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
+            self._mark_owner()
         else:
             self._clear_pool()
             if initial is not None:
@@ -220,12 +226,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         clipped or unscaled before ``step()``."""
         return self.backward.deferred() if self.backward is not None else contextlib.nullcontext()
 
-    def _check_owner(self) -> None:
+    @property
+    def _owner_key(self) -> str:
+        return f"{self.prefix}/_owner"
+
+    def _mark_owner(self) -> None:
+        """Put this optimizer's mark under its prefix, over any other's."""
+        mark = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        self._owner = self.store.put(mark, key=self._owner_key, replace=True)
+        self._owner_seen = -1
+
+    def _check_owner(self, *, again: bool = False) -> None:
+        """Raise if a newer optimizer took this one's prefix over: one in this process on the
+        same pool (at once), or one anywhere on the same namespace (its mark replaced ours;
+        looked up once a step, and ``again`` before a step's progress record is written)."""
+        due = again or self._owner_seen != self.completed_steps
+        if self._taken_over is None and self._owner is not None and due:
+            if self.store.lookup(self._owner_key) != self._owner:
+                self._taken_over = self.prefix
+            else:
+                self._owner_seen = self.completed_steps
         if self._taken_over is not None:
             raise InvalidArgument(
                 f"this offloaded optimizer's state (prefix {self.prefix!r}) was taken over by a newer one on the "
-                f"same pool (prefix {self._taken_over!r}); step the newer one, or give each optimizer a prefix of "
-                "its own (e.g. prefix='opt_g' and prefix='opt_d')")
+                f"same pool (prefix {self._taken_over!r}: in this process, or in another process or connection "
+                "on the same namespace, e.g. a relaunched job); step the newer one, or give each optimizer a "
+                "prefix of its own (e.g. prefix='opt_g' and prefix='opt_d')")
 
     def update_now(self, work: list[Item]) -> None:
         """Update the parameters ``work`` names, in that order, each read from its current
@@ -244,6 +270,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _complete_step(self, work: list[Item]) -> None:
         """The step's end: the versions it wrote become current, the progress record says so
         (written last, after every parameter), and the next step's first state is hinted."""
+        self._check_owner(again=True)  # a step taken over meanwhile is not recorded as this one's
         self.progress.complete(self._in_step.updated, self._in_step.fresh)
         self._in_step = _StepWork()
         self.store.step()
@@ -355,7 +382,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for (gi, pi), st in found:
             p = self.param_groups[gi]["params"][pi]
             set_param_state(states, gi, pi, p, st, master=self._needs_master(p))
-        states.free_others(old, states.keys_in_layout())
+        states.free_others(old, states.keys_in_layout() | {self._owner_key})
         self.progress.write()
 
     def free(self) -> None:
@@ -367,6 +394,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state_tensors.layout = {}
         self.state_tensors.cur = {}
         self.progress.cleared()
+        self._mark_owner()
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Pool, *, tier: str | None = "nvme",

@@ -157,10 +157,33 @@ class Progress:
             name = name.rsplit("@", 1)[0]
             name, _, tag = name.partition("#")
             states.layout.setdefault((gi, pi), {})[name] = tag or "tensor"
+        lost = sorted(key for key in named if key not in states.layout and min(key) >= 0)  # not _NO_STATE
+        if lost:
+            raise ValueError(
+                f"the progress record under {states.prefix!r} (step {self.completed}) names the state of {len(lost)} "
+                f"parameter(s) that the pool does not hold (e.g. parameter {lost[0][0]}.{lost[0][1]}): freed, or "
+                "lost with a daemon that stopped while the state was volatile (durable=False); load a checkpoint "
+                "(load_state_dict) or start afresh (resume=False)")
         states.cur = {key: (self.completed % 2 if legacy else named[key]) for key in states.layout}
         self._settle_versions()
+        self._hold_durably()
         log.info("resumed %d parameters' optimizer state at step %d", len(states.layout), self.completed)
         return True
+
+    def _hold_durably(self) -> None:
+        """After a resume with ``durable=True``, state put volatile before (a job that ran with
+        ``durable=False``) is put again durable: check-ins write an object through only if it
+        is durable, so it would not survive a daemon crash otherwise."""
+        states = self.states
+        if not states.durable:
+            return
+        volatile = [e["key"] for e in states.store.ls(states.prefix + "/") if not e.get("durable")]
+        for key in volatile:
+            h = states.store.lookup(key)
+            if h is not None:
+                states.put(key, states.store.get(h))
+        if volatile:
+            log.info("resume: %d objects under %r put again durable", len(volatile), states.prefix)
 
     def _settle_versions(self) -> None:
         """After a resume, keep the versions this optimizer keeps, whatever kept the state
