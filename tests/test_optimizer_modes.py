@@ -534,3 +534,38 @@ def test_a_resume_makes_volatile_state_durable_and_refuses_a_record_whose_state_
     with pytest.raises(ValueError, match="does not hold"):
         offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), s, tier="nvme", durable=True,
                           master_weights=True, resume=True)
+
+
+def test_a_deleted_optimizer_updates_nothing_more(make_store):
+    """An optimizer updating in backward, deleted (its state carried over to a plain one):
+    nothing keeps it alive (no reference cycle waits for the collector), so its hooks stop
+    at once and the plain optimizer's steps are the only updates."""
+    import gc
+    import weakref
+
+    plain, model = _twin(6)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_o = offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), make_store(), tier="host",
+                              update_in_backward=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for step in range(2):
+            for m, o in [(plain, opt_p), (model, opt_o)]:
+                _loss(m, _batches(step)[0]).backward()
+                o.step()
+                o.zero_grad()
+        then = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        then.load_state_dict(opt_o.state_dict())
+        gone = weakref.ref(opt_o)
+        del opt_o, o
+        assert gone() is None
+        for step in range(2, 4):
+            for m, o in [(plain, opt_p), (model, then)]:
+                _loss(m, _batches(step)[0]).backward()
+                o.step()
+                o.zero_grad()
+            _assert_equal(plain, model, step)
+    finally:
+        if enabled:
+            gc.enable()

@@ -58,6 +58,22 @@ def _claim_prefix(store: Any, prefix: str, opt: "OffloadedOptimizer") -> None:
 log = logging.getLogger(__name__)
 
 
+def _alive(ref: "weakref.ref[Any]") -> Any:
+    obj = ref()
+    if obj is None:
+        raise ReferenceError("the offloaded optimizer these belong to was deleted")
+    return obj
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _alive(ref)(*args, **kwargs)
+    return call
+
+
 class _StepWork:
     """What the step under way has done so far; a completed step starts a new one."""
 
@@ -152,12 +168,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The state's objects in the pool: layout, current versions, handles."""
         self.progress = Progress(self.state_tensors)
         """Completed steps, the progress records and the torn-step marker."""
-        self.buckets = Buckets(self.state_tensors, self._on_gpu, bucket_bytes)
+        # the parts are handed this optimizer weakly: no reference cycle keeps it alive, so a
+        # deleted one goes at once, and its update-in-backward hooks (which hold it weakly) stop
+        me = weakref.ref(self)
+
+        def groups() -> list[dict[str, Any]]:
+            return _alive(me).param_groups
+        on_gpu, needs_master = _weakly(self._on_gpu), _weakly(self._needs_master)
+        self.buckets = Buckets(self.state_tensors, on_gpu, bucket_bytes)
         """Which parameters are updated together."""
-        self._updates = Updates(inner, lambda: self.param_groups, self.state_tensors, self.buckets,
-                                on_gpu=self._on_gpu, needs_master=self._needs_master)
-        self.state = PoolState(lambda: self.param_groups, self.state_tensors,  # type: ignore[assignment]
-                               self._set_state)  # the pool's, not a dict
+        self._updates = Updates(inner, groups, self.state_tensors, self.buckets,
+                                on_gpu=on_gpu, needs_master=needs_master)
+        self.state = PoolState(groups, self.state_tensors,  # type: ignore[assignment]
+                               _weakly(self._set_state))  # the pool's, not a dict
         self._in_step = _StepWork()
         self._lazy: Placeholders | None = None  # set inside lazy_state_dict()
         self._taken_over: str | None = None
