@@ -16,7 +16,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tierstore.contract import Pool
-from tierstore.errors import NotFound, StaleHandle
+from tierstore.errors import InvalidArgument, NotFound, StaleHandle
+
+from .claims import BACKWARD_UPDATES, PARAM_OFFLOAD, claim_prefix, held_by
 
 __all__ = ["offload_parameters"]
 
@@ -51,6 +53,17 @@ class _ParamOffload:
         self.objects: dict[int, Any] = {}  # id(param) -> its object's handle (set by every put)
         self.loaded_as: dict[int, tuple[int, int]] = {}  # id(param) -> (version, data_ptr) when fetched
         self.streams: Any = None
+        self._taken_over: str | None = None  # set by a newer offload on the same pool and prefix
+        for name, p in model.named_parameters(remove_duplicate=True):
+            if held_by(p, PARAM_OFFLOAD) is not None:
+                raise ValueError(f"parameter {name!r} is kept in the pool already (offload_parameters was called "
+                                 "on this model, or one sharing its parameters); undo() that one first")
+            if held_by(p, BACKWARD_UPDATES) is not None:
+                raise ValueError(f"parameter {name!r} is updated in backward by an offloaded optimizer "
+                                 "(update_in_backward=True): both hook each parameter's gradient, and the offload "
+                                 "releases a parameter's bytes when its gradient is in; make that optimizer with "
+                                 "update_in_backward=False")
+        claim_prefix(store, self.prefix, self)
         for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
             key = f"{self.prefix}/{name}"
             self.objects[id(p)] = store.put(p.detach(), key=key, tier=tier, replace=True)
@@ -58,6 +71,7 @@ class _ParamOffload:
             self.params[id(p)] = p
             self.shapes[id(p)] = (p.shape, p.dtype, p.device)
             p.data = self._empty(p)  # the pool holds the bytes now
+            setattr(p, PARAM_OFFLOAD, weakref.ref(self))
         self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         self.next_of: dict[int, torch.nn.Module] = {}
         self.prev_of: dict[int, torch.nn.Module] = {}
@@ -73,6 +87,9 @@ class _ParamOffload:
         for p in self.params.values():
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
+        # the model's state_dict() and load_state_dict() see (and set) the parameters' values
+        self.handles.append(model.register_state_dict_pre_hook(lambda *a: self.materialize()))
+        self.handles.append(model.register_load_state_dict_pre_hook(lambda *a: self.materialize()))
         # a parameter used outside its own module's forward (``h @ self.emb.weight.T`` in a
         # parent, or only its shape asked for) is loaded on demand: a torch-function mode is
         # active while any of the model's modules runs forward, also when backward re-runs a
@@ -123,8 +140,14 @@ class _ParamOffload:
         """Give ``p`` its bytes from the pool, unless it still holds them (``materialize()``
         loaded it and no ``writeback()`` has released it yet: those bytes may hold an update)."""
         if p.numel() == 0:
-            p.data = self._fetch(p)
-            self.loaded_as[id(p)] = (p._version, p.data_ptr())
+            want = (p.dtype, p.device)  # the placeholder's: model.to(...) moves it too
+            buf = self._fetch(p)
+            shape, dtype, device = self.shapes[id(p)]
+            if (dtype, device) != want:  # the model was cast or moved since: the stored bytes follow it
+                buf = buf.to(device=want[1], dtype=want[0])
+                self.shapes[id(p)] = (shape, want[0], want[1])
+            p.data = buf
+            self.loaded_as[id(p)] = (p._version, p.data_ptr()) if (dtype, device) == want else (-1, -1)
         else:
             self._unstage(p)
 
@@ -136,7 +159,9 @@ class _ParamOffload:
         """Release ``p``'s bytes; first store them if they changed since they came in (an
         optimizer step after ``materialize()`` whose ``writeback()`` a forward came before)."""
         if p.numel() and self.shapes[id(p)][0].numel() and self._changed(p):
+            self._check_owner()
             self.objects[id(p)] = self.store.put(p.detach(), key=self.keys[id(p)], replace=True)
+            self.shapes[id(p)] = (self.shapes[id(p)][0], p.dtype, p.device)
         self.loaded_as.pop(id(p), None)
         p.data = self._empty(p)
 
@@ -149,8 +174,16 @@ class _ParamOffload:
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=p.dtype, device=self.shapes[id(p)][2] if id(p) in self.shapes else p.device)
 
+    def _check_owner(self) -> None:
+        if self._taken_over is not None:
+            raise InvalidArgument(
+                f"the parameters this offload kept under prefix {self.prefix!r} were taken over by a newer "
+                f"offload_parameters (or offloaded optimizer) on the same pool (prefix {self._taken_over!r}); "
+                "give each model a prefix of its own (prefix=...)")
+
     def _fetch(self, p: torch.Tensor) -> torch.Tensor:
         """The parameter's bytes from the pool, on its device (a staged copy when there is one)."""
+        self._check_owner()
         shape, dtype, device = self.shapes[id(p)]
         staged = self.staged.pop(id(p), None)
         if staged is not None:
@@ -295,11 +328,13 @@ class _ParamOffload:
 
     def writeback(self) -> None:
         """Store the (updated) materialised parameters and release their memory."""
+        self._check_owner()
         self._drop_staged()  # staged copies hold the old values
         self.demanded.clear()
         for pid, p in self.params.items():
             if p.numel():
                 self.objects[pid] = self.store.put(p.detach(), key=self.keys[pid], replace=True)
+                self.shapes[pid] = (self.shapes[pid][0], p.dtype, p.device)
                 self.loaded_as.pop(pid, None)
                 p.data = self._empty(p)
             self.live[pid] = 0  # between steps nothing runs: whatever a pass left loaded goes too
@@ -310,6 +345,9 @@ class _ParamOffload:
             h.remove()
         self.handles = []
         self.materialize()
+        for p in self.params.values():
+            if held_by(p, PARAM_OFFLOAD) is self:
+                delattr(p, PARAM_OFFLOAD)
 
 
 class _OnDemand(TorchFunctionMode):

@@ -369,6 +369,60 @@ def test_a_step_whose_writeback_is_forgotten_is_stored_before_its_parameters_are
         assert torch.equal(a, b), n
 
 
+def test_an_offloaded_models_state_dict_dtype_and_prefix_behave_as_a_plain_models(make_store):
+    """``state_dict()`` between steps holds the values (not placeholders) and
+    ``load_state_dict`` sets them; ``model.to(dtype)`` casts what the pool keeps; a second
+    model offloaded under the same prefix takes it over (the first raises at its next
+    load instead of computing with the other's weights); an optimizer updating in
+    backward over offloaded parameters is refused, in either order."""
+    from tierstore import InvalidArgument
+
+    s = make_store()
+    torch.manual_seed(9)
+    plain = Net()
+    model = copy.deepcopy(plain)
+    handle = offload_parameters(model, s, prefix="m")
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    model.load_state_dict(plain.state_dict())
+    x = _batches(0, 1)[0]
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x))
+    plain.to(torch.float64)
+    model.to(torch.float64)
+    with torch.no_grad():
+        out = model(x)
+        assert out.dtype == torch.float64 and torch.equal(plain(x), out)
+    handle.materialize()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    handle.writeback()
+
+    with pytest.raises(ValueError, match="update_in_backward"):
+        offload_optimizer(torch.optim.AdamW(model.parameters()), s, update_in_backward=True)
+    handle()
+    other = Net()
+    opt = offload_optimizer(torch.optim.AdamW(other.parameters()), s, update_in_backward=True)
+    with pytest.raises(ValueError, match="update_in_backward"):
+        offload_parameters(other, s)
+    del opt
+
+    a, b = Net(), Net()
+    ref_b = copy.deepcopy(b)
+    offload_parameters(a, s)
+    offload_parameters(b, s)  # the same prefix: b takes it over
+    with torch.no_grad():
+        with pytest.raises(InvalidArgument, match="taken over"):
+            a(x)
+        assert torch.equal(b(x), ref_b(x))
+        c = Net()
+        ref_c = copy.deepcopy(c)
+        offload_parameters(c, s, prefix="c")  # a prefix of its own: both models keep their weights
+        assert torch.equal(c(x), ref_c(x)) and torch.equal(b(x), ref_b(x))
+
+
 TRAIN = r"""
 import sys, torch
 from torch import nn

@@ -19,17 +19,18 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from ..claims import BACKWARD_UPDATES, PARAM_OFFLOAD, held_by
 from .state import Item as _Item
 from .state import local as _local
 
 if TYPE_CHECKING:
     from .offloaded import OffloadedOptimizer
 
-__all__ = ["BackwardUpdates"]
+__all__ = ["BackwardUpdates", "refuse_offloaded_parameters"]
 
 log = logging.getLogger(__name__)
 
-_OWNER = "_tierstore_backward_updates"
+_OWNER = BACKWARD_UPDATES
 """A parameter's attribute naming (weakly) the hooks that update it in backward: a new
 offloaded optimizer over the same parameters (a resume in the same process) takes them
 over, so no parameter is updated twice in one backward."""
@@ -59,6 +60,16 @@ def _sample(grad: torch.Tensor) -> torch.Tensor:
     flat = _local(grad)[1].detach().reshape(-1)  # a DTensor: this rank's shard
     stride = max(1, flat.numel() // 8)
     return flat[::stride][:8].clone()
+
+
+def refuse_offloaded_parameters(groups: list[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` where a parameter of ``groups`` is kept in the pool by
+    ``offload_parameters``: an update in backward cannot run on it."""
+    if any(held_by(p, PARAM_OFFLOAD) is not None for g in groups for p in g["params"]):
+        raise ValueError("update_in_backward=True over parameters that offload_parameters keeps in the pool: "
+                         "both hook each parameter's gradient, and the offload releases a parameter's bytes "
+                         "when its gradient is in; use update_in_backward=False (the step after "
+                         "materialize()), or keep the parameters in memory")
 
 
 class BackwardUpdates:
@@ -97,6 +108,7 @@ class BackwardUpdates:
         self._pos: dict[tuple[int, int], int] = {}
         self._queued = False  # the end-of-backward callback is queued for the backward under way
         self._hooks: list[Any] = []
+        refuse_offloaded_parameters(opt.param_groups)
         if self.enabled:
             for gi, g in enumerate(opt.param_groups):
                 for pi, p in enumerate(g["params"]):

@@ -25,7 +25,9 @@ import torch
 from tierstore.contract import Pool
 from tierstore.errors import InvalidArgument
 
-from .backward import BackwardUpdates
+from ..claims import claim_prefix
+
+from .backward import BackwardUpdates, refuse_offloaded_parameters
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
 from .progress import Progress
 from .state import Item, Key, StateTensors, local
@@ -33,27 +35,6 @@ from .state_dict import Placeholders, PoolState, finish_lazy_load, pack, placed,
 from .update import Updates
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded"]
-
-_prefixes: "weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
-"""Per pool (a ``Store`` or ``Client``), the prefixes of the offloaded optimizers alive on
-it: two over one prefix (or one nested in the other) would overwrite each other's state."""
-
-
-def _claim_prefix(store: Any, prefix: str, opt: "OffloadedOptimizer") -> None:
-    """Record ``opt`` as the owner of ``prefix`` on ``store``: a live optimizer on the same
-    prefix, or one nested with it, is taken over (its state is the new one's, or cleared by
-    it), and any use of it from now on raises instead of changing state that is not its own."""
-    try:
-        mine = _prefixes.setdefault(store, {})
-    except TypeError:  # a pool that cannot be weakly referenced: nothing to check against
-        return
-    for other, ref in list(mine.items()):
-        holder = ref()
-        if holder is None or other == prefix or other.startswith(prefix + "/") or prefix.startswith(other + "/"):
-            del mine[other]
-            if holder is not None:
-                holder._taken_over = prefix
-    mine[prefix] = weakref.ref(opt)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +116,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError("update='gpu' needs every parameter on a CUDA device; use 'cpu' or 'auto'")
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+        if update_in_backward:
+            refuse_offloaded_parameters(inner.param_groups)
         if drop_grads and not update_in_backward:
             raise ValueError("drop_grads needs update_in_backward=True (only an update in backward is done "
                              "with a gradient before backward ends)")
@@ -189,7 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The handle of this optimizer's mark under its prefix (``_owner``): a newer optimizer
         on the same prefix in any process or connection puts its own there."""
         self._owner_seen = -1  # the completed step count at which the mark was last found ours
-        _claim_prefix(store, self.prefix, self)
+        claim_prefix(store, self.prefix, self)
         if resume and self.progress.resume():
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
             self._mark_owner()

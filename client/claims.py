@@ -1,0 +1,46 @@
+"""Who holds what in a process: the prefixes of a pool that an offloaded optimizer or a
+parameter offload writes under, and the parameters under their hooks.
+
+Two holders on one prefix (or one nested in the other) of one pool would overwrite each
+other's objects: the newer takes the prefix over, and the older is told (its
+``_taken_over`` is set) so that its next use raises instead of touching objects that are
+no longer its own. A parameter offload and an optimizer updating in backward both hook
+each parameter's gradient and cannot share one: each marks the parameters it hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+__all__ = ["BACKWARD_UPDATES", "PARAM_OFFLOAD", "claim_prefix", "held_by"]
+
+BACKWARD_UPDATES = "_tierstore_backward_updates"
+"""The attribute of a parameter an optimizer updates in backward: a weak reference to its hooks."""
+PARAM_OFFLOAD = "_tierstore_param_offload"
+"""The attribute of a parameter kept in the pool by ``offload_parameters``: a weak reference to it."""
+
+_prefixes: "weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
+"""Per pool (a ``Store`` or ``Client``), the prefixes held on it and their holders."""
+
+
+def claim_prefix(pool: Any, prefix: str, holder: Any) -> None:
+    """Record ``holder`` as the owner of ``prefix`` on ``pool``: a live holder of the same
+    prefix, or of one nested with it, is taken over (its ``_taken_over`` is set)."""
+    try:
+        mine = _prefixes.setdefault(pool, {})
+    except TypeError:  # a pool that cannot be weakly referenced: nothing to check against
+        return
+    for other, ref in list(mine.items()):
+        old = ref()
+        if old is None or other == prefix or other.startswith(prefix + "/") or prefix.startswith(other + "/"):
+            del mine[other]
+            if old is not None and old is not holder:
+                old._taken_over = prefix
+    mine[prefix] = weakref.ref(holder)
+
+
+def held_by(p: Any, attribute: str) -> Any:
+    """The live holder a parameter's ``attribute`` names, or None."""
+    ref = getattr(p, attribute, None)
+    return ref() if ref is not None else None
