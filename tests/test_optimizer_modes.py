@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from tierstore.client.optimizer import TornState
 from tierstore.client.torch import offload_optimizer
 
 from test_torch_hooks import Gated, Net, _batches, _gated_steps, _groups
@@ -569,3 +568,35 @@ def test_a_deleted_optimizer_updates_nothing_more(make_store):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_gan_whose_generator_backward_runs_deferred_equals_plain(make_store):
+    """DCGAN's loop with both optimizers updating in backward: the generator's loss flows
+    through the discriminator, so its backward runs in ``opt_d.deferred()`` (docs/training.md);
+    both networks then equal plain Adam's every iteration."""
+    s = make_store()
+    torch.manual_seed(0)
+    g0 = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    d0 = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    runs = {}
+    for name in ("plain", "offloaded"):
+        g, d = copy.deepcopy(g0), copy.deepcopy(d0)
+        opt_g, opt_d = torch.optim.Adam(g.parameters(), lr=2e-3), torch.optim.Adam(d.parameters(), lr=2e-3)
+        if name == "offloaded":
+            opt_g = offload_optimizer(opt_g, s, tier="nvme", prefix="opt_g", update_in_backward=True)
+            opt_d = offload_optimizer(opt_d, s, tier="nvme", prefix="opt_d", update_in_backward=True)
+        bce = nn.BCEWithLogitsLoss()
+        for it in range(4):
+            gen = torch.Generator().manual_seed(it)
+            real, z = torch.randn(8, 6, generator=gen), torch.randn(8, 4, generator=gen)
+            d.zero_grad()
+            fake = g(z)
+            (bce(d(real), torch.ones(8, 1)) + bce(d(fake.detach()), torch.zeros(8, 1))).backward()
+            opt_d.step()
+            g.zero_grad()
+            with opt_d.deferred() if name == "offloaded" else contextlib.nullcontext():
+                bce(d(fake), torch.ones(8, 1)).backward()
+            opt_g.step()
+            runs.setdefault(name, []).append([p.detach().clone() for p in [*g.parameters(), *d.parameters()]])
+    for it, (a, b) in enumerate(zip(runs["plain"], runs["offloaded"])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), it

@@ -185,7 +185,10 @@ class BackwardUpdates:
                 f"parameter {gi}.{pi} got a gradient again after its update in backward, before step(): with "
                 "update_in_backward, run every micro-batch of gradient accumulation but the last in "
                 "`with opt.deferred():`, and call step() after each backward that updates (a step that "
-                "GradScaler skipped has already updated in backward: scale in `opt.deferred()` too)")
+                "GradScaler skipped has already updated in backward: scale in `opt.deferred()` too); a backward "
+                "meant for another optimizer that reaches these parameters (a GAN's generator loss through the "
+                "discriminator) also goes in `opt.deferred()`, and so does a reentrant checkpoint "
+                "(use_reentrant=True) whose parameters are also used outside it (or use use_reentrant=False)")
         self._seen.append(key)
         if not self._queued:
             # what still waits for its bucket when backward ends is updated then, not in step()
