@@ -291,3 +291,48 @@ def test_a_full_disk_fails_a_snapshot_or_a_restore_cleanly(make_store, tmp_path,
     for i in range(12):
         assert torch.equal(full.get(full.lookup(f"t/{i}", namespace="copy"), namespace="copy"),
                            torch.full((256 * 1024,), float(i)))
+
+
+class _Interrupting:
+    """A store's default namespace whose ``put`` is interrupted at the ``at``-th call
+    (``KeyboardInterrupt``, as a user's Ctrl-C); every put's key is recorded."""
+
+    def __init__(self, s, at=None):
+        self.s, self.at, self.keys_put = s, at, []
+
+    def __getattr__(self, name):
+        return getattr(self.s, name)
+
+    def put(self, tensor, key=None, **kw):
+        if self.at is not None and len(self.keys_put) + 1 == self.at:
+            raise KeyboardInterrupt
+        self.keys_put.append(key)
+        return self.s.put(tensor, key=key, **kw)
+
+
+def test_an_interrupted_overwriting_restore_leaves_no_record_naming_half_restored_state(make_store, tmp_path):
+    """A job's state restored --overwrite over its live state: bookkeeping keys (an
+    optimizer's ``_progress``) go last, and the live one is freed before the first object
+    is written over, so an interrupted restore leaves no record that names a mix of the
+    two states (a resume then finds none, and says so)."""
+    from tierstore.snapshot import restore
+
+    s = make_store()
+    keys = [f"opt/0.{i}/exp_avg@0" for i in range(6)]
+    for i, k in enumerate(keys):
+        s.put(torch.full((1000,), float(i)), key=k)
+    s.put(torch.tensor([5]), key="opt/_progress")
+    dest = str(tmp_path / "step5.zarr")
+    s.snapshot(dest)
+    for i, k in enumerate(keys):  # the job goes on to step 10
+        s.put(torch.full((1000,), 100.0 + i), key=k, replace=True)
+    s.put(torch.tensor([10]), key="opt/_progress", replace=True)
+    with pytest.raises(KeyboardInterrupt):
+        restore(_Interrupting(s, at=4), dest, overwrite=True)
+    assert s.lookup("opt/_progress") is None  # no record names the half-restored state
+    whole = _Interrupting(s)
+    restore(whole, dest, overwrite=True)
+    assert whole.keys_put[-1] == "opt/_progress" and sorted(whole.keys_put[:-1]) == sorted(keys)
+    assert int(s.get(s.lookup("opt/_progress"))) == 5
+    for i, k in enumerate(keys):
+        assert torch.equal(s.get(s.lookup(k)), torch.full((1000,), float(i)))

@@ -599,6 +599,15 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
     for e in index:
         _read_checked(root, e, packs, local_dir, src)
     packs.clear()
+    # bookkeeping keys (a last component starting with "_", as an optimizer's progress record)
+    # go last, and with overwrite the target's own go first: a restore interrupted part-way
+    # never leaves a record that names state only partly restored
+    index = [e for e in index if not _bookkeeping(e["key"])] + [e for e in index if _bookkeeping(e["key"])]
+    if overwrite:
+        for e in index:
+            h = target.lookup(e["key"]) if _bookkeeping(e["key"]) else None
+            if h is not None:
+                target.free(h)
     prog = _Progress(len(index), sum(e["nbytes"] for e in index), "restore", progress)
     done: list[Any] = []
     # arrays are read a few objects ahead on worker threads, overlapping disk reads with puts
@@ -643,6 +652,11 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
         prog.done()
     return {"objects": len(index), "bytes": prog.bytes, "seconds": time.monotonic() - prog.t0,
             "namespace": attrs.get("namespace")}
+
+
+def _bookkeeping(key: str) -> bool:
+    """A key whose last component starts with ``_``: a record about other keys under its prefix."""
+    return key.rsplit("/", 1)[-1].startswith("_")
 
 
 def _take_back(target: Objects, handles: list[Any]) -> int:
