@@ -131,8 +131,8 @@ class Progress:
         states = self.states
         rec = self._read(self._record_key)
         if rec is None:
-            log.warning("resume: no progress record under %r (nothing to resume yet, or another namespace or "
-                        "prefix than the run's); starting fresh", states.prefix)
+            log.info("resume: no progress record under %r (nothing to resume yet, or another namespace or "
+                     "prefix than the run's); starting fresh", states.prefix)
             return False
         self.completed = rec[0]
         self._last_record = rec
