@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import warnings
 import weakref
@@ -64,6 +65,9 @@ class _ParamOffload:
                                  "releases a parameter's bytes when its gradient is in; make that optimizer with "
                                  "update_in_backward=False")
         claim_prefix(store, self.prefix, self)
+        # a mark under the prefix: a newer offload on it in another process or connection puts its own
+        self._mark = store.put(torch.tensor([secrets.randbits(62)], dtype=torch.int64), key=f"{self.prefix}/_owner",
+                               replace=True)
         for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
             key = f"{self.prefix}/{name}"
             self.objects[id(p)] = store.put(p.detach(), key=key, tier=tier, replace=True)
@@ -174,12 +178,18 @@ class _ParamOffload:
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=p.dtype, device=self.shapes[id(p)][2] if id(p) in self.shapes else p.device)
 
-    def _check_owner(self) -> None:
+    def _check_owner(self, *, in_pool: bool = False) -> None:
+        """Raise if a newer offload took the prefix over: in this process (at once), or
+        anywhere on the namespace (``in_pool``: its mark replaced ours; looked up by
+        ``materialize()`` and ``writeback()``, once a step)."""
+        if in_pool and self._taken_over is None and self.store.lookup(f"{self.prefix}/_owner") != self._mark:
+            self._taken_over = self.prefix
         if self._taken_over is not None:
             raise InvalidArgument(
                 f"the parameters this offload kept under prefix {self.prefix!r} were taken over by a newer "
-                f"offload_parameters (or offloaded optimizer) on the same pool (prefix {self._taken_over!r}); "
-                "give each model a prefix of its own (prefix=...)")
+                f"offload_parameters (or offloaded optimizer) on the same pool (prefix {self._taken_over!r}: in "
+                "this process, or in another process or connection on the namespace); give each model a prefix "
+                "of its own (prefix=...)")
 
     def _fetch(self, p: torch.Tensor) -> torch.Tensor:
         """The parameter's bytes from the pool, on its device (a staged copy when there is one)."""
@@ -320,6 +330,7 @@ class _ParamOffload:
 
     def materialize(self) -> None:
         """Load every parameter (for an optimizer step or a checkpoint)."""
+        self._check_owner(in_pool=True)
         for m in self.modules:
             for p in self._own(m):
                 if self.live.get(id(p), 0) == 0 and p.numel() == 0:
@@ -328,7 +339,7 @@ class _ParamOffload:
 
     def writeback(self) -> None:
         """Store the (updated) materialised parameters and release their memory."""
-        self._check_owner()
+        self._check_owner(in_pool=True)
         self._drop_staged()  # staged copies hold the old values
         self.demanded.clear()
         for pid, p in self.params.items():

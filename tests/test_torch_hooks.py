@@ -423,6 +423,24 @@ def test_an_offloaded_models_state_dict_dtype_and_prefix_behave_as_a_plain_model
         assert torch.equal(c(x), ref_c(x)) and torch.equal(b(x), ref_b(x))
 
 
+def test_a_model_offloaded_on_another_connection_takes_the_prefix_over(daemon):
+    """Two connections to one namespace, a model offloaded on each under the same prefix:
+    the first one's next ``materialize()`` (or ``writeback()``) raises instead of stepping
+    with the other's weights; the newer one keeps its own."""
+    from tierstore import InvalidArgument
+
+    x = _batches(0, 1)[0]
+    with daemon.client("job") as c1, daemon.client("job") as c2:
+        a, b = Net(), Net()
+        ref_b = copy.deepcopy(b)
+        first = offload_parameters(a, c1)
+        offload_parameters(b, c2)
+        with pytest.raises(InvalidArgument, match="taken over"):
+            first.materialize()
+        with torch.no_grad():
+            assert torch.equal(b(x), ref_b(x))
+
+
 TRAIN = r"""
 import sys, torch
 from torch import nn
