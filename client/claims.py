@@ -20,27 +20,33 @@ BACKWARD_UPDATES = "_tierstore_backward_updates"
 PARAM_OFFLOAD = "_tierstore_param_offload"
 """The attribute of a parameter kept in the pool by ``offload_parameters``: a weak reference to it."""
 
-_prefixes: "weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
-"""Per pool (a ``Store`` or ``Client``), the prefixes held on it and their holders."""
+_prefixes: "weakref.WeakKeyDictionary[Any, dict[str, tuple[weakref.ref, bool]]]" = weakref.WeakKeyDictionary()
+"""Per pool (a ``Store`` or ``Client``), the prefixes held on it: their holders, and
+whether each frees every key under its prefix."""
 
 
-def claim_prefix(pool: Any, prefix: str, holder: Any) -> None:
+def claim_prefix(pool: Any, prefix: str, holder: Any, *, frees_all: bool) -> None:
     """Record ``holder`` as the owner of ``prefix`` on ``pool``: a live holder of the same
-    prefix, or of one nested with it, is taken over (its ``_taken_over`` is set)."""
+    prefix is taken over (its ``_taken_over`` is set), and so is one nested with it where
+    the enclosing one frees every key under its prefix (an optimizer's ``free()`` and
+    ``load_state_dict``: ``frees_all``); a parameter offload's keys are only its own."""
     try:
         mine = _prefixes.setdefault(pool, {})
     except TypeError:  # a pool that cannot be weakly referenced: nothing to check against
         return
-    for other, ref in list(mine.items()):
+    for other, (ref, other_frees) in list(mine.items()):
         old = ref()
-        if old is None or other == prefix or other.startswith(prefix + "/") or prefix.startswith(other + "/"):
+        clash = (other == prefix or (other_frees and prefix.startswith(other + "/"))
+                 or (frees_all and other.startswith(prefix + "/")))
+        if old is None or clash:
             del mine[other]
             if old is not None and old is not holder:
                 old._taken_over = prefix
-    mine[prefix] = weakref.ref(holder)
+    mine[prefix] = (weakref.ref(holder), frees_all)
 
 
 def held_by(p: Any, attribute: str) -> Any:
-    """The live holder a parameter's ``attribute`` names, or None."""
+    """The live, active holder a parameter's ``attribute`` names (its ``active`` true), or None."""
     ref = getattr(p, attribute, None)
-    return ref() if ref is not None else None
+    holder = ref() if ref is not None else None
+    return holder if holder is not None and getattr(holder, "active", True) else None

@@ -64,7 +64,7 @@ class _ParamOffload:
                                  "(update_in_backward=True): both hook each parameter's gradient, and the offload "
                                  "releases a parameter's bytes when its gradient is in; make that optimizer with "
                                  "update_in_backward=False")
-        claim_prefix(store, self.prefix, self)
+        claim_prefix(store, self.prefix, self, frees_all=False)
         # a mark under the prefix: a newer offload on it in another process or connection puts its own
         self._mark = store.put(torch.tensor([secrets.randbits(62)], dtype=torch.int64), key=f"{self.prefix}/_owner",
                                replace=True)
@@ -335,6 +335,9 @@ class _ParamOffload:
             for p in self._own(m):
                 if self.live.get(id(p), 0) == 0 and p.numel() == 0:
                     self._bring_in(p)
+                    # an optimizer step comes next, and one that writes through ``p.data`` leaves
+                    # ``p._version`` as it was: what materialize() loaded is stored when it goes
+                    self.loaded_as[id(p)] = (-1, -1)
         self._drop_staged()
 
     def writeback(self) -> None:

@@ -469,6 +469,9 @@ def test_a_rule_without_state_and_a_state_reset_equal_plain(make_store, update_i
                 o.zero_grad()
             _assert_equal(plain, model, (reset_at, step))
         assert sorted(opt_o.state[model.block[0].weight]) == sorted(opt_p.state[plain.block[0].weight])
+        done = opt_o.completed_steps
+        opt_o.make_state()  # what DCP's get_state_dict asks: nothing to make, no step counted
+        assert opt_o.completed_steps == done
         opt_o.free()
 
 
@@ -496,6 +499,13 @@ def test_an_optimizer_relaunched_on_another_connection_takes_the_prefix_over(dae
             _loss(old_model, _batches(step)[0]).backward()
             with pytest.raises(InvalidArgument, match="taken over by a newer one"):
                 old.step()
+        held = sorted(c2.keys("opt/"))
+        for touch in (old.free, lambda: old.load_state_dict(new.state_dict())):
+            with pytest.raises(InvalidArgument, match="taken over by a newer one"):
+                touch()  # nothing under the prefix is the old one's to free or replace
+        assert sorted(c2.keys("opt/")) == held
+        _loss(model, _batches(3)[0]).backward()
+        new.step()
 
 
 def test_a_resume_makes_volatile_state_durable_and_refuses_a_record_whose_state_is_gone(make_store):

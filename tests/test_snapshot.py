@@ -318,7 +318,7 @@ def test_an_interrupted_overwriting_restore_leaves_no_record_naming_half_restore
     from tierstore.snapshot import restore
 
     s = make_store()
-    keys = [f"opt/0.{i}/exp_avg@0" for i in range(6)]
+    keys = [f"opt/0.{i}/exp_avg@0" for i in range(6)] + ["params/_orig_mod.0.weight"]  # torch.compile's names
     for i, k in enumerate(keys):
         s.put(torch.full((1000,), float(i)), key=k)
     s.put(torch.tensor([5]), key="opt/_progress")
@@ -327,6 +327,10 @@ def test_an_interrupted_overwriting_restore_leaves_no_record_naming_half_restore
     for i, k in enumerate(keys):  # the job goes on to step 10
         s.put(torch.full((1000,), 100.0 + i), key=k, replace=True)
     s.put(torch.tensor([10]), key="opt/_progress", replace=True)
+    with pytest.raises(KeyboardInterrupt):
+        restore(_Interrupting(s, at=1), dest, overwrite=True)
+    assert s.lookup("opt/_progress") is None  # the live record goes first
+    assert torch.equal(s.get(s.lookup(keys[-1])), torch.full((1000,), 106.0))  # a key with "_" is data: kept
     with pytest.raises(KeyboardInterrupt):
         restore(_Interrupting(s, at=4), dest, overwrite=True)
     assert s.lookup("opt/_progress") is None  # no record names the half-restored state

@@ -342,6 +342,28 @@ def test_parameter_offload_with_optimizer_steps(make_store):
         assert torch.equal(a, b)
 
 
+def _sgd_through_data(model):
+    """A hand-written SGD step as many third-party optimizers write it: through ``p.data``
+    (which leaves the parameter's version counter as it was)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.data.add_(p.grad, alpha=-0.1)
+            p.grad = None
+
+
+def test_a_forgotten_writeback_after_a_step_through_p_data_loses_nothing(make_store):
+    plain, model, handle = _offloaded_twin(make_store, Net, 10)
+    x = _batches(0, 1)[0]
+    for step in range(3):
+        for m in (plain, model):
+            m(x).square().mean().backward()
+        handle.materialize()
+        _sgd_through_data(plain)
+        _sgd_through_data(model)  # and no writeback()
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x))
+
+
 @pytest.mark.parametrize("cls", [Net, Functional])
 def test_a_step_whose_writeback_is_forgotten_is_stored_before_its_parameters_are_released(make_store, cls):
     # materialize(); opt.step(); then the next forward without writeback(): each module uses
@@ -408,6 +430,19 @@ def test_an_offloaded_models_state_dict_dtype_and_prefix_behave_as_a_plain_model
     with pytest.raises(ValueError, match="update_in_backward"):
         offload_parameters(other, s)
     del opt
+
+    gone = Net()
+    opt = offload_optimizer(torch.optim.AdamW(gone.parameters()), s, update_in_backward=True, prefix="gone")
+    del opt  # its hooks come off with it: the parameters may be offloaded now
+    offload_parameters(gone, s, prefix="gone-params")
+    nested = Net()  # parameters under "run", an optimizer under "run/opt": no key of one is the other's
+    run = offload_parameters(nested, s, prefix="run")
+    run_opt = offload_optimizer(torch.optim.SGD(nested.parameters(), lr=0.1), s, prefix="run/opt")
+    nested(x).sum().backward()
+    run.materialize()
+    run_opt.step()
+    run.writeback()
+    del run_opt
 
     a, b = Net(), Net()
     ref_b = copy.deepcopy(b)

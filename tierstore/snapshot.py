@@ -599,9 +599,9 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
     for e in index:
         _read_checked(root, e, packs, local_dir, src)
     packs.clear()
-    # bookkeeping keys (a last component starting with "_", as an optimizer's progress record)
-    # go last, and with overwrite the target's own go first: a restore interrupted part-way
-    # never leaves a record that names state only partly restored
+    # bookkeeping keys (an optimizer's progress records, ``_BOOKKEEPING``) go last, and with
+    # overwrite the target's own go first: a restore interrupted part-way never leaves a
+    # record that names state only partly restored
     index = [e for e in index if not _bookkeeping(e["key"])] + [e for e in index if _bookkeeping(e["key"])]
     if overwrite:
         for e in index:
@@ -654,9 +654,13 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
             "namespace": attrs.get("namespace")}
 
 
+_BOOKKEEPING = ("_progress", "_progress.prev", "_torn", "_owner")
+"""Last key components of records about the other keys under their prefix (an offloaded
+optimizer's progress records, its torn-step marker, an owner's mark)."""
+
+
 def _bookkeeping(key: str) -> bool:
-    """A key whose last component starts with ``_``: a record about other keys under its prefix."""
-    return key.rsplit("/", 1)[-1].startswith("_")
+    return key.rsplit("/", 1)[-1] in _BOOKKEEPING
 
 
 def _take_back(target: Objects, handles: list[Any]) -> int:

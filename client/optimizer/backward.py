@@ -121,6 +121,7 @@ class BackwardUpdates:
                         old.remove()
                     setattr(p, _OWNER, weakref.ref(self))
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, pi)))
+            weakref.finalize(opt, self.remove)  # a deleted optimizer's hooks come off with it
 
     # ------------------------------------------------------------------ public
     @contextlib.contextmanager
@@ -133,6 +134,11 @@ class BackwardUpdates:
             yield
         finally:
             self._deferred -= 1
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are on and their optimizer alive."""
+        return bool(self._hooks) and self._opt() is not None
 
     def remove(self) -> None:
         """Take the hooks off the parameters (``step()`` then updates every parameter)."""

@@ -48,7 +48,8 @@ class Buckets:
         return n * align_up(max(4 * local(p)[1].numel(), 1)) + (len(layout) - n) * align_up(8)
 
     def bucketable(self, gi: int, pi: int, p: torch.Tensor) -> bool:
-        return (gi, pi) in self._states.layout and not self._on_gpu(p) and self.state_bytes(gi, pi, p) <= self.limit
+        return (bool(self._states.layout.get((gi, pi))) and not self._on_gpu(p)
+                and self.state_bytes(gi, pi, p) <= self.limit)
 
     def end(self, work: list[Item], k: int) -> int:
         """End (exclusive) of the bucket starting at ``work[k]``: the parameters after it in
@@ -80,7 +81,7 @@ class Buckets:
             return end
         while end < len(work) and end - k < _BUCKET_MAX:
             g2, p2, q = work[end]
-            if g2 != gi or (g2, p2) in self._states.layout or self._on_gpu(q):
+            if g2 != gi or self._states.layout.get((g2, p2)) or self._on_gpu(q):
                 break
             total += self._first_bytes(q)
             if total > self.limit:

@@ -172,7 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The handle of this optimizer's mark under its prefix (``_owner``): a newer optimizer
         on the same prefix in any process or connection puts its own there."""
         self._owner_seen = -1  # the completed step count at which the mark was last found ours
-        claim_prefix(store, self.prefix, self)
+        claim_prefix(store, self.prefix, self, frees_all=True)
         if resume and self.progress.resume():
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
             self._mark_owner()
@@ -269,7 +269,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.progress.begin_updates()
         cur = self.state_tensors.cur
         ver = {(gi, pi): cur.get((gi, pi), 0) for gi, pi, _ in work}
-        self._in_step.fresh.update(key for key in ver if key not in self.state_tensors.layout)  # state made now
+        self._in_step.fresh.update(key for key in ver if not self.state_tensors.layout.get(key))  # state made now
         self._updates.run(work, ver)
         self._in_step.updated.update(ver)
 
@@ -295,6 +295,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         (``crash_consistent=True``): the last step wrote its state beside the previous
         one's, and the previous progress record names those. Parameters with fp32 masters
         come back from them; others are the caller's to restore."""
+        self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
         if step == self.progress.completed:
             return
         self.progress.rewind(step)
@@ -335,8 +336,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         with every learning rate 0, so that the state exists to be loaded into), a bucket
         at a time: zero gradients for one bucket's parameters at once instead of all of
         them. Nothing happens when some parameter has state or a gradient, as there."""
-        if len(self.state) or any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            return
+        self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
+        if len(self.state) or self.completed_steps or \
+                any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            return  # (a rule without state has none after its steps either: it needs nothing made)
         work = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
                 if p.requires_grad]
         lrs = [g.get("lr") for g in self.param_groups]
@@ -366,6 +369,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         over what it filled in place (python scalars, the groups' settings), make fp32
         masters again from the parameters, and start the step count there, as
         ``load_state_dict`` does."""
+        self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
         finish_lazy_load(self.state_tensors, self.param_groups, ph, self._needs_master)
         self.progress.completed = 0
         self.progress.write()
@@ -376,6 +380,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``set_state_dict`` passes) are matched to this optimizer's parameters by position
         in their groups; DTensor state (as DCP loads it, resharded to this rank's layout)
         is stored as this rank's local shard."""
+        self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
         found = placed(self.param_groups, state_dict)
         # the state is replaced in place (each put replaces its key) rather than freed and put
         # again: the progress records go first, so a process that dies meanwhile resumes
@@ -393,6 +398,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def free(self) -> None:
         """Free every object this optimizer keeps in the pool."""
+        self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
         self._clear_pool()
 
     def _clear_pool(self) -> None:

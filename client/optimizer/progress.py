@@ -82,7 +82,8 @@ class Progress:
         first as the previous one, whose versions the step left intact (``rewind``)."""
         rec = [self.completed]
         for (gi, pi), v in sorted(self.states.cur.items()):
-            rec += [gi, pi, v]
+            if self.states.layout.get((gi, pi)):
+                rec += [gi, pi, v]
         if len(rec) == 1:
             rec += _NO_STATE
         if keep_previous and self.states.versions == 2 and self._last_record is not None:
@@ -107,7 +108,7 @@ class Progress:
         whose state it made) become current, and the progress record says so."""
         states = self.states
         for key in updated:
-            if key not in states.layout:
+            if not states.layout.get(key):  # no state kept (a rule without any): nothing to name
                 continue
             if key in fresh or states.versions == 1:  # made this step (both versions equal), or in place
                 states.cur[key] = (self.completed + 1) % 2 if states.versions == 2 else 0

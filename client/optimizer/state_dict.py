@@ -46,6 +46,7 @@ def set_param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor, st:
             for version in range(states.versions):
                 states.free_key(states.key(gi, pi, name, version))
         states.cur.pop((gi, pi), None)
+        states.layout[(gi, pi)] = {}  # in optimizer.state, empty, as torch's own would have it
         return
     layout = states.layout[(gi, pi)] = {}
     for name, v in st.items():

@@ -74,7 +74,7 @@ class Updates:
             while k < len(work):
                 gi, pi, p = work[k]
                 read = ver[(gi, pi)]
-                if (gi, pi) not in states.layout:  # first steps: those after it in its group go along
+                if not states.layout.get((gi, pi)):  # first steps (or no state): those after it go along
                     end = buckets.first_end(work, k)
                     self.first(work[k:end])
                     k = end
@@ -94,7 +94,7 @@ class Updates:
                 nxt = None
                 if k + 1 < len(work):
                     g2, p2, q = work[k + 1]
-                    if self._on_gpu(q) and (g2, p2) in states.layout:
+                    if self._on_gpu(q) and states.layout.get((g2, p2)):
                         v2 = ver[(g2, p2)]
                         nxt = gpu.fetch(g2, p2, q, v2, states.write_version(v2))  # H2D overlaps this update
                     else:
@@ -184,9 +184,9 @@ class Updates:
         self._inner.step()
         for (gi, pi, p), target in zip(items, targets):
             state = self._inner.state.pop(target, {})
-            layout: dict[str, str] = {}
-            if state or target is not p:  # a rule that keeps no state (SGD without momentum) keeps nothing
-                states.layout[(gi, pi)] = layout
+            # a rule that keeps no state (SGD without momentum) leaves an empty layout: the parameter
+            # is in optimizer.state (as torch's own defaultdict has it), and every update is a first one
+            layout = states.layout[(gi, pi)] = {}
             for name, v in state.items():
                 if isinstance(v, torch.Tensor):
                     layout[name], t = local(v)
