@@ -10,10 +10,13 @@ each parameter's gradient and cannot share one: each marks the parameters it hoo
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from typing import Any
 
-__all__ = ["BACKWARD_UPDATES", "PARAM_OFFLOAD", "claim_prefix", "held_by"]
+import torch
+
+__all__ = ["BACKWARD_UPDATES", "PARAM_OFFLOAD", "PrefixMark", "claim_prefix", "held_by"]
 
 BACKWARD_UPDATES = "_tierstore_backward_updates"
 """The attribute of a parameter an optimizer updates in backward: a weak reference to its hooks."""
@@ -43,6 +46,26 @@ def claim_prefix(pool: Any, prefix: str, holder: Any, *, frees_all: bool) -> Non
             if old is not None and old is not holder:
                 old._taken_over = prefix
     mine[prefix] = (weakref.ref(holder), frees_all)
+
+
+class PrefixMark:
+    """A holder's mark under its prefix in the pool (``PREFIX/_owner``, 8 random bytes): a
+    newer holder in another process or connection on the namespace puts its own over it,
+    which the older one sees as a different handle when it looks."""
+
+    def __init__(self, pool: Any, prefix: str) -> None:
+        self.pool = pool
+        self.key = f"{prefix}/_owner"
+        self.handle: Any = None
+
+    def put(self) -> None:
+        """Put this holder's mark, over any other's."""
+        mark = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        self.handle = self.pool.put(mark, key=self.key, replace=True)
+
+    def ours(self) -> bool:
+        """Whether the mark under the prefix is still this holder's (true before ``put``)."""
+        return self.handle is None or self.pool.lookup(self.key) == self.handle
 
 
 def held_by(p: Any, attribute: str) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 import warnings
 import weakref
@@ -19,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from tierstore.contract import Pool
 from tierstore.errors import InvalidArgument, NotFound, StaleHandle
 
-from .claims import BACKWARD_UPDATES, PARAM_OFFLOAD, claim_prefix, held_by
+from .claims import BACKWARD_UPDATES, PARAM_OFFLOAD, PrefixMark, claim_prefix, held_by
 
 __all__ = ["offload_parameters"]
 
@@ -66,8 +65,8 @@ class _ParamOffload:
                                  "update_in_backward=False")
         claim_prefix(store, self.prefix, self, frees_all=False)
         # a mark under the prefix: a newer offload on it in another process or connection puts its own
-        self._mark = store.put(torch.tensor([secrets.randbits(62)], dtype=torch.int64), key=f"{self.prefix}/_owner",
-                               replace=True)
+        self._mark = PrefixMark(store, self.prefix)
+        self._mark.put()
         for name, p in model.named_parameters(remove_duplicate=True):  # tied parameters are stored once
             key = f"{self.prefix}/{name}"
             self.objects[id(p)] = store.put(p.detach(), key=key, tier=tier, replace=True)
@@ -170,8 +169,9 @@ class _ParamOffload:
         p.data = self._empty(p)
 
     def _unstage(self, p: torch.Tensor) -> None:
+        """Drop ``p``'s staged copy, if any (the pool's bytes, perhaps older than p's own)."""
         staged = self.staged.pop(id(p), None)
-        if staged is not None:  # a copy of the pool's bytes, older than the ones p holds
+        if staged is not None:
             staged[1].synchronize()
             staged[2].release()
 
@@ -182,7 +182,7 @@ class _ParamOffload:
         """Raise if a newer offload took the prefix over: in this process (at once), or
         anywhere on the namespace (``in_pool``: its mark replaced ours; looked up by
         ``materialize()`` and ``writeback()``, once a step)."""
-        if in_pool and self._taken_over is None and self.store.lookup(f"{self.prefix}/_owner") != self._mark:
+        if in_pool and self._taken_over is None and not self._mark.ours():
             self._taken_over = self.prefix
         if self._taken_over is not None:
             raise InvalidArgument(
@@ -256,10 +256,8 @@ class _ParamOffload:
                 log.debug("prefetch hint named a re-bound parameter; skipped")
 
     def _drop_staged(self) -> None:
-        for buf, ev, lease in self.staged.values():
-            ev.synchronize()
-            lease.release()
-        self.staged = {}
+        for p in [self.params[pid] for pid in self.staged]:
+            self._unstage(p)
 
     def _load(self, m: torch.nn.Module, order: dict[int, torch.nn.Module]) -> None:
         """Materialise ``m``'s parameters; stage the module that runs next in ``order``."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import secrets
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -25,7 +24,7 @@ import torch
 from tierstore.contract import Pool
 from tierstore.errors import InvalidArgument
 
-from ..claims import claim_prefix
+from ..claims import PrefixMark, claim_prefix
 
 from .backward import BackwardUpdates, refuse_offloaded_parameters
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
@@ -168,9 +167,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._lazy: Placeholders | None = None  # set inside lazy_state_dict()
         self._taken_over: str | None = None
         """The prefix of a newer offloaded optimizer on this pool that took this one's over."""
-        self._owner: Any = None
-        """The handle of this optimizer's mark under its prefix (``_owner``): a newer optimizer
-        on the same prefix in any process or connection puts its own there."""
+        self._mark = PrefixMark(store, self.prefix)
+        """This optimizer's mark under its prefix: a newer optimizer on the same prefix in any
+        process or connection puts its own there."""
         self._owner_seen = -1  # the completed step count at which the mark was last found ours
         claim_prefix(store, self.prefix, self, frees_all=True)
         if resume and self.progress.resume():
@@ -232,14 +231,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         clipped or unscaled before ``step()``."""
         return self.backward.deferred() if self.backward is not None else contextlib.nullcontext()
 
-    @property
-    def _owner_key(self) -> str:
-        return f"{self.prefix}/_owner"
-
     def _mark_owner(self) -> None:
         """Put this optimizer's mark under its prefix, over any other's."""
-        mark = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-        self._owner = self.store.put(mark, key=self._owner_key, replace=True)
+        self._mark.put()
         self._owner_seen = -1
 
     def _check_owner(self, *, again: bool = False) -> None:
@@ -247,8 +241,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         same pool (at once), or one anywhere on the same namespace (its mark replaced ours;
         looked up once a step, and ``again`` before a step's progress record is written)."""
         due = again or self._owner_seen != self.completed_steps
-        if self._taken_over is None and self._owner is not None and due:
-            if self.store.lookup(self._owner_key) != self._owner:
+        if self._taken_over is None and due:
+            if not self._mark.ours():
                 self._taken_over = self.prefix
             else:
                 self._owner_seen = self.completed_steps
@@ -393,7 +387,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for (gi, pi), st in found:
             p = self.param_groups[gi]["params"][pi]
             set_param_state(states, gi, pi, p, st, master=self._needs_master(p))
-        states.free_others(old, states.keys_in_layout() | {self._owner_key})
+        states.free_others(old, states.keys_in_layout() | {self._mark.key})
         self.progress.write()
 
     def free(self) -> None:
