@@ -53,13 +53,14 @@ _SLOTS = 64
 after the staging area and sends it without waiting: that many small puts in flight on
 one connection, no thread each."""
 
-_PART_MIN = 128 << 20
+_PART_MIN = 64 << 20
 """A put at least this large, whose commit writes to NVMe, is copied into the arena in
-pieces the daemon begins writing as they land (``put_part``). (At 64 MiB, one piece
-sent early measured slower than one copy: 0.94×; at 256 MiB and 1 GiB 1.09× and 1.15×
-faster, docs/benchmarks.md.)"""
-_PART_BYTES = 32 << 20
-"""The size of those pieces."""
+pieces the daemon begins writing as they land (``put_part``)."""
+_PART_BYTES = 8 << 20
+"""The size of those pieces. (Beside DeepSpeed's aio in one run, 8 MiB pieces put 64 and
+256 MiB at 0.99 and 1.02x its speed, against 0.94x for one copy at 64 MiB and 1.01x for
+32 MiB pieces at 256 MiB; 4 MiB chunks on the daemon's side did not help:
+docs/benchmarks.md.)"""
 _GET_PIECE_BYTES = 8 << 20
 _MAX_PIECES = 32
 """A streamed get (``get_part``) is copied in at most this many pieces of at least
