@@ -5,6 +5,9 @@ A stack of square Linear layers whose AdamW state (exp_avg + exp_avg_sq, fp32) i
 memory is its own), the offloaded ones against a daemon started for it:
 
   plain              torch.optim.AdamW, state in the training process
+  plain+tiles        the same, each large parameter updated a tile at a time as the offloaded
+                     optimizer does (its ``tiles`` module): the same bits, no offload; a
+                     variant's step over this one's is what offloading itself costs
   host               state on the daemon's host tier, single-version (the host tier's default:
                      arena = 1.1x the state)
   host-2v            the same, crash-consistent (two versions: arena = 2.2x the state)
@@ -33,7 +36,7 @@ The NVMe variants give the prefetcher 3/4 of the host tier (``--nvme-budget``: n
 of theirs stays resident between steps), the store-placed one 1/3 (every byte of
 budget is one it cannot keep resident); docs/prefetch.md.
 
-Reported: median step time (vs plain), the training process's peak unique memory
+Reported: median step time (vs plain, and vs plain+tiles where it ran), the training process's peak unique memory
 (private pages, sampled after every backward, when the gradients are all there unless
 updates in backward dropped them, and after every step; the sample's time is not part
 of the step's), the daemon's peak resident memory, their
@@ -124,7 +127,30 @@ torch.set_num_threads(2)
 model = nn.Sequential(*[nn.Linear(cfg["width"], cfg["width"]) for _ in range(cfg["layers"])])
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 client = None
-if cfg["variant"] != "plain":
+if cfg["variant"] == "plain+tiles":
+    # plain AdamW in this process, each large parameter updated a tile at a time as the
+    # offloaded optimizer does (tierstore.client.optimizer.tiles): the baseline that leaves
+    # only what offloading costs
+    from tierstore.client.optimizer.tiles import step_tiled, tileable
+
+    def tiled_step(opt=opt, whole_step=opt.step):
+        groups, rest = opt.param_groups, []
+        try:
+            for g in groups:
+                whole = []
+                for p in g["params"]:
+                    st = opt.state.get(p)
+                    if p.grad is not None and st and tileable(opt, g, p, st):
+                        opt.state[p] = step_tiled(opt, g, p, st)
+                    else:
+                        whole.append(p)
+                rest.append(dict(g, params=whole))
+            opt.param_groups = rest
+            whole_step()
+        finally:
+            opt.param_groups = groups
+    opt.step = tiled_step
+elif cfg["variant"] != "plain":
     from tierstore.client import Client
     from tierstore.client.torch import offload_optimizer
     client = Client.connect(socket=cfg["socket"], namespace="bench/rank0")
@@ -239,7 +265,7 @@ def divergence(a: dict, b: dict) -> tuple[int, int] | None:
     return None if a["digest"] == b["digest"] else (len(a["sums"]), -1)
 
 
-VARIANTS = ("plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
+VARIANTS = ("plain", "plain+tiles", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
             "nvme+prefetch+bwd", "nvme+prefetch+bwd+drop", "cache+prefetch", "deepspeed")
 
 
@@ -289,7 +315,7 @@ def run(variant: str, cfg: dict, state_bytes: int, base: str) -> dict:
             with socket.socket() as probe:  # a free port for its one-rank gloo group
                 probe.bind(("127.0.0.1", 0))
                 wcfg.update(nvme_path=d, port=probe.getsockname()[1])
-        elif variant != "plain":
+        elif not variant.startswith("plain"):
             if variant.startswith("host"):
                 versions = 2 if wcfg["crash_consistent"] else 1
                 host, tier, prefetch = int(1.1 * versions * state_bytes) + (64 << 20), "host", False
@@ -349,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--nvme-budget must be in (0, 1]")
     variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
     unknown = {v for v in variants if v.removesuffix("+crc32c").removesuffix("+4k") not in VARIANTS
-               or v.split("+")[0] in ("plain", "deepspeed") and v not in ("plain", "deepspeed")}
+               or v.split("+")[0] in ("plain", "deepspeed") and v not in ("plain", "plain+tiles", "deepspeed")}
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.quick:
@@ -393,6 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     per_round = {v: [median(x["times"]) for x in r] for v, r in runs.items()}
     med = {v: median(t) for v, t in per_round.items()}
     ratio = {v: median([t / p for t, p in zip(per_round[v], per_round["plain"])]) for v in runs}
+    tiled = {v: median([t / p for t, p in zip(per_round[v], per_round["plain+tiles"])]) for v in runs} \
+        if "plain+tiles" in runs else None
     cpu = {v: median([median(x["cpu_times"]) for x in r]) for v, r in runs.items()}
     cores = os.cpu_count() or 1
     fwd_bwd = sorted(plain["fb_times"])[len(plain["fb_times"]) // 2]
@@ -405,6 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         disk_s = moved / (mixed_gbps * 1e9) if mixed_gbps else None
         gap = loss_gap(plain, r)
         row = {"variant": v, "step_s": med[v], "step_vs_plain": ratio[v], "step_s_rounds": per_round[v],
+               "step_vs_plain_tiles": tiled[v] if tiled else None,
                "peak_uss": r["peak_uss"],
                "daemon_peak_rss": r["daemon_peak_rss"], "host_bytes": r["host_bytes"], "node_bytes": node,
                "saving_of_state": saving,
@@ -418,7 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
                "hit_rate": (r["prefetch"]["hits"] / max(1, r["prefetch"]["hits"] + r["prefetch"]["late"]
                                                        + r["prefetch"]["misses"])) if r["prefetch"] else None}
         out_rows.append(row)
-        rows.append([v, f"{med[v]:.2f}", f"{row['step_vs_plain']:.2f}", f"{r['peak_uss'] / 2**30:.2f}",
+        rows.append([v, f"{med[v]:.2f}", f"{row['step_vs_plain']:.2f}", *([f"{tiled[v]:.2f}"] if tiled else []),
+                     f"{r['peak_uss'] / 2**30:.2f}",
                      f"{r['daemon_peak_rss'] / 2**30:.2f}", f"{node / 2**30:.2f}", f"{saving * 100:.0f}%",
                      f"{r['pool_bytes'] / state_bytes:.2f}", f"{moved / 2**30:.2f}", *(["-", "-"] if disk_s is None else [f"{disk_s:.2f}", f"{disk_s / med['plain']:.2f}"]),
                      f"{cpu[v]:.2f}", f"{row['cpu_floor_vs_plain']:.2f}",
@@ -439,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# plain: forward+backward {fwd_bwd:.2f} s, optimizer {med['plain'] - fwd_bwd:.2f} s per step; {disk}")
     print(f"# 'cpu s': CPU seconds a step takes, the training process's and its daemon's together; 'cpu/plain':"
           f" that over {cores} cores, in plain steps: a floor under the step where the cores are all busy")
-    print_table(["variant", "step s", "vs plain", "proc GiB", "daemon GiB", "node GiB", "saved/state",
+    print_table(["variant", "step s", "vs plain", *(["vs plain+tiles"] if tiled else []), "proc GiB", "daemon GiB", "node GiB", "saved/state",
                  "pool/state", "moved GiB/step", "disk s", "disk/plain", "cpu s", "cpu/plain", "same", "hit rate"],
                 rows)
     for v, why in skipped.items():

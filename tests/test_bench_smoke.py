@@ -102,7 +102,7 @@ def test_loop_stall_smoke(tmp_path):
     assert all(p["pings"] > 0 and p["max_ms"] >= p["p50_ms"] > 0 for p in out["phases"].values())
 
 
-OURS = ["plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
+OURS = ["plain", "plain+tiles", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+prefetch", "nvme+prefetch-1v",
         "nvme+prefetch+bwd", "nvme+prefetch+bwd+drop", "cache+prefetch"]
 
 
@@ -110,7 +110,7 @@ OURS = ["plain", "host", "host-2v", "host+bwd", "host+bwd+drop", "nvme", "nvme+p
     # one of each kind: host tier crash-consistent, NVMe without prefetch, NVMe with prefetch
     # and the update in backward, the host tier updating in backward and dropping gradients (the
     # NVMe one with its daemon's arena in 4 KiB pages); every variant runs under the ``slow`` marker
-    pytest.param(["plain", "host-2v", "nvme+4k", "nvme+prefetch+bwd", "host+bwd+drop"], id="one-of-each-kind"),
+    pytest.param(["plain", "plain+tiles", "host-2v", "nvme+4k", "nvme+prefetch+bwd", "host+bwd+drop"], id="one-of-each-kind"),
     pytest.param(OURS, marks=pytest.mark.slow, id="every-variant"),
 ])
 def test_train_offload_smoke(tmp_path, variants):
@@ -281,3 +281,10 @@ def test_train_offload_rounds_smoke(tmp_path):
                cwd=tmp_path)
     assert out["rounds"] == 2 and [r["variant"] for r in out["results"]] == ["plain", "host"]
     assert all(len(r["step_s_rounds"]) == 2 and r["identical"] for r in out["results"])
+
+
+def test_tiles_smoke(tmp_path):
+    out = _run("tiles.py", "--quick", cwd=tmp_path)
+    assert out["bench"] == "tiles" and out["same_bits"]
+    assert set(out["results"]) == {"whole (plain)", "tiles", "memcpy (ceiling)"}
+    assert all(r["s"] > 0 for r in out["results"].values())

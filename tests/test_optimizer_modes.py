@@ -610,3 +610,79 @@ def test_a_gan_whose_generator_backward_runs_deferred_equals_plain(make_store):
             runs.setdefault(name, []).append([p.detach().clone() for p in [*g.parameters(), *d.parameters()]])
     for it, (a, b) in enumerate(zip(runs["plain"], runs["offloaded"])):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), it
+
+
+# ---------------------------------------------------------------------------------------- tiles
+TILED_RULES = [
+    (torch.optim.AdamW, dict(lr=1e-3)),
+    (torch.optim.AdamW, dict(lr=1e-3, fused=True)),
+    (torch.optim.Adam, dict(lr=1e-3, amsgrad=True, weight_decay=0.1, maximize=True)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)),
+    (torch.optim.RMSprop, dict(lr=1e-3, centered=True, momentum=0.5)),
+    (torch.optim.Adagrad, dict(lr=0.05, lr_decay=1e-3)),
+]
+
+
+class _Wide(nn.Module):
+    """Parameters larger than a tile, of sizes that are no multiple of one, and a small one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3 * (1 << 18) + 17) * 0.1)  # 3 tiles of fp32 and a 68-byte one
+        self.b = nn.Parameter(torch.randn(517, 1031) * 0.1)
+        self.c = nn.Parameter(torch.randn(100))
+
+    def forward(self, x):
+        return (self.a[:x.numel()] * x).sum() + (self.b[:, :x.numel()] @ x).square().sum() + self.c.sum() * x[0]
+
+
+@pytest.mark.parametrize("rule,kw", TILED_RULES, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(TILED_RULES)])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_large_parameter_is_updated_a_tile_at_a_time_with_the_same_bits_as_plain(make_store, rule, kw, tier):
+    """A parameter larger than ``TILE_BYTES`` under an elementwise rule (``ELEMENTWISE``)
+    is updated a tile at a time (the wrapped optimizer's ``step`` runs once per tile:
+    its temporaries stay small), and every parameter and state tensor equals plain's bit
+    for bit after every step, a learning-rate schedule included; a subclass of such a
+    rule (which may change it) runs whole."""
+    from tierstore.client.optimizer.tiles import TILE_BYTES
+
+    plain, off = _twin(3, _Wide)
+    assert plain.a.nbytes > 3 * TILE_BYTES and plain.b.nbytes > TILE_BYTES
+    opt_p = rule(plain.parameters(), **kw)
+    inner = rule(off.parameters(), **kw)
+    calls = []
+    inner.register_step_post_hook(lambda *_: calls.append(1))
+    opt_o = offload_optimizer(inner, make_store(host_bytes="64MiB"), tier=tier, bucket_bytes=0)
+    sch = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt_p, opt_o)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(64, generator=g)
+        for model, opt, sc in ((plain, opt_p, sch[0]), (off, opt_o, sch[1])):
+            model(x).backward()
+            opt.step()
+            sc.step()
+            opt.zero_grad(set_to_none=True)
+        _assert_equal(plain, off, step)
+    sd_p, sd_o = opt_p.state_dict()["state"], opt_o.state_dict()["state"]
+    for i in sd_p:
+        for name, v in sd_p[i].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_o[i][name])), (i, name)
+    tiles = 4 + -(-plain.b.nbytes // TILE_BYTES) + 1  # a, b in tiles; c whole
+    # the first step makes each parameter's state whole (Adagrad makes it at construction: every step tiled)
+    assert len(calls) == (5 * tiles if rule is torch.optim.Adagrad else 3 + 4 * tiles)
+
+
+def test_a_subclass_of_an_elementwise_rule_is_updated_whole(make_store):
+    class Clipped(torch.optim.AdamW):  # a rule of its own: tiles could change it
+        pass
+
+    _, off = _twin(3, _Wide)
+    inner = Clipped(off.parameters(), lr=1e-3)
+    calls = []
+    inner.register_step_post_hook(lambda *_: calls.append(1))
+    opt = offload_optimizer(inner, make_store(host_bytes="64MiB"), tier="host", bucket_bytes=0)
+    for _ in range(3):
+        off(torch.ones(64)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == 3 * 3  # one call per parameter and step

@@ -21,6 +21,7 @@ from tierstore.units import format_size
 from .buckets import Buckets
 from .gpu import GpuItem, GpuUpdates
 from .state import Item, Key, StateTensors, local, pytag, untag, wrap_like
+from .tiles import step_tiled, tileable
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,8 @@ class Updates:
 
     def apply_many(self, group: dict[str, Any], updates: list[tuple[torch.Tensor, dict[str, str], Views]]) -> None:
         """``apply`` to several parameters of ``group`` by one call of the wrapped optimizer
-        (its update of each parameter is the same as alone: elementwise, per parameter)."""
+        (its update of each parameter is the same as alone: elementwise, per parameter);
+        a large one of an elementwise rule a tile at a time (``tiles``), the same bits."""
         inner = self._inner
         targets = []
         try:
@@ -230,8 +232,15 @@ class Updates:
                     target = p
                 inner.state[target] = state
                 targets.append(target)
-            inner.param_groups = [dict(group, params=targets)]
-            inner.step()
+            whole = []
+            for target in targets:
+                if tileable(inner, group, target, inner.state[target]):  # a large parameter a tile at a time
+                    inner.state[target] = step_tiled(inner, group, target, inner.state[target])
+                else:
+                    whole.append(target)
+            if whole:
+                inner.param_groups = [dict(group, params=whole)]
+                inner.step()
             for (p, layout, views), target in zip(updates, targets):
                 new_state = inner.state.get(target, {})
                 for name, tag in layout.items():  # python scalars changed by the update go back into their views
