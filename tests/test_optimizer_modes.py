@@ -686,3 +686,24 @@ def test_a_subclass_of_an_elementwise_rule_is_updated_whole(make_store):
         opt.step()
         opt.zero_grad()
     assert len(calls) == 3 * 3  # one call per parameter and step
+
+
+def test_a_resume_that_finds_state_but_no_record_warns(make_store, caplog):
+    """A resume with no progress record starts fresh; where objects are left under the
+    prefix (an overwriting restore or a first step stopped part-way) it says so as a
+    warning, naming how many, and where there are none, at info level only."""
+    import logging
+
+    s = make_store()
+    _, off = _twin()
+    with caplog.at_level(logging.INFO, logger="tierstore.client.optimizer.progress"):
+        offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="a", resume=True)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    caplog.clear()
+    s.put(torch.zeros(10), key="b/0.0/exp_avg@0")  # left by an interrupted restore: no record names it
+    with caplog.at_level(logging.INFO, logger="tierstore.client.optimizer.progress"):
+        opt = offload_optimizer(torch.optim.AdamW(off.parameters(), lr=1e-3), s, tier="host", prefix="b",
+                                resume=True)
+    assert opt.completed_steps == 0
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "1 other objects" in warned[0].getMessage()

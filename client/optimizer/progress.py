@@ -132,8 +132,14 @@ class Progress:
         states = self.states
         rec = self._read(self._record_key)
         if rec is None:
-            log.info("resume: no progress record under %r (nothing to resume yet, or another namespace or "
-                     "prefix than the run's); starting fresh", states.prefix)
+            left = [k for k in states.store.keys(states.prefix + "/") if k.rsplit("/", 1)[-1] != "_owner"]
+            if left:  # state without a record: an overwriting restore or a first step cut short
+                log.warning("resume: no progress record under %r, but %d other objects are there (a restore or "
+                            "the first step stopped part-way?): they are not resumed; starting fresh",
+                            states.prefix, len(left))
+            else:
+                log.info("resume: no progress record under %r (nothing to resume yet, or another namespace or "
+                         "prefix than the run's); starting fresh", states.prefix)
             return False
         self.completed = rec[0]
         self._last_record = rec
