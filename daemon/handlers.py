@@ -276,8 +276,7 @@ class Handlers:
         return _answer(self.store.daemon.fill_put(rid, upto, owner=sess), lambda sent: {"sent": sent or 0})
 
     def put_abort(self, sess: "Session", msg: dict[str, Any]) -> Any:
-        self.store.daemon.abort_put(field(msg, "rid", int, min_value=0), owner=sess)
-        return {}
+        return _answer(self.store.daemon.abort_put(field(msg, "rid", int, min_value=0), owner=sess), lambda _: {})
 
     # -- leases ----------------------------------------------------------------------------
     def get(self, sess: "Session", msg: dict[str, Any]) -> Any:

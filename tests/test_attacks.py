@@ -109,8 +109,8 @@ class Raw:
 def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
     """``put_part`` (a reservation's first bytes are filled: the daemon may begin writing
     them to NVMe) from a raw client: values out of range or of the wrong type, another
-    connection's reservation, a host-tier one, one already committed are typed errors or
-    nothing to do; what the early writes took on NVMe comes back when the reservation is
+    connection's reservation (to write early or to abort), a host-tier one, one already
+    committed are typed errors or nothing to do; what the early writes took on NVMe comes back when the reservation is
     aborted or its connection goes, and a committed object holds only its own bytes."""
     n = 8 << 20
     nvme = lambda: victim.stat()["tiers"]["nvme"]["used_bytes"]  # noqa: E731
@@ -128,6 +128,9 @@ def test_put_part_is_a_typed_hint_that_keeps_no_nvme_space(daemon, victim, ns):
         assert a.call("put_part", rid=rid, upto=n // 2)["ok"]["sent"] > 0
         assert a.call("put_part", rid=rid, upto=n // 2)["ok"]["sent"] == 0  # (sent already)
         assert nvme() == used0 + n  # the object's extents, taken early
+        assert b.err("put_abort", rid=rid) == "NotFound"  # another connection's: refused, nothing aborted
+        assert a.err("put_abort", rid=rid + 10**6) == "NotFound"
+        assert nvme() == used0 + n
         assert "ok" in a.call("put_abort", rid=rid)
         assert nvme() == used0
         assert a.call("put_part", rid=reserve(tier="host"), upto=n)["ok"]["sent"] == 0  # nothing to write early

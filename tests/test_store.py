@@ -1107,7 +1107,7 @@ def test_early_writes_racing_their_commit_and_each_other_keep_the_bytes_and_no_s
         for t in threads:
             t.start()
         if i % 4 == 3:
-            s.daemon.abort_put(res.rid, owner=owner)
+            s.daemon.abort_put(res.rid, owner=owner).run()
         else:
             kept[f"k{i}"] = (s.daemon.commit_put(res.rid, owner=owner), data)
         for t in threads:
@@ -1120,3 +1120,47 @@ def test_early_writes_racing_their_commit_and_each_other_keep_the_bytes_and_no_s
     for h, _ in kept.values():
         s.free(h)
     poll_until(lambda: s.stat()["tiers"]["nvme"]["used_bytes"] == used0, "the NVMe space to come back")
+
+
+def test_an_abort_ends_the_early_writes_still_queued_without_waiting_for_them(make_store):
+    """``put_abort`` of a reservation whose early writes (``put_part``) are queued behind
+    other I/O: the daemon runs the abort's rest on a worker (a ``Later``: never on its
+    event loop), the queued writes are cancelled, not waited for, so the abort ends while
+    the I/O ahead of them still runs; the reservation and its NVMe space come back, and
+    nothing of it was written. A reservation of another owner's, or none, is NotFound."""
+    from tierstore.errors import NotFound
+    from tierstore.tensors import TensorSpec
+    from tierstore.waits import Later
+
+    s = make_store(host_bytes="64MiB", io_threads=2)
+    engine = s.placement.nvme.engine
+    n = 8 << 20
+    owner = object()
+    used0 = s.stat()["tiers"]["nvme"]["used_bytes"]
+    gate = threading.Event()
+    ahead = [engine.submit(gate.wait) for _ in range(2)]  # every worker busy until the gate opens
+    try:
+        poll_until(lambda: engine.queued() == 0, "the workers to take the blocking jobs")
+        res = s.daemon.reserve_put(TensorSpec("numpy", "uint8", (n,), n), key="k", tier="nvme", durable=False,
+                                   replace=False, namespace="default", owner=owner)
+        s.placement.host_view(res.host_off, n)[:] = 7
+        written0 = s.placement.nvme.bytes_written
+        assert s.daemon.fill_put(res.rid, n, owner=owner).run() == n  # every chunk sent, all queued
+        assert engine.queued() > 0
+        with pytest.raises(NotFound):
+            s.daemon.abort_put(res.rid, owner=object())
+        with pytest.raises(NotFound):
+            s.daemon.abort_put(res.rid + 1000, owner=owner)
+        later = s.daemon.abort_put(res.rid, owner=owner)
+        assert isinstance(later, Later)
+        t = threading.Thread(target=later.run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the abort waited for writes queued behind the blocked workers"
+        assert s.stat()["reservations"] == 0  # (the cancelled writes stay queued, to be skipped)
+        assert s.stat()["tiers"]["nvme"]["used_bytes"] == used0
+    finally:
+        gate.set()
+    for f in ahead:
+        f.result()
+    assert s.placement.nvme.bytes_written == written0

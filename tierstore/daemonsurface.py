@@ -88,8 +88,12 @@ class DaemonSurface:
         """``Puts.fill``: the reservation's first ``upto`` bytes are there to write early."""
         return self.puts.fill(rid, upto, owner=owner)
 
-    def abort_put(self, rid: int, *, owner: Any = LOCAL) -> None:
-        self.puts.abort(rid, owner=owner)
+    def abort_put(self, rid: int, *, owner: Any = LOCAL) -> Later:
+        """``Puts.abort`` of the caller's open reservation ``rid`` (``NotFound``: it has
+        none of that number), as a ``Later``: the writes ``put_part`` began for it are
+        ended and waited for on a worker, never on the event loop."""
+        self.puts.owned(rid, owner)
+        return Later(lambda: self.puts.abort(rid, owner=owner))
 
     def try_get_streamed(self, handle: Handle | int | str, *, owner: Any, namespace: str | None, stream: str,
                          device: bool) -> LeaseInfo | Stream | Later:

@@ -662,6 +662,8 @@ class PartialWrite:
         with self._lock:
             self.sent = len(self.chunks)
         for f in self.futures:
+            f.cancel()  # still queued: never runs (those under way are waited for below)
+        for f in self.futures:
             try:
                 f.result()
             except BaseException:  # (the write is abandoned: its errors go with it)

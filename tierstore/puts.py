@@ -414,6 +414,13 @@ class Puts:
 
         return Later(lambda: self.placement.write_early(res.meta, upto, still_open))
 
+    def owned(self, rid: int, owner: Any) -> None:
+        """``NotFound`` unless ``rid`` is a reservation of ``owner``'s, open or committing."""
+        with self.cv:
+            res = self.reservations.get(rid)
+            if res is None or res.owner != owner:
+                raise NotFound(f"no open reservation {rid} for this connection")
+
     def abort(self, rid: int, *, owner: Any = LOCAL) -> None:
         """Drop an open reservation; one a commit has taken up is left to it."""
         self._drop(rid, owner, committing=False)
