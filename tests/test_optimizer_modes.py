@@ -707,3 +707,42 @@ def test_a_resume_that_finds_state_but_no_record_warns(make_store, caplog):
     assert opt.completed_steps == 0
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "1 other objects" in warned[0].getMessage()
+
+
+def test_a_bf16_parameter_without_a_master_is_updated_whole_with_plains_bits(make_store):
+    """A large bf16 parameter updated in bf16 (``master_weights=False``) is not tiled:
+    in bf16 torch's vectorised and scalar loops round differently, so where a tile (or a
+    thread's share) ends would change bits; updated whole, with 2 threads, every step
+    equals plain's bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _bf16_steps(make_store)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bf16_steps(make_store):
+    g = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(786449, generator=g) * 0.1).to(torch.bfloat16)  # 1.5 MiB: tiled if it were fp32
+    grads = [torch.randn(786449, generator=g).to(torch.bfloat16) for _ in range(3)]
+    pp, po = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    opt_p = torch.optim.SGD([pp], lr=0.05, momentum=0.9)
+    inner = torch.optim.SGD([po], lr=0.05, momentum=0.9)
+    calls = []
+    inner.register_step_post_hook(lambda *_: calls.append(1))
+    opt_o = offload_optimizer(inner, make_store(host_bytes="64MiB"), tier="host", master_weights=False)
+    for step, grad in enumerate(grads):
+        for p, o in ((pp, opt_p), (po, opt_o)):
+            p.grad = grad.clone()
+            o.step()
+        assert torch.equal(pp.view(torch.int16), po.view(torch.int16)), step
+    assert len(calls) == 3  # one call a step: whole
+
+
+def test_sparse_optimizer_state_is_refused_with_a_clear_error(make_store):
+    p = nn.Parameter(torch.randn(300, 8))
+    opt = offload_optimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9), make_store(), tier="host")
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 5, 7]]), torch.ones(3, 8), (300, 8))
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()

@@ -61,6 +61,10 @@ def local(v: torch.Tensor) -> tuple[str, torch.Tensor]:
     dt = _dtensor_cls()
     if dt is not None and isinstance(v, dt):
         return "dtensor", v.to_local()
+    if v.layout != torch.strided:
+        raise TypeError(f"cannot offload optimizer state held as a {v.layout} tensor (SGD's momentum under sparse "
+                        "gradients is one): give the parameter dense gradients, or leave it out of the offloaded "
+                        "optimizer")
     return "tensor", v
 
 

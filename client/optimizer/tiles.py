@@ -10,8 +10,10 @@ took 0.27 s instead of 0.86 s on 2 cores, with no page faults instead of 524 000
 
 Only where that is the same update, bit for bit: the wrapped optimizer is exactly one of
 ``ELEMENTWISE`` (not a subclass, which may change the rule), the parameter, its gradient
-and every state tensor of the parameter's shape are contiguous CPU tensors of a real
-floating dtype, the gradient is dense, and nothing asks for a differentiable step.
+and every state tensor of the parameter's shape are contiguous fp32 CPU tensors (an
+fp32 master of a bf16 or fp16 parameter is; in bf16 and fp16 themselves torch's
+vectorised and scalar loops round differently, so where a tile ends changes bits), the
+gradient is dense, and nothing asks for a differentiable step.
 Every element of such a rule depends only on the same element of its inputs and on the
 state that is not of the parameter's shape (the step count), which each tile reads
 from a copy of its value before the update, so that every tile updates from the same
@@ -57,7 +59,7 @@ def _settle_allocator() -> None:
 
 def _plain_cpu(t: Any) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.is_contiguous() \
-        and t.dtype.is_floating_point and t.layout == torch.strided
+        and t.dtype == torch.float32 and t.layout == torch.strided
 
 
 def tileable(inner: torch.optim.Optimizer, group: dict[str, Any], target: torch.Tensor,
