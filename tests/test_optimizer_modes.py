@@ -746,3 +746,31 @@ def test_sparse_optimizer_state_is_refused_with_a_clear_error(make_store):
     p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 5, 7]]), torch.ones(3, 8), (300, 8))
     with pytest.raises(TypeError, match="sparse"):
         opt.step()
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_state_dict_in_an_older_format_loads_as_the_rule_would_load_it(make_store, tier):
+    """A state dict saved by an older torch (Adam's ``step`` a python number) loads as
+    the plain optimizer's ``load_state_dict`` loads it (torch brings it up to date in
+    the rule's ``__setstate__``): the next steps equal plain's."""
+    plain, off = _twin(2)
+    src = copy.deepcopy(plain)
+    opt_src = torch.optim.Adam(src.parameters(), lr=1e-3)
+    for x in _batches(0):
+        nn.functional.cross_entropy(src(x).flatten(0, 1), x.flatten()).backward()
+    opt_src.step()
+    sd = opt_src.state_dict()
+    for st in sd["state"].values():
+        st["step"] = float(st["step"])  # as torch < 1.12 saved it
+    opt_p = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    opt_o = offload_optimizer(torch.optim.Adam(off.parameters(), lr=1e-3), make_store(), tier=tier)
+    opt_p.load_state_dict(copy.deepcopy(sd))
+    opt_o.load_state_dict(copy.deepcopy(sd))
+    for step in range(1, 4):
+        for model, opt in ((plain, opt_p), (off, opt_o)):
+            for x in _batches(step):
+                nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _assert_equal(plain, off, step)
+    assert all(torch.is_tensor(st["step"]) for st in opt_o.state_dict()["state"].values())

@@ -30,7 +30,7 @@ from .backward import BackwardUpdates, refuse_offloaded_parameters
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
 from .progress import Progress
 from .state import Item, Key, StateTensors, local
-from .state_dict import Placeholders, PoolState, finish_lazy_load, pack, placed, set_param_state
+from .state_dict import Placeholders, PoolState, finish_lazy_load, in_rule_format, pack, placed, set_param_state
 from .update import Updates
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded"]
@@ -375,7 +375,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         in their groups; DTensor state (as DCP loads it, resharded to this rank's layout)
         is stored as this rank's local shard."""
         self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
-        found = placed(self.param_groups, state_dict)
+        found = in_rule_format(self.inner, self.param_groups, placed(self.param_groups, state_dict))
         # the state is replaced in place (each put replaces its key) rather than freed and put
         # again: the progress records go first, so a process that dies meanwhile resumes
         # fresh, as after a clear; objects the new state does not name go last

@@ -8,6 +8,7 @@ is kept.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import MutableMapping
 from typing import Any, Callable, Iterator
 
@@ -180,6 +181,23 @@ def finish_lazy_load(states: StateTensors, param_groups: list[dict[str, Any]], p
         if "master" in layout and needs_master(p):
             states.put_both(gi, pi, "master", local(p.detach())[1].float())
         states.cur[(gi, pi)] = 0
+
+
+def in_rule_format(inner: torch.optim.Optimizer, param_groups: list[dict[str, Any]],
+                   found: list[tuple[Key, dict[str, Any]]]) -> list[tuple[Key, dict[str, Any]]]:
+    """``found`` (``placed``'s) as the wrapped optimizer's own ``load_state_dict`` would
+    keep it: torch's rules bring an older format up to date in ``__setstate__`` (Adam's
+    python-number ``step`` becomes the tensor its update needs), which is run here on
+    the saved states alone (the tensors are not copied), the optimizer's own state and
+    groups put back after."""
+    params = {key: param_groups[key[0]]["params"][key[1]] for key, _ in found}
+    kept = {k: inner.__dict__[k] for k in ("state", "param_groups")}
+    trial: defaultdict = defaultdict(dict, {params[key]: dict(st) for key, st in found})
+    try:
+        inner.__setstate__({"state": trial, "param_groups": param_groups})
+        return [(key, dict(inner.state.get(params[key], st))) for key, st in found]
+    finally:
+        inner.__dict__.update(kept)
 
 
 def placed(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> list[tuple[Key, dict[str, Any]]]:
