@@ -390,12 +390,17 @@ def test_sigkill_and_sigterm_restarts_keep_durable_objects(daemon):
         assert sorted(c.keys()) == sorted(data)
 
 
-def test_second_daemon_on_a_live_socket_refuses(daemon, tmp_path):
+@pytest.mark.parametrize("same_nvme_dir", [False, True])
+def test_second_daemon_on_a_live_socket_refuses(daemon, tmp_path, same_nvme_dir):
+    """A second daemon on a live daemon's socket is refused naming that daemon, whether
+    it was given NVMe directories of its own or the same ones (as two starts with the
+    same settings are): the socket is checked before the directories the first holds."""
     env = dict(os.environ)
+    nvme = daemon.nvme if same_nvme_dir else str(tmp_path / "other")
     r = subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", daemon.socket, "--nvme-dir",
-                        str(tmp_path / "other"), "--host-bytes", "16MiB"], capture_output=True, text=True,
+                        nvme, "--host-bytes", "16MiB"], capture_output=True, text=True,
                        timeout=60, env=env)
-    assert r.returncode == 1 and "already serving" in r.stderr
+    assert r.returncode == 1 and f"(pid {daemon.proc.pid}) is already serving" in r.stderr, r.stderr
     with daemon.client() as c:
         c.ping()
 

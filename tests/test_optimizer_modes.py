@@ -774,3 +774,28 @@ def test_a_state_dict_in_an_older_format_loads_as_the_rule_would_load_it(make_st
             opt.zero_grad(set_to_none=True)
         _assert_equal(plain, off, step)
     assert all(torch.is_tensor(st["step"]) for st in opt_o.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("lost", ["exp_avg", "master"])
+def test_a_resume_refuses_a_parameter_whose_state_is_there_in_part(make_store, lost):
+    """A parameter whose state is in the pool only in part (one state tensor's objects,
+    or its fp32 master's, freed by hand or lost) is refused by ``resume=True`` with a
+    ``ValueError`` naming it, as a parameter whose state is all gone is: never resumed
+    with a ``KeyError`` inside torch at the next step, nor silently left at its initial
+    value."""
+    s = make_store(host_bytes="64MiB")
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).to(torch.bfloat16)
+    make = lambda: offload_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), s, tier="host",  # noqa: E731
+                                     durable=True, crash_consistent=True, resume=True)
+    opt = make()
+    for _ in range(2):
+        model(torch.ones(2, 16, dtype=torch.bfloat16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    del opt
+    gone = [k for k in s.keys("opt/0.2/") if k.split("/")[-1].split("@")[0].split("#")[0] == lost]
+    assert gone
+    for k in gone:
+        s.free(s.lookup(k))
+    with pytest.raises(ValueError, match="parameter 0.2"):
+        make()

@@ -16,7 +16,9 @@ import dataclasses
 import fcntl
 import logging
 import os
+import socket
 import stat
+import struct
 
 from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes
 from .errors import InvalidArgument, StorageError
@@ -93,7 +95,26 @@ def check_daemon_start(cfg: Config) -> None:
     """``check_start`` plus the daemon's socket directory (made if missing, writable)."""
     resolved = cfg.resolved()
     check_dir(os.path.dirname(resolved.daemon.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
+    _no_daemon_serving(resolved.daemon.socket)  # (before the NVMe directories, which such a daemon holds)
     check_start(resolved.store)
+
+
+def _no_daemon_serving(path: str) -> None:
+    """``InvalidArgument`` naming the daemon already serving ``path``, where one answers
+    there (a stale socket, or none, passes: the daemon replaces it)."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+        pid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except OSError:
+        return  # (not a live daemon's socket: the daemon's own check says what it is)
+    finally:
+        probe.close()
+    raise InvalidArgument(f"a tierstore daemon (pid {pid}) is already serving {path}; stop it first or use another "
+                          "--socket")
 
 
 def _no_smaller_than_its_files(cfg: StoreConfig) -> StoreConfig:

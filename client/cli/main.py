@@ -25,6 +25,18 @@ __all__ = ["main", "build_parser"]
 
 _SIGPIPE_STATUS = 141  # what a shell reports for a process killed by SIGPIPE, as `yes | head` gives
 
+_WATCH_MOST_S = 86400.0
+
+
+def _interval(text: str) -> float:
+    """``--watch SECONDS``: a finite number above 0, at most a day."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < v <= _WATCH_MOST_S:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most {_WATCH_MOST_S:.0f} seconds, got {text}")
+    return v
 
 def _socket_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", metavar="PATH", help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
@@ -54,7 +66,7 @@ def build_parser() -> ArgumentParser:
     s = sub.add_parser("stat", help="tiers, namespaces, engine, prefetch counters of the running daemon")
     _socket_flag(s)
     s.add_argument("--json", action="store_true", help="machine-readable output (the stat() dict)")
-    s.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until interrupted")
+    s.add_argument("--watch", type=_interval, metavar="SECONDS", help="redraw every SECONDS until interrupted")
     s.add_argument("--iterations", type=int, help=argparse.SUPPRESS)  # bounded --watch (tests)
     ls = sub.add_parser("ls", help="list the keyed objects of a namespace")
     _socket_flag(ls)

@@ -172,7 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         process or connection puts its own there."""
         self._owner_seen = -1  # the completed step count at which the mark was last found ours
         claim_prefix(store, self.prefix, self, frees_all=True)
-        if resume and self.progress.resume():
+        if resume and self.progress.resume(self.param_groups, self._needs_master):
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
             self._mark_owner()
         else:

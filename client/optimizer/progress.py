@@ -13,6 +13,7 @@ that finds it refuses with ``TornState``.
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -126,9 +127,11 @@ class Progress:
         h = self.states.store.lookup(key)
         return None if h is None else [int(x) for x in self.states.store.get(h).reshape(-1).tolist()]
 
-    def resume(self) -> bool:
+    def resume(self, param_groups: list[dict[str, Any]] | None = None,
+               needs_master: Callable[[torch.Tensor], bool] | None = None) -> bool:
         """Take up the state under the prefix (layout and current versions); False when there
-        is none to take up."""
+        is none to take up. With ``param_groups`` (and ``needs_master``), a parameter whose
+        state is there in part is refused (``_incomplete``)."""
         states = self.states
         rec = self._read(self._record_key)
         if rec is None:
@@ -172,11 +175,43 @@ class Progress:
                 f"parameter(s) that the pool does not hold (e.g. parameter {lost[0][0]}.{lost[0][1]}): freed, or "
                 "lost with a daemon that stopped while the state was volatile (durable=False); load a checkpoint "
                 "(load_state_dict) or start afresh (resume=False)")
+        if param_groups is not None:
+            self._incomplete(param_groups, needs_master, [k for k in named if k in states.layout])
         states.cur = {key: (self.completed % 2 if legacy else named[key]) for key in states.layout}
         self._settle_versions()
         self._hold_durably()
         log.info("resumed %d parameters' optimizer state at step %d", len(states.layout), self.completed)
         return True
+
+    def _incomplete(self, param_groups: list[dict[str, Any]], needs_master: Callable[[torch.Tensor], bool] | None,
+                    keys: list[Key]) -> None:
+        """``ValueError`` where a parameter the record names holds only part of its state:
+        no fp32 master where this optimizer keeps one, or fewer state names than another
+        parameter of the same group, shape and dtype (a rule's state depends on those, not
+        on which parameter it is) — objects freed by hand, or lost."""
+        states = self.states
+        names: dict[tuple, set[str]] = {}
+        for gi, pi in keys:
+            if gi >= len(param_groups) or pi >= len(param_groups[gi]["params"]):
+                continue  # (the groups differ from the run's: the state's own checks speak of that)
+            p = param_groups[gi]["params"][pi]
+            have = set(states.layout[(gi, pi)])
+            if needs_master is not None and needs_master(p) and "master" not in have:
+                raise ValueError(
+                    f"the optimizer state under {states.prefix!r} (step {self.completed}) has no fp32 master for "
+                    f"parameter {gi}.{pi}, which this optimizer keeps one for (freed, or the state was written with "
+                    "master_weights=False): load a checkpoint (load_state_dict) or start afresh (resume=False)")
+            names.setdefault((gi, tuple(p.shape), p.dtype), set()).update(have - {"master"})
+        for gi, pi in keys:
+            if gi >= len(param_groups) or pi >= len(param_groups[gi]["params"]):
+                continue
+            p = param_groups[gi]["params"][pi]
+            missing = names[(gi, tuple(p.shape), p.dtype)] - set(states.layout[(gi, pi)])
+            if missing:
+                raise ValueError(
+                    f"the optimizer state under {states.prefix!r} (step {self.completed}) of parameter {gi}.{pi} "
+                    f"lacks {sorted(missing)}, which the group's other parameters of its shape have (freed, or "
+                    "lost): load a checkpoint (load_state_dict) or start afresh (resume=False)")
 
     def _hold_durably(self) -> None:
         """After a resume with ``durable=True``, state put volatile before (a job that ran with
