@@ -743,7 +743,7 @@ def _bf16_steps(make_store):
 def test_sparse_optimizer_state_is_refused_with_a_clear_error(make_store):
     p = nn.Parameter(torch.randn(300, 8))
     opt = offload_optimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9), make_store(), tier="host")
-    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 5, 7]]), torch.ones(3, 8), (300, 8))
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 5, 7]]), torch.ones(3, 8), (300, 8), check_invariants=True)
     with pytest.raises(TypeError, match="sparse"):
         opt.step()
 
