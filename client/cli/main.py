@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except TierstoreError as e:
-        print(f"tierstore: {e.code}: {_one_line(e)}", file=sys.stderr)
+        # (the client's advice is for Python callers; a command line has a flag for it)
+        line = _one_line(e).replace("or pass autostart=True", "or pass --socket PATH")
+        print(f"tierstore: {e.code}: {line}", file=sys.stderr)
         return 1
     except ValueError as e:
         print(f"tierstore: {_one_line(e)}", file=sys.stderr)
