@@ -54,7 +54,7 @@ from tierstore.config import Config
 from tierstore.errors import Closed, InvalidArgument, PermissionDenied, ProtocolError, TierstoreError
 from tierstore.objectindex import acting_for
 from tierstore.waits import Later, WouldWait, wait_context
-from tierstore.preflight import check_dir
+from tierstore.preflight import already_serving, check_dir, serving_pid
 from tierstore.protocol import decode, reply_err, reply_ok
 from tierstore.store import Store
 from tierstore.units import format_size
@@ -365,22 +365,14 @@ class Server:
             return
         if not stat_mod.S_ISSOCK(os.lstat(path).st_mode):
             raise DaemonAlreadyRunning(f"{path} exists and is not a socket; remove it or choose another --socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        probe.settimeout(2.0)
         try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("replacing stale socket %s of a daemon that is gone", path)
-            os.unlink(path)
-            return
+            pid = serving_pid(path)
         except OSError as e:
             raise DaemonAlreadyRunning(f"cannot probe existing socket {path}: {e}") from None
-        else:
-            pid = peer_cred(probe).pid
-            raise DaemonAlreadyRunning(f"a tierstore daemon (pid {pid}) is already serving {path}; "
-                                       "stop it first or use another --socket")
-        finally:
-            probe.close()
+        if pid is not None:
+            raise DaemonAlreadyRunning(already_serving(pid, path))
+        log.info("replacing stale socket %s of a daemon that is gone", path)
+        os.unlink(path)
 
     def _bind(self, path: str) -> socket.socket:
         d = os.path.dirname(path) or "."

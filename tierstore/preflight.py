@@ -104,17 +104,32 @@ def _no_daemon_serving(path: str) -> None:
     there (a stale socket, or none, passes: the daemon replaces it)."""
     if not os.path.exists(path):
         return
+    try:
+        pid = serving_pid(path)
+    except OSError:
+        return  # (not a live daemon's socket: the daemon's own check says what it is)
+    if pid is not None:
+        raise InvalidArgument(already_serving(pid, path))
+
+
+def serving_pid(path: str) -> int | None:
+    """The pid of the process answering on the Unix socket ``path``; None where nothing
+    answers (no socket there, or a stale one). ``OSError``: it could not be probed."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     probe.settimeout(2.0)
     try:
-        probe.connect(path)
-        pid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    except OSError:
-        return  # (not a live daemon's socket: the daemon's own check says what it is)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None
+        return struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
     finally:
         probe.close()
-    raise InvalidArgument(f"a tierstore daemon (pid {pid}) is already serving {path}; stop it first or use another "
-                          "--socket")
+
+
+def already_serving(pid: int, path: str) -> str:
+    """The refusal of a daemon started on a socket another one serves."""
+    return f"a tierstore daemon (pid {pid}) is already serving {path}; stop it first or use another --socket"
 
 
 def _no_smaller_than_its_files(cfg: StoreConfig) -> StoreConfig:
