@@ -235,7 +235,9 @@ class Client:
 
     @property
     def pinned_reason(self) -> str:
-        return f"{self._pinning.reason}; read-only mapping: {self._pinning_ro.reason}"
+        """Why ``pinned`` is what it is; the read-only mapping's reason too where it differs."""
+        rw, ro = self._pinning.reason, self._pinning_ro.reason
+        return rw if ro == rw else f"{rw}; read-only mapping: {ro}"
 
     def _report_pinning(self) -> None:
         self._conn.submit("client_info", pinned=self.pinned, pinned_reason=self.pinned_reason)

@@ -20,6 +20,7 @@ def test_no_cuda_means_pageable_with_a_reason(daemon):
     assert pieces == [] and "no CUDA device" in why
     with daemon.client("cpu") as c:
         assert c.pinned is False and "not page-locked yet" in c.pinned_reason
+        assert c.pinned_reason.count("not page-locked yet") == 1  # both mappings' reasons, said once
     assert client_gpu.clear_cuda_error() is False  # no runtime loaded here: said, not raised
 
 

@@ -113,6 +113,28 @@ def test_a_set_nvme_size_beyond_the_free_space_is_a_warning_when_files_grow(tmpf
         in caplog.text
 
 
+def test_a_start_warning_is_printed_once_through_the_cli(tmpfs, tmp_path):
+    """``tierstore daemon`` checks before it execs the daemon, which checks before the
+    store opens, which checks again: the refusals may come from any, a warning once."""
+    cli = os.path.join(os.path.dirname(sys.executable), "tierstore")
+    proc = subprocess.Popen([cli, "daemon", "--socket", str(tmp_path / "s" / "t.sock"), "--nvme-dir", tmpfs,
+                             "--host-bytes", "16MiB", "--nvme-bytes", "10TiB", "--nvme-grow-bytes", "1MiB"],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving on" in line:
+                break
+    finally:
+        proc.terminate()
+        lines += proc.stderr.readlines()
+        proc.wait(timeout=60)
+    text = "".join(lines)
+    assert "serving on" in text, text
+    assert text.count("nvme_bytes is 10.0 TiB but the filesystem of") == 1, text
+
+
 def test_a_file_where_the_nvme_dir_should_be_is_refused(tmp_path):
     from tierstore.preflight import check_start
 

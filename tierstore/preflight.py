@@ -19,6 +19,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Callable
 
 from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes
 from .errors import InvalidArgument, StorageError
@@ -40,12 +41,15 @@ _AUTO_NVME_SHARE = 0.9
 the journal and for whatever else lives there."""
 
 
-def check_start(cfg: StoreConfig) -> StoreConfig:
+def check_start(cfg: StoreConfig, *, warn: bool = True) -> StoreConfig:
     """Check a resolved store section against the machine; return it with ``nvme_bytes`` set
-    (64 GiB, or less with a warning where the filesystems have less room)."""
+    (64 GiB, or less with a warning where the filesystems have less room). ``warn=False``:
+    refusals only, the warnings left to the store's own check (the daemon's early checks
+    would otherwise print each one three times)."""
+    say = log.warning if warn else _silent
     for d in cfg.nvme_dirs:
         check_dir(d)
-        _check_private(d)
+        _check_private(d, say)
     for d in cfg.nvme_dirs:
         _check_unlocked(d)
     room = nvme_room(cfg.nvme_dirs)
@@ -57,11 +61,11 @@ def check_start(cfg: StoreConfig) -> StoreConfig:
             raise InvalidArgument(f"the NVMe directory {_where(room)} has only {format_size(min(r for r, _, _ in room))} "
                                   "free; free space there or choose another --nvme-dir")
         if size < DEFAULT_NVME_BYTES // PAGE * PAGE:
-            log.warning("nvme_bytes is not set and %s has room for less than the default %s: using %s "
+            say("nvme_bytes is not set and %s has room for less than the default %s: using %s "
                         "(set nvme_bytes to choose)", _where(room), format_size(DEFAULT_NVME_BYTES),
                         format_size(size))
-        cfg = _no_smaller_than_its_files(dataclasses.replace(cfg, nvme_bytes=size))
-    elif (kept := _no_smaller_than_its_files(cfg)) is not cfg:
+        cfg = _no_smaller_than_its_files(dataclasses.replace(cfg, nvme_bytes=size), say)
+    elif (kept := _no_smaller_than_its_files(cfg, say)) is not cfg:
         cfg = kept  # (files that large are there already: no room to check)
     else:
         per_dir = cfg.nvme_bytes // n
@@ -78,7 +82,7 @@ def check_start(cfg: StoreConfig) -> StoreConfig:
                                       "there")
             # growing files: a warning, not a refusal; free space changes while the daemon runs
             # anyway, and a full filesystem costs the request that met it (NoSpace), never the store
-            log.warning("%s: puts fail with NoSpace beyond that; lower nvme_bytes to at most %s or free space "
+            say("%s: puts fail with NoSpace beyond that; lower nvme_bytes to at most %s or free space "
                         "there", what, format_size(usable))
     ram = total_memory_bytes()
     if cfg.host_bytes > ram:
@@ -86,17 +90,18 @@ def check_start(cfg: StoreConfig) -> StoreConfig:
                               f"{format_size(ram)} of memory; lower host_bytes")
     avail = _mem_available()
     if avail is not None and cfg.host_bytes > avail:
-        log.warning("host_bytes is %s but only %s of memory is available now; the arena will push other "
+        say("host_bytes is %s but only %s of memory is available now; the arena will push other "
                     "memory out (or meet the OOM killer)", format_size(cfg.host_bytes), format_size(avail))
     return cfg
 
 
 def check_daemon_start(cfg: Config) -> None:
-    """``check_start`` plus the daemon's socket directory (made if missing, writable)."""
+    """``check_start`` (refusals only: the store's open warns) plus the daemon's socket
+    directory (made if missing, writable)."""
     resolved = cfg.resolved()
     check_dir(os.path.dirname(resolved.daemon.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
     _no_daemon_serving(resolved.daemon.socket)  # (before the NVMe directories, which such a daemon holds)
-    check_start(resolved.store)
+    check_start(resolved.store, warn=False)
 
 
 def _no_daemon_serving(path: str) -> None:
@@ -132,7 +137,11 @@ def already_serving(pid: int, path: str) -> str:
     return f"a tierstore daemon (pid {pid}) is already serving {path}; stop it first or use another --socket"
 
 
-def _no_smaller_than_its_files(cfg: StoreConfig) -> StoreConfig:
+def _silent(*_args: object) -> None:
+    pass
+
+
+def _no_smaller_than_its_files(cfg: StoreConfig, say: Callable[..., None]) -> StoreConfig:
     """``cfg`` with ``nvme_bytes`` raised, with a warning, to cover the data files an
     earlier, larger tier left in its directories: the durable objects in them are kept
     (an unset size follows the filesystem's free room, which others' files change from
@@ -150,7 +159,7 @@ def _no_smaller_than_its_files(cfg: StoreConfig) -> StoreConfig:
     need = -(-largest // (1 << 20)) * (1 << 20) * n
     if need <= cfg.nvme_bytes:
         return cfg
-    log.warning("nvme_bytes is %s, but the data files in %s hold up to %s each, from an earlier, larger tier: "
+    say("nvme_bytes is %s, but the data files in %s hold up to %s each, from an earlier, larger tier: "
                 "using %s, so the durable objects in them are kept (start with empty directories to make the "
                 "tier smaller)", format_size(cfg.nvme_bytes), ", ".join(cfg.nvme_dirs), format_size(largest),
                 format_size(need))
@@ -195,7 +204,7 @@ def check_dir(d: str, *, mode: int = 0o700, what: str = "NVMe directory", flag: 
                               f"another {flag}")
 
 
-def _check_private(d: str) -> None:
+def _check_private(d: str, say: Callable[..., None]) -> None:
     """Refuse an NVMe directory holding a symbolic link (the store's files are its own:
     a planted link would turn its writes onto another file; ``tierstore.files`` never
     follows one anyway), and warn about one that other users may write in or that
@@ -211,7 +220,7 @@ def _check_private(d: str) -> None:
                                       "tier's files are its own (someone may have planted it): remove it")
     st = os.stat(d)
     if st.st_mode & 0o022 or st.st_uid != os.geteuid():
-        log.warning("NVMe directory %s is %s (mode %o, owner uid %d): others could plant files or links there; "
+        say("NVMe directory %s is %s (mode %o, owner uid %d): others could plant files or links there; "
                     "tierstore follows no link among its files, but give it to uid %d with mode 0700", d,
                     "writable by other users" if st.st_mode & 0o022 else "owned by another uid",
                     stat.S_IMODE(st.st_mode), st.st_uid, os.geteuid())
