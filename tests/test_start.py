@@ -4,6 +4,7 @@ tiers are and where."""
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -195,10 +196,31 @@ def _free_hugetlb_bytes() -> int:
     return int(info.get("HugePages_Free", "0").split()[0]) * (int(info.get("Hugepagesize", "2048 kB").split()[0]) << 10)
 
 
-def test_the_arena_asks_for_transparent_huge_pages_and_says_what_it_got():
-    """The host arena is advised into transparent huge pages before its pages exist; the
-    kernel gives shared memory some only where ``shmem_enabled`` allows, and the arena
-    says how much it got and, where none, which setting to change. ``off`` asks for none."""
+def _thp_pages(view) -> tuple[int, int]:
+    """(pages of ``view``'s mapping that are parts of transparent huge pages, pages) as the
+    kernel says (``/proc/self/pagemap`` for each page's frame, ``/proc/kpageflags`` for its
+    flags: root only)."""
+    import struct
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, n = view.ctypes.data // page, view.nbytes // page
+    with open("/proc/self/pagemap", "rb") as pm, open("/proc/kpageflags", "rb") as kf:
+        pm.seek(start * 8)
+        entries = struct.unpack(f"{n}Q", pm.read(n * 8))
+        thp = 0
+        for e in entries:
+            if e >> 63 and (pfn := e & ((1 << 55) - 1)):
+                kf.seek(pfn * 8)
+                thp += struct.unpack("Q", kf.read(8))[0] >> 22 & 1  # KPF_THP
+    return thp, n
+
+
+def test_the_arena_gets_transparent_huge_pages_and_says_what_it_got():
+    """The host arena is advised into transparent huge pages before its pages exist; where
+    ``shmem_enabled`` gives shared memory none when pages fault in (``never``, the usual
+    default), the populating makes them (``MADV_COLLAPSE``) — and the kernel's own page
+    flags show the arena's pages are huge pages. The arena says how much it got and, where
+    none, which setting to change. ``off`` asks for none and gets none."""
     from tierstore.arena import Arena
 
     a, off = Arena(16 << 20), Arena(16 << 20, huge_pages="off")
@@ -208,9 +230,15 @@ def test_the_arena_asks_for_transparent_huge_pages_and_says_what_it_got():
         if setting in ("always", "within_size", "advise", "force"):
             # (the kernel may have no free 2 MiB of contiguous memory to give: then it says so)
             assert (got > 0 and "transparent huge pages" in how) or (got == 0 and "too fragmented" in how), how
+        elif setting == "never" and tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2]) >= (6, 1):
+            assert got == 16 << 20 and "made by MADV_COLLAPSE (shmem_enabled: never" in how, how
+            assert "16.0 MiB made huge pages by MADV_COLLAPSE" in a.populate_how
         else:
             assert got == 0 and f"shmem_enabled: {setting}" in how and "hugetlb" in how
         assert off.huge() == (0, "none: host_huge_pages = 'off'")
+        if os.geteuid() == 0 and os.path.exists("/proc/kpageflags"):
+            assert _thp_pages(a.array)[0] == (got >> 12), (_thp_pages(a.array), got)
+            assert _thp_pages(off.array)[0] == 0
     finally:
         a.close()
         off.close()

@@ -1122,6 +1122,29 @@ def test_early_writes_racing_their_commit_and_each_other_keep_the_bytes_and_no_s
     poll_until(lambda: s.stat()["tiers"]["nvme"]["used_bytes"] == used0, "the NVMe space to come back")
 
 
+def test_an_early_write_begins_with_the_first_filled_blocks_not_the_first_whole_chunk(make_store):
+    """``put_part`` of a prefix shorter than a chunk sends its whole checksum blocks at once
+    (the drive starts on the client's first piece), the rest of the chunk later; every
+    byte lands once, checksummed, whatever the order of the prefixes."""
+    s = make_store(host_bytes="160MiB", nvme_bytes="512MiB", io_chunk_bytes="16MiB")
+    n = (64 << 20) + 12345  # chunks of 16 MiB; a last block and page in part
+    spec = TensorSpec("numpy", "uint8", (n,), n)
+    owner = object()
+    for durable in (False, True):
+        res = s.daemon.reserve_put(spec, key=f"k{durable}", tier="nvme", durable=durable, replace=False,
+                                   namespace="default", owner=owner)
+        data = np.random.default_rng(int(durable)).integers(0, 256, n, dtype=np.uint8)
+        s.placement.host_view(res.host_off, n)[:] = data
+        sent = [s.daemon.fill_put(res.rid, upto, owner=owner).run()
+                for upto in ((1 << 20) + 5, 3 << 20, 2 << 20, (16 << 20) + 7, 40 << 20, n - 1)]
+        assert sent[:5] == [1 << 20, 2 << 20, 0, 13 << 20, 24 << 20], sent
+        assert sum(sent) == n // (1 << 20) * (1 << 20)  # the last part-block waits for the commit
+        h = s.daemon.commit_put(res.rid, owner=owner)
+        poll_until(lambda: s.info(h)["residency"] == ["nvme"], "the object to be on NVMe only")
+        assert np.array_equal(s.get(h), data)  # (read from NVMe, every block checked)
+    assert s.stat()["counters"]["put_early_bytes"] == 2 * (n // (1 << 20) * (1 << 20))
+
+
 def test_an_abort_ends_the_early_writes_still_queued_without_waiting_for_them(make_store):
     """``put_abort`` of a reservation whose early writes (``put_part``) are queued behind
     other I/O: the daemon runs the abort's rest on a worker (a ``Later``: never on its

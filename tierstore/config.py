@@ -105,8 +105,9 @@ class StoreConfig:
     host_bytes: int | None = _knob(None, "capacity of the shared host arena, e.g. 8GiB (default: a quarter of "
                                          "total memory, at most 16GiB; 'auto' says so explicitly)")
     host_huge_pages: Literal["auto", "hugetlb", "off"] = _knob(
-        "auto", "huge pages for the host arena: auto (transparent huge pages where the kernel gives shared "
-                "memory any), hugetlb (reserved huge pages, vm.nr_hugepages) or off")
+        "auto", "huge pages for the host arena: auto (transparent huge pages: at fault where the kernel "
+                "gives shared memory any, else made by MADV_COLLAPSE while populating), hugetlb (reserved huge "
+                "pages, vm.nr_hugepages) or off")
     nvme_dirs: list[str] = _knob(help="NVMe tier directory; repeat to stripe over several drives (default: "
                                       "$XDG_DATA_HOME/tierstore/nvme)", factory=list, flag="--nvme-dir")
     nvme_bytes: int | None = _knob(None, "capacity of the NVMe tier across all directories (default: 64GiB, "

@@ -620,32 +620,43 @@ class NvmeTier:
 class PartialWrite:
     """A write of one object to its extents begun before all its bytes are there (a put
     through the daemon whose client is still copying into the arena): ``advance(filled)``
-    sends every chunk that lies wholly below ``filled`` to the engine's workers, which
-    checksum and write it; ``finish`` sends the rest and waits for all, returning the
-    CRC32Cs; ``cancel`` sends nothing more and waits for what went out (the extents may
-    then be reused: no request of this write is left to land in them)."""
+    sends the bytes below ``filled`` not sent yet, in whole checksum blocks, each request
+    at most a chunk and never across one (a chunk's first bytes go as soon as they are
+    there: the drive starts on the first piece the client copies, not on the first whole
+    chunk), to the engine's workers, which checksum and write them; ``finish`` sends the
+    rest and waits for all, returning the CRC32Cs; ``cancel`` sends nothing more and
+    waits for what went out (the extents may then be reused: no request of this write is
+    left to land in them)."""
 
     def __init__(self, tier: "NvmeTier", extents: list[Extent], src: np.ndarray, padded: np.ndarray | None) -> None:
         self.tier, self.extents, self.src, self.padded = tier, extents, src, padded
         self.chunks = sorted(tier._chunks(extents), key=lambda c: c[1])
         self.crcs = [0] * (-(-src.nbytes // BLOCK_BYTES))
         self.futures: list[Future] = []
-        self.sent = 0  # chunks handed to the engine
+        self.sent = 0  # chunks handed to the engine whole
+        self.within = 0  # bytes of chunk ``sent`` handed to it already
         self.sent_bytes = 0
         self._lock = threading.Lock()
 
     def advance(self, filled: int) -> int:
-        """Send the chunks wholly below ``filled``; the bytes sent by this call."""
+        """Send what lies below ``filled`` (whole blocks of it, or the object's end); the
+        bytes sent by this call."""
         with self._lock:
             before = self.sent_bytes
             while self.sent < len(self.chunks):
                 e, off, n = self.chunks[self.sent]
-                if off + n > filled:
+                start = off + self.within
+                end = off + n if off + n <= filled else off + (filled - off) // BLOCK_BYTES * BLOCK_BYTES
+                if end <= start:
                     break
-                self.futures.append(self.tier.engine.submit(self.tier._write_chunk, e, off, n, self.src,
-                                                            self.padded, self.crcs))
-                self.sent += 1
-                self.sent_bytes += n
+                self.futures.append(self.tier.engine.submit(self.tier._write_chunk, e, start, end - start,
+                                                            self.src, self.padded, self.crcs))
+                self.sent_bytes += end - start
+                if end == off + n:
+                    self.sent, self.within = self.sent + 1, 0
+                else:
+                    self.within = end - off
+                    break
             return self.sent_bytes - before
 
     def finish(self, *, sync: bool) -> list[int]:

@@ -62,8 +62,8 @@ def check_start(cfg: StoreConfig, *, warn: bool = True) -> StoreConfig:
                                   "free; free space there or choose another --nvme-dir")
         if size < DEFAULT_NVME_BYTES // PAGE * PAGE:
             say("nvme_bytes is not set and %s has room for less than the default %s: using %s "
-                        "(set nvme_bytes to choose)", _where(room), format_size(DEFAULT_NVME_BYTES),
-                        format_size(size))
+                "(set nvme_bytes to choose)", _where(room), format_size(DEFAULT_NVME_BYTES),
+                format_size(size))
         cfg = _no_smaller_than_its_files(dataclasses.replace(cfg, nvme_bytes=size), say)
     elif (kept := _no_smaller_than_its_files(cfg, say)) is not cfg:
         cfg = kept  # (files that large are there already: no room to check)
@@ -83,7 +83,7 @@ def check_start(cfg: StoreConfig, *, warn: bool = True) -> StoreConfig:
             # growing files: a warning, not a refusal; free space changes while the daemon runs
             # anyway, and a full filesystem costs the request that met it (NoSpace), never the store
             say("%s: puts fail with NoSpace beyond that; lower nvme_bytes to at most %s or free space "
-                        "there", what, format_size(usable))
+                "there", what, format_size(usable))
     ram = total_memory_bytes()
     if cfg.host_bytes > ram:
         raise InvalidArgument(f"host_bytes is {format_size(cfg.host_bytes)} but this machine has "
@@ -91,7 +91,7 @@ def check_start(cfg: StoreConfig, *, warn: bool = True) -> StoreConfig:
     avail = _mem_available()
     if avail is not None and cfg.host_bytes > avail:
         say("host_bytes is %s but only %s of memory is available now; the arena will push other "
-                    "memory out (or meet the OOM killer)", format_size(cfg.host_bytes), format_size(avail))
+            "memory out (or meet the OOM killer)", format_size(cfg.host_bytes), format_size(avail))
     return cfg
 
 
@@ -160,9 +160,9 @@ def _no_smaller_than_its_files(cfg: StoreConfig, say: Callable[..., None]) -> St
     if need <= cfg.nvme_bytes:
         return cfg
     say("nvme_bytes is %s, but the data files in %s hold up to %s each, from an earlier, larger tier: "
-                "using %s, so the durable objects in them are kept (start with empty directories to make the "
-                "tier smaller)", format_size(cfg.nvme_bytes), ", ".join(cfg.nvme_dirs), format_size(largest),
-                format_size(need))
+        "using %s, so the durable objects in them are kept (start with empty directories to make the "
+        "tier smaller)", format_size(cfg.nvme_bytes), ", ".join(cfg.nvme_dirs), format_size(largest),
+        format_size(need))
     return dataclasses.replace(cfg, nvme_bytes=need)
 
 
@@ -221,9 +221,9 @@ def _check_private(d: str, say: Callable[..., None]) -> None:
     st = os.stat(d)
     if st.st_mode & 0o022 or st.st_uid != os.geteuid():
         say("NVMe directory %s is %s (mode %o, owner uid %d): others could plant files or links there; "
-                    "tierstore follows no link among its files, but give it to uid %d with mode 0700", d,
-                    "writable by other users" if st.st_mode & 0o022 else "owned by another uid",
-                    stat.S_IMODE(st.st_mode), st.st_uid, os.geteuid())
+            "tierstore follows no link among its files, but give it to uid %d with mode 0700", d,
+            "writable by other users" if st.st_mode & 0o022 else "owned by another uid",
+            stat.S_IMODE(st.st_mode), st.st_uid, os.geteuid())
 
 
 def _check_unlocked(d: str) -> None:
