@@ -18,7 +18,8 @@ volatile and durable puts, get(out=) and check-outs, in-process and through a da
 beside DeepSpeed's aio, interleaved (bench/nvme_paths.py).
 
 Usage: python bench/io_throughput.py [--dir DIR] [--sizes 1MiB,8MiB,...] [--runs N] [--quick]
-       [--path-sizes 64MiB,256MiB,1GiB] [--path-rounds N] [--deepspeed-python PY] [--ds-aio B:QD:T,...]
+       [--path-sizes 64MiB,256MiB,1GiB] [--path-rounds N] [--small-pages] [--deepspeed-python PY]
+       [--ds-aio B:QD:T,...]
 Prints tables, then one JSON line.
 """
 
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--path-sizes", default="64MiB,256MiB,1GiB",
                    help="sizes of the per-path comparison with DeepSpeed's aio ('': skip it)")
     p.add_argument("--path-rounds", type=int, default=5, help="interleaved rounds of the per-path comparison")
+    p.add_argument("--small-pages", action="store_true",
+                   help="the per-path comparison also through a daemon whose arena is in 4 KiB pages "
+                        "(--host-huge-pages off), in the same rounds")
     p.add_argument("--deepspeed-python", default=sys.executable,
                    help="an interpreter where deepspeed imports (default: this one; docs/benchmarks.md#deepspeed)")
     p.add_argument("--ds-aio", default="8MiB:32:8,1MiB:8:1",
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
         if path_sizes:
             load.append(os.getloadavg())
             paths = run_paths(work, path_sizes, args.path_rounds, ds_cfg, args.deepspeed_python,
-                              chunk, args.threads)
+                              chunk, args.threads, args.small_pages)
     finally:
         if not isinstance(peer, str):
             peer.close()

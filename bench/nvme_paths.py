@@ -21,6 +21,10 @@ the lease is granted (the bytes are in the host tier); its release is not timed.
 read reads bytes written in the same round, a few seconds before (on a virtual disk,
 recently written bytes may be cached by the host and read faster than old ones).
 
+With ``small_pages`` (``--small-pages``), a second daemon whose arena is in 4 KiB pages
+(``--host-huge-pages off``) runs the same daemon paths in the same rounds ("4k daemon
+..."): what the arena's huge pages are worth on this disk.
+
 Ratios are per round (the tier's time over the fastest DeepSpeed peer's in the same
 round), median over the rounds: the disk of a shared VM drifts more between minutes
 than between neighbouring requests.
@@ -127,7 +131,7 @@ def _tier_ops(pool, n: int) -> tuple[dict, dict]:
 
 
 def run_paths(work: str, sizes: list[int], rounds: int, peers_cfg: list[tuple[int, int, int]], ds_python: str,
-              chunk: int, threads: int) -> dict:
+              chunk: int, threads: int, small_pages: bool = False) -> dict:
     """Measure; returns {"sizes": [...], "peers": [...], "skipped": reason or None}."""
     from tierstore import Config, Store
     from tierstore.client import Client
@@ -150,24 +154,36 @@ def run_paths(work: str, sizes: list[int], rounds: int, peers_cfg: list[tuple[in
             host = 2 * n + (64 << 20)
             flags = ["--host-bytes", str(host), "--nvme-bytes", str(6 * n), "--io-threads", str(threads),
                      "--io-chunk-bytes", str(chunk), "--promote-on-get", "false", "--prefetch", "false"]
-            daemon, sock, notify = start_daemon(base, *flags)
+            os.makedirs(os.path.join(base, "d"))
+            daemons = [start_daemon(os.path.join(base, "d"), *flags)]
+            if small_pages:
+                os.makedirs(os.path.join(base, "d4k"))
+                daemons.append(start_daemon(os.path.join(base, "d4k"), *flags, "--host-huge-pages", "off"))
             cfg = Config(host_bytes=host, nvme_dirs=[os.path.join(base, "inproc")], nvme_bytes=6 * n,
                          io_chunk_bytes=chunk, io_threads=threads, promote_on_get=False, prefetch=False)
+            clients = []
             try:
-                with Store(cfg) as store, Client.connect(sock) as client:
+                with Store(cfg) as store:
+                    clients = [Client.connect(sock) for _, sock, _ in daemons]
                     w_in, r_in = _tier_ops(store, n)
-                    w_d, r_d = _tier_ops(client, n)
-                    writes = {**w_in, **{"daemon " + k: v for k, v in w_d.items()}}
-                    reads = {**r_in, **{"daemon " + k: v for k, v in r_d.items()}}
+                    writes, reads = dict(w_in), dict(r_in)
+                    for prefix, client in zip(("daemon ", "4k daemon "), clients):
+                        w_d, r_d = _tier_ops(client, n)
+                        keep = (lambda k: True) if prefix == "daemon " else (lambda k: " 1 " not in k)
+                        writes.update({prefix + k: v for k, v in w_d.items() if keep(k)})
+                        reads.update({prefix + k: v for k, v in r_d.items() if keep(k)})
                     for i, p in enumerate(peers):
                         path = os.path.join(base, f"ds{i}.bin")
                         writes[p.label] = (lambda p=p, path=path: p.write(n, path))
                         reads[p.label] = (lambda p=p, path=path: p.read(n, path))
                     results.append(_rounds(n, writes, reads, rounds, [p.label for p in peers], dropped))
             finally:
-                daemon.terminate()
-                daemon.wait()
-                notify.close()
+                for client in clients:
+                    client.close()
+                for daemon, _, notify in daemons:
+                    daemon.terminate()
+                    daemon.wait()
+                    notify.close()
                 shutil.rmtree(base, ignore_errors=True)
     finally:
         for p in peers:
@@ -192,7 +208,7 @@ def _rounds(n: int, writes: dict, reads: dict, rounds: int, peers: list[str], dr
                  "gbps": {kind: {k: gbps(n, statistics.median(v)) for k, v in t.items()} for kind, t in times.items()}}
     if peers:
         res["vs_deepspeed"] = {}
-        for kind, names in (("write", WRITES), ("read", READS)):
+        for kind, names in (("write", _names(times, "write")), ("read", _names(times, "read"))):
             t = times[kind]
             best = [min(t[p][i] for p in peers) for i in range(rounds)]
             res["vs_deepspeed"][kind] = {name: statistics.median(best[i] / t[name][i] for i in range(rounds))
@@ -200,11 +216,19 @@ def _rounds(n: int, writes: dict, reads: dict, rounds: int, peers: list[str], dr
     return res
 
 
+def _names(times: dict, kind: str) -> list[str]:
+    """The tier's variants of ``kind`` measured, in table order (``WRITES``/``READS``, then
+    the 4 KiB-page daemon's)."""
+    base = WRITES if kind == "write" else READS
+    return [*base, *("4k " + k for k in base if k.startswith("daemon ") and "4k " + k in times[kind])]
+
+
 def print_paths(out: dict) -> None:
     from common import print_table
 
     peers = out["peers"]
-    for kind, names in (("write", WRITES), ("read", READS)):
+    for kind in ("write", "read"):
+        names = _names(out["sizes"][0]["times_s"], kind) if out["sizes"] else []
         headers = ["size", *peers, *names]
         rows = []
         for r in out["sizes"]:
