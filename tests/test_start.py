@@ -175,6 +175,47 @@ def test_arena_populates_in_the_background_and_populate_waits_for_it():
         a.close()
 
 
+def test_bytes_written_while_the_arena_is_made_huge_and_an_adopted_arenas_bytes_are_kept():
+    """The populating makes the arena's pages huge (``MADV_COLLAPSE`` where shmem_enabled
+    gives none at fault) while others write into it: the daemon's clients from the start,
+    through their own mappings. Every byte written meanwhile, through another mapping of
+    the memfd too, is there after; an arena handed back (systemd's fd store) keeps its
+    bytes through its own populating."""
+    import numpy as np
+
+    from tierstore.arena import Arena, map_arena_fd
+
+    size = 512 << 20
+    a = Arena(size, populate="background")
+    b = None
+    try:
+        other_mm, other = map_arena_fd(a.fd, size)  # (a client's mapping)
+        rng = np.random.default_rng(3)
+        pattern = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        written = []
+        for i, off in enumerate(range(0, size, 3 << 20)):  # while the populating runs through the arena
+            view = a.array if i % 2 else other
+            view[off:off + pattern.nbytes] = np.roll(pattern, i)
+            written.append((off, i))
+        a.populate()
+        if _collapses():
+            assert a.huge()[0] > 0, a.huge()
+        for off, i in written:
+            assert np.array_equal(a.array[off:off + pattern.nbytes], np.roll(pattern, i)), off
+            assert np.array_equal(other[off:off + pattern.nbytes], np.roll(pattern, i)), off
+        del other, view
+        other_mm.close()
+        b = Arena(0, fd=os.dup(a.fd))  # handed back: populated again, made huge again where it is not
+        assert b.adopted
+        for off, i in written:
+            assert np.array_equal(b.array[off:off + pattern.nbytes], np.roll(pattern, i)), off
+        assert not b.array[(1 << 20):(3 << 20)].any()  # (what nobody wrote is still zero)
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
 def test_an_arena_closed_while_populating_in_the_background_stops_it():
     from tierstore.arena import Arena
 
@@ -189,6 +230,12 @@ def _shmem_thp_setting() -> str:
     except OSError:
         return "unknown"
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text.strip()
+
+
+def _collapses() -> bool:
+    """The arena's populating makes its huge pages (shmem_enabled ``never``, Linux 6.1+)."""
+    kernel = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    return _shmem_thp_setting() == "never" and kernel >= (6, 1)
 
 
 def _free_hugetlb_bytes() -> int:
@@ -230,7 +277,7 @@ def test_the_arena_gets_transparent_huge_pages_and_says_what_it_got():
         if setting in ("always", "within_size", "advise", "force"):
             # (the kernel may have no free 2 MiB of contiguous memory to give: then it says so)
             assert (got > 0 and "transparent huge pages" in how) or (got == 0 and "too fragmented" in how), how
-        elif setting == "never" and tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2]) >= (6, 1):
+        elif _collapses():
             assert got == 16 << 20 and "made by MADV_COLLAPSE (shmem_enabled: never" in how, how
             assert "16.0 MiB made huge pages by MADV_COLLAPSE" in a.populate_how
         else:
