@@ -155,14 +155,14 @@ class Arena:
         thp, hugetlb = _huge_bytes(self.array) if self.size else (0, 0)
         if hugetlb:  # (an arena handed back keeps the pages it had, whatever this start asked)
             return hugetlb, "hugetlb: reserved huge pages"
+        if self._collapsed:  # (this mapping may map some with huge entries too, where its address allows)
+            return max(thp, sum(self._collapsed)), ("transparent huge pages made by MADV_COLLAPSE (shmem_enabled: "
+                                                    f"{_shmem_thp_setting()} gives none when pages fault in)")
         if thp:
             return thp, "transparent huge pages (MADV_HUGEPAGE)"
         if self.huge_pages == "off":
             return 0, "none: host_huge_pages = 'off'"
         setting = _shmem_thp_setting()
-        if self._collapsed:
-            return sum(self._collapsed), (f"transparent huge pages made by MADV_COLLAPSE "
-                                          f"(shmem_enabled: {setting} gives none when pages fault in)")
         if setting in _SHMEM_THP_ON:
             return 0, (f"none: shmem_enabled ({setting}) allows them, but the kernel had no free huge pages to "
                        "give (memory too fragmented); reserve huge pages and use host_huge_pages = 'hugetlb'")
