@@ -163,6 +163,8 @@ class Arena:
         if self.huge_pages == "off":
             return 0, "none: host_huge_pages = 'off'"
         setting = _shmem_thp_setting()
+        if self._collapsed is not None and self.size < _HUGE:
+            return 0, f"none: the arena ({format_size(self.size)}) is smaller than one huge page"
         if setting in _SHMEM_THP_ON:
             return 0, (f"none: shmem_enabled ({setting}) allows them, but the kernel had no free huge pages to "
                        "give (memory too fragmented); reserve huge pages and use host_huge_pages = 'hugetlb'")
@@ -234,8 +236,17 @@ _SHMEM_THP_ON = ("always", "within_size", "advise", "force")
 
 
 def _shmem_thp_setting() -> str:
-    text = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
+    """The ``shmem_enabled`` setting in force for 2 MiB pages: the per-size one
+    (``hugepages-2048kB/shmem_enabled``, Linux 6.11) unless it says ``inherit``, else the
+    top-level one."""
+    def chosen(path: str) -> str:
+        text = _read_text(path)
+        return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
+
+    per_size = chosen("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled")
+    if per_size not in ("inherit", "unknown"):
+        return per_size
+    return chosen("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
 
 def _shmem_thp_at_fault() -> bool:
@@ -363,15 +374,15 @@ def _collapse(libc: ctypes.CDLL, fd: int, off: int, n: int) -> int:
                 return 0  # (no memory: the populating that follows says so)
         if libc.madvise(at, n, _MADV_COLLAPSE) == 0:
             return n
-        return 0 if ctypes.get_errno() not in (errno.EAGAIN, errno.ENOMEM) else _count_collapsed(libc, at, n)
+        return _count_collapsed(libc, at, n)  # (failed in part, or all: a kernel that cannot refuses at once)
     finally:
         libc.munmap(room, n + _HUGE)
 
 
 def _count_collapsed(libc: ctypes.CDLL, at: int, n: int) -> int:
-    """After a collapse that failed in part (memory short, a page busy): each 2 MiB piece
-    of ``[at, at + n)`` collapsed again, one at a time (one that is huge already succeeds
-    at once); the bytes of those that are huge pages after it."""
+    """After a collapse that failed, in part (memory short, a page busy, a memory cgroup's
+    limit) or whole: each 2 MiB piece of ``[at, at + n)`` collapsed again, one at a time
+    (one that is huge already succeeds at once); the bytes of those that are huge after."""
     return sum(_HUGE for p in range(at, at + n, _HUGE) if libc.madvise(p, _HUGE, _MADV_COLLAPSE) == 0)
 
 
