@@ -349,8 +349,8 @@ def _collapse(libc: ctypes.CDLL, fd: int, off: int, n: int) -> int:
     transparent huge pages, where ``shmem_enabled`` gives none when pages fault in: one
     small page of each 2 MiB is allocated (``MADV_POPULATE_WRITE``, which keeps the bytes
     of an adopted arena), then ``MADV_COLLAPSE`` (Linux 6.1) makes each 2 MiB one huge
-    page, the rest zero-filled (0.1 s per GiB measured here, against 0.8 s to allocate the
-    same in small pages). It works through a mapping of the range at a 2 MiB-aligned
+    page, the rest zero-filled (0.1 – 2.7 s per GiB measured here, as the machine's memory
+    allowed, against 0.4 – 1.5 s in small pages: docs/store.md). It works through a mapping of the range at a 2 MiB-aligned
     address made for it and unmapped after: the arena's own mapping, and every client's,
     lie wherever the kernel put them, and the kernel collapses only where a mapping's
     address and the file offset agree to 2 MiB. The pages stay the memfd's, huge, for
