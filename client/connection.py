@@ -39,13 +39,32 @@ os.register_at_fork(after_in_child=_in_child)
 log = logging.getLogger(__name__)
 
 
+_BACKLOG_RETRY_S = 0.005
+
+
+def _connect(sock: socket.socket, path: str, timeout_s: float | None) -> None:
+    """``sock.connect(path)``, waiting while the daemon's listen backlog is full: a Unix
+    socket answers a connect with a timeout ``EAGAIN`` then (others connecting faster than
+    the daemon accepts, e.g. a storm of refused connects from another uid), where a
+    blocking one would wait; so wait here, up to ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the daemon's listen backlog stayed full for {timeout_s} s") from None
+            time.sleep(_BACKLOG_RETRY_S)  # (nothing to wait on: the kernel wakes no one when room frees)
+
+
 class Connection:
     def __init__(self, path: str, *, timeout_s: float) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout_s)
         try:
-            self.sock.connect(path)
+            _connect(self.sock, path, timeout_s)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             self.sock.close()
             raise DaemonUnavailable(

@@ -830,6 +830,42 @@ print(n, flush=True)
 """
 
 
+def test_a_connect_waits_while_the_listen_backlog_is_full(tmp_path):
+    """A Unix socket answers a connect (with a timeout, as the client's) with EAGAIN while
+    the listener's backlog is full — under a connect storm, the daemon's. The client
+    waits for room up to its timeout instead of failing at once, and then says why."""
+    import threading
+
+    from tierstore import DaemonUnavailable
+    from tierstore.client.connection import Connection
+
+    path = str(tmp_path / "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    held = []
+    try:
+        while True:  # fill the backlog: nobody accepts yet
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.setblocking(False)
+            held.append(c)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                break
+        with pytest.raises(DaemonUnavailable, match="listen backlog stayed full for 0.3 s"):
+            Connection(path, timeout_s=0.3)
+        accepting = threading.Timer(0.2, listener.accept)  # room comes while the client waits
+        accepting.start()
+        conn = Connection(path, timeout_s=30)
+        accepting.join()
+        conn.sock.close()
+    finally:
+        for c in held:
+            c.close()
+        listener.close()
+
+
 def test_a_connect_storm_neither_holds_up_other_uids_nor_fills_the_log(daemon_factory):
     """A uid holding its share of connections opens and closes more in a tight loop, each
     refused: the event loop still serves another uid's requests meanwhile (it accepts a
