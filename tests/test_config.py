@@ -74,7 +74,7 @@ def test_every_field_has_a_flag_a_variable_and_help():
 
     p = _parser()
     names = [f.name for section in SECTIONS.values() for f in fields(section)]
-    assert names == Config.field_names() and len(names) == len(set(names)) == 31  # unique across sections
+    assert names == Config.field_names() and len(names) == len(set(names)) == 32  # unique across sections
     for name in names:
         flag = flag_name(name)
         args = p.parse_args([flag, "1"])  # every setting has its flag, and the flag sets that setting

@@ -45,6 +45,7 @@ class ExtentAllocator:
         self._fences: dict[Any, list[tuple[int, int]]] = {}
         self._held: dict[int, int] = {}
         """Extents freed while fenced: start -> size, still counted as used."""
+        self._peak = 0  # the highest end handed out or reserved since ``take_peak``
         if self.capacity:
             self._add_free(0, self.capacity)
 
@@ -63,6 +64,21 @@ class ExtentAllocator:
 
     def free_extents(self) -> list[tuple[int, int]]:
         return [(s, self._size_at[s]) for s in self._starts]
+
+    def high_water(self) -> int:
+        """The end of the topmost extent in use (held ones included): everything above it is free."""
+        if self._starts:
+            last = self._starts[-1]
+            if last + self._size_at[last] == self.capacity:
+                return last
+        return self.capacity if self.used_bytes else 0
+
+    def take_peak(self) -> int:
+        """The highest ``high_water`` since the last call (an extent taken and given back
+        in between counts too)."""
+        now = self.high_water()
+        peak, self._peak = max(self._peak, now), now
+        return peak
 
     @property
     def held_bytes(self) -> int:
@@ -101,6 +117,7 @@ class ExtentAllocator:
                     if fsize > size:
                         self._add_free(start, fsize - size)
                     self.used_bytes += size
+                    self._peak = max(self._peak, start + fsize)
                     return start + fsize - size
             return None
         i = bisect.bisect_left(self._by_size, (size, -1))
@@ -111,6 +128,7 @@ class ExtentAllocator:
         if fsize > size:
             self._add_free(start + size, fsize - size)
         self.used_bytes += size
+        self._peak = max(self._peak, start + size)
         return start
 
     def alloc_run(self, sizes: list[int]) -> list[int] | None:
@@ -176,6 +194,7 @@ class ExtentAllocator:
         if offset + size < start + fsize:
             self._add_free(offset + size, start + fsize - offset - size)
         self.used_bytes += size
+        self._peak = max(self._peak, offset + size)
 
     def reserve_arrays(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
         """``reserve`` of many extents at once (journal replay: a million objects), as
@@ -209,6 +228,7 @@ class ExtentAllocator:
         self._size_at = dict(zip(starts, sizes))
         self._by_size = sorted(zip(sizes, starts))
         self.used_bytes += int(size.sum())
+        self._peak = max(self._peak, int(end[-1]))
 
     # -- internals -----------------------------------------------------------------------
     def _add_free(self, start: int, size: int) -> None:

@@ -126,6 +126,9 @@ class StoreConfig:
                                          "1MiB)")
     nvme_grow_bytes: int = _knob(256 << 20, "NVMe data files grow (fallocate) in steps of this size; 0: each is "
                                             "reserved at its full size at start (for a drive the tier has to itself)")
+    nvme_trim_after_s: float = _knob(300.0, "a data file's free tail is given back to the filesystem once no object "
+                                            "reached into it for this many seconds (rounded to nvme_grow_bytes); "
+                                            "0: never (nor with nvme_grow_bytes 0)", minimum=0)
     high_watermark: float = _knob(0.9, "fraction of the host tier above which cold objects move to NVMe")
     low_watermark: float = _knob(0.75, "fraction of the host tier the background demoter brings usage down to")
     promote_on_get: bool = _knob(True, "a get of an NVMe-only object also places it in the host tier when there "

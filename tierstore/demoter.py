@@ -3,13 +3,15 @@
 ``Demoter`` owns the thread, its wake-up event and the list of objects to return to
 NVMe (home-NVMe objects nobody uses any more). What one pass does is placement's
 (``Passes``): it wakes on ``wake`` (a tier went over its high watermark, an object was
-queued with ``demote_soon``) or once a second, and runs the passes until the index closes.
+queued with ``demote_soon``) or once a second, and runs the passes until the index closes;
+once a second it also lets the NVMe tier give back its files' free tails.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Protocol
 
 __all__ = ["Demoter", "Passes"]
@@ -28,6 +30,9 @@ class Passes(Protocol):
 
     def demote_host_tier(self) -> None:
         """Bring the host tier under the low watermark, if it is over the high one."""
+
+    def trim_nvme(self) -> None:
+        """Give back the NVMe data files' tails that stayed free (``NvmeTier.trim``)."""
 
 
 class Demoter:
@@ -61,6 +66,7 @@ class Demoter:
 
     def _loop(self) -> None:
         log.debug("demoter started")
+        last_trim = time.monotonic()
         while True:
             self._wake.wait(timeout=1.0)
             self._wake.clear()
@@ -72,4 +78,7 @@ class Demoter:
                 self._passes.demote_home_nvme(soon)
             self._passes.demote_gpu_tiers()
             self._passes.demote_host_tier()
+            if time.monotonic() - last_trim >= 1.0:
+                last_trim = time.monotonic()
+                self._passes.trim_nvme()
         log.info("demoter stopped")

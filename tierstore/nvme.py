@@ -4,13 +4,14 @@ a CRC32C per 1 MiB block written with the data and verified on every read.
 One data file per configured directory; an object larger than a few chunks is
 striped across the directories in chunk-aligned parts. Files grow by fallocate in
 ``grow_bytes`` steps, so a full filesystem surfaces as ``NoSpace`` on the request
-that needed the space, never as a torn object. With ``grow_bytes`` 0 each file is
+that needed the space, never as a torn object; a tail that stays free is cut back
+(``trim``). With ``grow_bytes`` 0 each file is
 reserved whole when the tier opens instead, so no write the tier has room for ever
 meets a full filesystem (where the filesystem cannot hold the reservation: a
 warning, and growth in steps). Reads never grow a file. What to place here, and
 when, is the store's policy; this module only moves bytes.
 
-Length: the data files, their growth, and the read and write paths (single, batched,
+Length: the data files, their growth and trim, and the read and write paths (single, batched,
 begun before all the bytes are there, read in order for a reader copying behind,
 through staging buffers for memory the drive cannot DMA from as it is) share one set
 of rules for chunks, alignment and checksums; they are kept together so those rules
@@ -19,6 +20,7 @@ are written once.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import logging
@@ -107,6 +109,9 @@ class _Drive:
         self.sync = GroupSync(self.file.sync)
         self.alloc = ExtentAllocator(capacity)
         self.grow_lock = threading.Lock()
+        self.peaks: collections.deque[tuple[float, int]] = collections.deque()
+        """(time, peak high water) samples of the trim window, peaks decreasing (``NvmeTier.trim``)."""
+        self.sampled_since: float | None = None
 
     def close(self) -> None:
         self.file.close()
@@ -149,13 +154,17 @@ class NvmeTier:
     """Extent-managed, checksummed storage over one data file per directory."""
 
     def __init__(self, dirs: list[str], capacity_bytes: int, engine: IOEngine, *,
-                 direct_io: str = "auto", chunk_bytes: int = 8 << 20, grow_bytes: int = 256 << 20) -> None:
+                 direct_io: str = "auto", chunk_bytes: int = 8 << 20, grow_bytes: int = 256 << 20,
+                 trim_after_s: float = 0.0) -> None:
         if not dirs:
             raise InvalidArgument("the NVMe tier needs at least one directory (nvme_dirs)")
         self.engine = engine
         self.chunk_bytes = chunk_bytes
         # 0: the whole file at open; the step is for a filesystem that cannot hold it
         self.grow_bytes = max(align_up(grow_bytes or _FALLBACK_GROW_BYTES, PAGE), PAGE)
+        self.trim_after_s = trim_after_s if grow_bytes else 0.0
+        """A data file's tail that no extent reached for this long is given back (``trim``); 0: never."""
+        self.trimmed_bytes = 0
         per_drive = capacity_bytes // len(dirs) // PAGE * PAGE
         self.drives: list[_Drive] = []
         try:
@@ -355,6 +364,48 @@ class NvmeTier:
                     raise _io_error(e2, drv.path, "growing") from None
                 new_size = end
             drv.file_size = new_size
+
+    def trim(self, now: float) -> int:
+        """Sample each data file's high water (the end of its topmost extent in use) and give
+        back, by ``ftruncate``, what lies above the highest sample of the last
+        ``trim_after_s`` seconds, rounded up to ``grow_bytes``, once that is at least one
+        growth step: space a job freed returns to the filesystem, while a loop that frees
+        and takes space again within the window never pays for growing its file anew.
+        Only the free tail goes (a file holding one object near its end keeps its size).
+        Returns the bytes given back; a failed truncate is logged and leaves the file as
+        it was."""
+        if self.trim_after_s <= 0:
+            return 0
+        given = 0
+        with self._lock:  # no extent is taken while the tail is cut
+            for drv in self.drives:
+                peak, peaks = drv.alloc.take_peak(), drv.peaks
+                while peaks and peaks[-1][1] <= peak:
+                    peaks.pop()
+                peaks.append((now, peak))
+                while peaks[0][0] < now - self.trim_after_s:
+                    peaks.popleft()
+                if drv.sampled_since is None:
+                    drv.sampled_since = now
+                if now - drv.sampled_since < self.trim_after_s:
+                    continue  # the window is not yet covered by samples
+                target = min(align_up(peaks[0][1], self.grow_bytes), drv.alloc.capacity)
+                if drv.file_size - target < self.grow_bytes:
+                    continue
+                with drv.grow_lock:
+                    try:
+                        os.ftruncate(drv.file.fileno(), target)
+                    except OSError as e:
+                        log.warning("NVMe dir %s: giving back the data file's free tail failed: %s", drv.directory,
+                                    os.strerror(e.errno))
+                        drv.sampled_since = now  # (not again at every pass)
+                        continue
+                    log.info("NVMe dir %s: data file trimmed from %d to %d bytes (its tail was free for %.0f s)",
+                             drv.directory, drv.file_size, target, self.trim_after_s)
+                    given += drv.file_size - target
+                    drv.file_size = target
+        self.trimmed_bytes += given
+        return given
 
     # -- data ------------------------------------------------------------------------------
     def write(self, extents: list[Extent], src: np.ndarray, *, src_padded: np.ndarray | None = None,
@@ -612,9 +663,12 @@ class NvmeTier:
             d.close()
 
     def describe(self) -> list[dict]:
-        return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason, "dio_mem_align": d.mem_align,
-                 "capacity_bytes": d.alloc.capacity, "used_bytes": d.alloc.used_bytes,
-                 "file_bytes": d.file_size, "reserved": d.file_size >= d.alloc.capacity} for d in self.drives]
+        with self._lock:
+            return [{"dir": d.directory, "direct": d.direct, "reason": d.direct_reason,
+                     "dio_mem_align": d.mem_align, "capacity_bytes": d.alloc.capacity,
+                     "used_bytes": d.alloc.used_bytes, "file_bytes": d.file_size,
+                     "reserved": d.file_size >= d.alloc.capacity, "high_water_bytes": d.alloc.high_water()}
+                    for d in self.drives]
 
 
 class PartialWrite:

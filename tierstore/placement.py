@@ -964,6 +964,13 @@ class Placement:
             except TierstoreError as e:
                 log.error("returning %s to NVMe failed: %s", m.handle, e)
 
+    def trim_nvme(self) -> None:
+        """Give back the NVMe data files' free tails (a demoter pass; ``NvmeTier.trim``)."""
+        try:
+            self.nvme.trim(time.monotonic())
+        except Exception:  # (a pass must not end the demoter)
+            log.exception("trimming the NVMe data files failed")
+
     def demote_host_tier(self) -> None:
         """Past the high watermark, bring the host tier under the low one (a demoter pass)."""
         ix = self.index

@@ -178,7 +178,8 @@ class Store:
             # small blocks (staging areas, scalars, biases) from the top, big ones from the bottom
             self.host = ExtentAllocator(self.arena.size, small_bytes=SMALL_BLOCK_BYTES)
             self.nvme = NvmeTier(cfg.nvme_dirs, cfg.nvme_bytes, self.engine, direct_io=cfg.direct_io,
-                                 chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes)
+                                 chunk_bytes=cfg.io_chunk_bytes, grow_bytes=cfg.nvme_grow_bytes,
+                                 trim_after_s=cfg.nvme_trim_after_s)
             self.gpu_reason = "gpu_bytes is 0: no GPU tier"
             if cfg.gpu_bytes:
                 backend, self.gpu_reason = (gpu_backend, f"backend {gpu_backend.name}") if gpu_backend is not None \
@@ -450,6 +451,7 @@ class Store:
                              "checksums": checksum.IMPLEMENTATION,
                              "bytes_read": self.nvme.bytes_read, "bytes_written": self.nvme.bytes_written,
                              "staged_bytes": self.nvme.staged_bytes,
+                             "trimmed_bytes": self.nvme.trimmed_bytes,
                              "drives": self.nvme.describe()},
                     **({"gpu": {**self.gpu.describe(), "objects": len(self.gpu_order)}}
                        if self.gpu is not None else {}),

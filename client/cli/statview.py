@@ -53,6 +53,13 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
         lines.append(f"        O_DIRECT: {n.get('direct_io')} ({n.get('direct_io_reason')})")
         if "checksums" in n:
             lines.append(f"        checksums: CRC32C per 1 MiB block ({n['checksums']})")
+        drives = n.get("drives", [])
+        if drives:
+            line = (f"        data files: {format_size(sum(d.get('file_bytes', 0) for d in drives))} on disk "
+                    f"in {len(drives)} file{'s' if len(drives) > 1 else ''}")
+            if n.get("trimmed_bytes"):
+                line += f", {format_size(n['trimmed_bytes'])} of free tail given back"
+            lines.append(line)
         if prev and interval_s:
             pn = prev["tiers"]["nvme"]
             rd = (n["bytes_read"] - pn["bytes_read"]) / interval_s
