@@ -200,9 +200,9 @@ class Handlers:
         ns = validate_new_namespace(field(msg, "namespace", str))
         # a namespace is claimed by its first put, so `tierstore stat` claims nothing
         self.store.daemon.check_namespace(ns, sess.cred.uid)
-        sess.namespace = ns
-        sess.fragments = field(msg, "fragments", bool, False)
-        sess.joined = field(msg, "joined", bool, False)
+        fragments, joined = field(msg, "fragments", bool, False), field(msg, "joined", bool, False)
+        # (bound only once every field is good: a refused hello leaves the connection without one)
+        sess.namespace, sess.fragments, sess.joined = ns, fragments, joined
         return {"version": PROTOCOL_VERSION, "server_version": __version__, "arena_bytes": self.store.arena.size,
                 "arena_huge": self.store.arena.advises_huge,
                 "session": sess.cid, "pid": sess.server_pid, "gpu_tier": self.store.gpu is not None,

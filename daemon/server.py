@@ -61,6 +61,7 @@ from tierstore.units import format_size
 
 from .auth import admitted, peer_cred, resolve_groups
 from .gcpolicy import FreezeAfterFullCollections, release_free_heap
+from .loglimit import UidLines
 from .handlers import ACTIVATION_FIELDS, Deferred, Handlers
 from .metrics import LatencyHistogram, serve_metrics
 from .sdnotify import Notifier, inherited_fds
@@ -99,8 +100,10 @@ class Server:
         self._replies = ReplyBudget()
         self._holding_lock = threading.Lock()  # guards every session's holding / drop_waiting
         self._refused: dict[socket.socket, float] = {}
-        self._refusals_logged: dict[int, tuple[float, int]] = {}
-        """uid -> (when its last refusal was logged, how many since were not)."""
+        self._refusals_logged = UidLines(1)
+        """A refused uid's warnings: one a second."""
+        self._session_lines = UidLines(5)
+        """What admitted connections' troubles (malformed messages, failed sends) may log: 5 lines a second a uid."""
         self._cids = itertools.count(1)
         ops = max(8, self.config.store.io_threads)
         # one connection or namespace runs at most half the op workers, a uid all but one:
@@ -320,8 +323,7 @@ class Server:
                 self._drop_refused(conn)
         for sess in list(self._sessions.values()):
             if sess.namespace is None and not sess.hello_pending and now - sess.opened > _HELLO_TIMEOUT_S:
-                log.info("session %d (pid %d) sent no hello in %.0f s; closing", sess.cid, sess.cred.pid,
-                         _HELLO_TIMEOUT_S)
+                sess.say(logging.INFO, "sent no hello in %.0f s; closing", _HELLO_TIMEOUT_S)
                 self._close(sess)
         if (self.config.daemon.lease_timeout_s > 0 or self.config.daemon.reservation_timeout_s > 0) and \
                 (self._expiring is None or self._expiring.done()):
@@ -452,7 +454,8 @@ class Server:
                 if len(self._refused) > 64:
                     self._drop_refused(next(iter(self._refused)))
                 continue
-            sess = Session(next(self._cids), conn, cred, os.getpid(), self._sel, self._replies, self._count_error)
+            sess = Session(next(self._cids), conn, cred, os.getpid(), self._sel, self._replies, self._count_error,
+                           self._session_lines)
             self._sessions[sess.cid] = sess
             self.accepted += 1
             self._sel.register(conn, selectors.EVENT_READ, ("sess", sess))
@@ -461,16 +464,10 @@ class Server:
     def _log_refusal(self, cred: Any, reason: TierstoreError) -> None:
         """A refused connection's warning: at most one a second per uid, saying how many
         were refused since the last (a refused uid retrying in a loop does not fill the log)."""
-        now = time.monotonic()
-        last, quiet = self._refusals_logged.get(cred.uid, (0.0, 0))
-        if now - last < 1.0:
-            self._refusals_logged[cred.uid] = (last, quiet + 1)
-            return
-        if len(self._refusals_logged) > 4096:
-            self._refusals_logged.clear()
-        self._refusals_logged[cred.uid] = (now, 0)
-        log.warning("refused connection from pid %d uid %d%s: %s", cred.pid, cred.uid,
-                    f" (and {quiet} more of that uid's in the last second)" if quiet else "", reason.message)
+        quiet = self._refusals_logged.allow(cred.uid)
+        if quiet is not None:
+            log.warning("refused connection from pid %d uid %d%s: %s", cred.pid, cred.uid,
+                        f" (and {quiet} more of that uid's in the last second)" if quiet else "", reason.message)
 
     def _room_for(self, uid: int, holds: int) -> int:
         """Connections at once beyond which ``uid``, holding ``holds``, is refused: root may
@@ -501,6 +498,8 @@ class Server:
                         self._close(sess)
                     elif n == "eof":
                         self._half_closed(sess)
+                    elif n == "empty":
+                        self._fatal(sess, ProtocolError("an empty message: every request is a msgpack map; closing"))
                     elif n == "large":
                         self._fatal(sess, ProtocolError(f"message larger than max_message_bytes ({limit}); closing"))
                     return
@@ -559,9 +558,11 @@ class Server:
             if result.give_back is not None:
                 with self._holding_lock:
                     sess.holding += 1  # (until it has run or given back: ``_let_go``)
+            sess.awaiting += 1  # (until its reply is drained: ``_drain_done_corked``)
             self._pool.submit(Job(sess, result.run, rid, op, t0, now, now + self._wait_budget(msg), result.give_back))
             return
         if isinstance(result, Deferred):  # answered once settled (a group commit, a streamed read)
+            sess.awaiting += 1
             result.done.add_done_callback(
                 lambda f: self._committed(sess, rid, op, t0, lambda: result.reply(f.result()), result.acquires))
             return
@@ -715,6 +716,7 @@ class Server:
             except queue.Empty:
                 return
             self.latency.observe(op, seconds)
+            sess.awaiting -= 1
             if op == "hello":
                 sess.hello_pending = False
             if code:
@@ -730,7 +732,7 @@ class Server:
         self._send(sess, reply_err(rid, e), rid=rid)
 
     def _fatal(self, sess: Session, e: TierstoreError, rid: int | None = None) -> None:
-        log.warning("session %d (pid %d): %s", sess.cid, sess.cred.pid, e.message)
+        sess.say(logging.WARNING, "%s", e.message)
         self._count_error(e.code)
         self._flush_queued(sess)  # the requests before the bad one happened: their replies go first
         sess.send_now(reply_err(rid, e))
@@ -745,13 +747,15 @@ class Server:
             self._flush(sess)
 
     def _half_closed(self, sess: Session) -> None:
-        """EOF from the peer: it still reads the replies its burst earned, more of them than
-        the socket may take at once. Reading stops (EOF stays readable); the rest of the
-        outbox goes as the peer reads, then the connection closes (``_flush``)."""
+        """EOF from the peer: it still reads the replies its requests earned, more of them
+        than the socket may take at once, and those of requests still under way (on a
+        worker, waiting, in a group commit). Reading stops (EOF stays readable); the rest
+        of the outbox goes as the peer reads and the replies to come as they come, then
+        the connection closes (``_flush``)."""
         self._flush_queued(sess)
         if sess.closed:
             return
-        if not sess.outbox:
+        if not sess.outbox and not sess.awaiting:
             self._close(sess)
             return
         sess.drain_then_close()
@@ -778,7 +782,7 @@ class Server:
             return
         why = sess.over_budget()
         if why is not None:
-            log.warning("session %d (pid %d, uid %d) %s; closing it", sess.cid, sess.cred.pid, sess.cred.uid, why)
+            sess.say(logging.WARNING, "%s; closing it", why)
             self._close(sess)
 
     def _flush(self, sess: Session) -> None:

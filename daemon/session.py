@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import selectors
 import socket
 import time
@@ -22,6 +23,7 @@ from tierstore.errors import TierstoreError
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, fragments, reply_err
 
 from .auth import PeerCred
+from .loglimit import UidLines
 
 __all__ = ["ReplyBudget", "Session"]
 
@@ -70,6 +72,8 @@ class Session:
     budget: ReplyBudget = field(default_factory=ReplyBudget)
     count_error: Callable[[str], None] = lambda code: None
     """Counts an error the session answers by itself (a reply too large to send)."""
+    lines: UidLines = field(default_factory=lambda: UidLines(5))
+    """The log lines its uid's connections may write (the server's, shared by all)."""
     namespace: str | None = None
     owns_namespace: bool = False
     """Its uid owns its namespace (or is root): ownership never changes, so no request of it
@@ -102,20 +106,33 @@ class Session:
     as written)."""
     drop_waiting: bool = False
     """It closed while such requests were under way: the last one releases what it holds."""
+    awaiting: int = 0
+    """Its requests whose replies are still to come (on a worker, waiting, in a group
+    commit); changed on the event loop only. A half-closed peer is closed once they are
+    answered and every reply is sent."""
+
+    def say(self, level: int, what: str, *args: object) -> None:
+        """Log ``what % args`` about this connection, within its uid's share of lines (``UidLines``)."""
+        quiet = self.lines.allow(self.cred.uid)
+        if quiet is not None:
+            log.log(level, "session %d (pid %d, uid %d)%s: " + what, self.cid, self.cred.pid, self.cred.uid,
+                    self.lines.left_out(quiet), *args)
 
     # ------------------------------------------------------------------ reads
     def receive(self, buf: bytearray, limit: int) -> int | str:
         """One request read into ``buf``: its length, or why there is none — ``"none"``
-        (nothing waiting), ``"eof"`` (the peer half-closed), ``"gone"`` (the socket
-        failed) or ``"large"`` (longer than ``limit``)."""
+        (nothing waiting), ``"eof"`` (the peer half-closed: it still reads), ``"empty"`` (a
+        message of no bytes), ``"gone"`` (the peer closed, or the socket failed) or
+        ``"large"`` (longer than ``limit``)."""
         try:
             n, _anc, flags, _ = self.sock.recvmsg_into([buf])
         except BlockingIOError:
             return "none"
         except OSError:
             return "gone"
-        if not n:
-            return "eof"
+        if not n:  # the peer's EOF, or an empty message (SEQPACKET reads both as 0 bytes)
+            shut = _peer_shut(self.sock)
+            return "gone" if shut & (select.POLLHUP | select.POLLERR) else "eof" if shut else "empty"
         if flags & _MSG_TRUNC or n > limit:
             return "large"
         return n
@@ -126,8 +143,8 @@ class Session:
         joins them, else whole (joinable with its neighbours when it is small and the
         client takes joined replies). A reply over ``MAX_REPLY_BYTES`` becomes an error."""
         if len(blob) > MAX_REPLY_BYTES:
-            log.warning("session %d (pid %d): a reply of %d bytes exceeds %d; answered with an error",
-                        self.cid, self.cred.pid, len(blob), MAX_REPLY_BYTES)
+            self.say(logging.WARNING, "a reply of %d bytes exceeds %d; answered with an error",
+                     len(blob), MAX_REPLY_BYTES)
             self.count_error("TierstoreError")
             blob = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes is too large; list in pages "
                                                  "(keys/ls with 'after') or narrow the request"))
@@ -172,21 +189,23 @@ class Session:
             except BlockingIOError:
                 if not self.writing:
                     self.writing = True
-                    self.sel.modify(self.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sess", self))
+                    if self.eof:  # (parked, below: watched again for the socket's room)
+                        self.sel.register(self.sock, selectors.EVENT_WRITE, ("sess", self))
+                    else:
+                        self.sel.modify(self.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("sess", self))
                 return True
             except OSError as e:
                 if e.errno in (errno.EMSGSIZE, errno.ENOBUFS) and rid is not None and len(blob) > PACKET_BYTES:
                     # too big for one message on this socket (a client that takes no fragments)
-                    log.warning("session %d (pid %d): a reply of %d bytes does not fit one message (%s); "
-                                "answered with an error", self.cid, self.cred.pid, len(blob), e.strerror)
+                    self.say(logging.WARNING, "a reply of %d bytes does not fit one message (%s); answered "
+                             "with an error", len(blob), e.strerror)
                     self.count_error("TierstoreError")
                     err = reply_err(rid, TierstoreError(f"reply of {len(blob)} bytes does not fit one message; "
                                                         "list in pages (keys/ls with 'after')"))
                     out[0] = (err, None, None, False)
                     self._count(len(err) - len(blob))
                     continue
-                log.info("session %d (pid %d): sending a reply failed (%s); closing", self.cid, self.cred.pid,
-                         e.strerror or e)
+                self.say(logging.INFO, "sending a reply failed (%s); closing", e.strerror or e)
                 return False
             out.popleft()
             n = len(blob) + _ENTRY_BYTES  # (``_count``, inline: once per packet)
@@ -197,8 +216,13 @@ class Session:
             b.by_uid[uid] -= n
             if not b.by_uid[uid]:
                 del b.by_uid[uid]
-        if self.eof:  # a half-closed peer has all its replies
-            return False
+        if self.eof:  # a half-closed peer: closed once it has all its replies, its requests' too
+            if not self.awaiting:
+                return False
+            if self.writing:  # nothing to send until a request under way is answered: not watched
+                self.writing = False
+                self.sel.unregister(self.sock)
+            return True
         if self.writing:
             self.writing = False
             self.sel.modify(self.sock, selectors.EVENT_READ, ("sess", self))
@@ -237,6 +261,15 @@ class Session:
         b.by_uid[uid] += n
         if not b.by_uid[uid]:
             del b.by_uid[uid]
+
+
+def _peer_shut(sock: socket.socket) -> int:
+    """How the peer has shut the connection: ``POLLRDHUP`` alone (``shutdown(SHUT_WR)``: it
+    still reads), with ``POLLHUP`` (closed, or shut both ways), or 0 (it has not: a read
+    of 0 bytes was an empty message)."""
+    p = select.poll()
+    p.register(sock, select.POLLRDHUP)
+    return sum(ev for _, ev in p.poll(0)) & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
 
 
 def _join_replies(out: deque) -> int:

@@ -20,6 +20,7 @@ import torch
 from conftest import DaemonProc, poll_until
 from tierstore import Busy, InvalidArgument, InvalidKey, NotFound, TierstoreError
 from tierstore.protocol import PROTOCOL_VERSION
+from tierstore.tensors import TensorSpec
 
 _REPLY_S = 10.0
 """How long a raw client waits for one reply: a request that gets none by then hangs."""
@@ -611,3 +612,165 @@ def test_stream_names_cannot_grow_the_daemon_without_bound(daemon, victim, ns):
         assert sum(t["stream"] == OVERFLOW_STREAM for t in traces) == 1
     finally:
         raw.close()
+
+
+def test_a_half_close_still_gets_the_replies_of_requests_under_way(daemon, victim, ns):
+    """Requests that run on op workers (frees, a namespace's first put, which journals
+    its claim) sent, then ``shutdown(SHUT_WR)`` at once: each gets its reply, then EOF,
+    and each happened."""
+    handles = [victim.put(np.full(64, i, np.float32), key=f"k{i}", durable=True) for i in range(40)]
+    fresh = f"{ns}-fresh"
+    raw, first = Raw(daemon, ns), Raw(daemon, fresh)
+    try:
+        ids = [raw.send("free", handle=int(h)) for h in handles]
+        first_id = first.send("put_reserve", kind="numpy", dtype="uint8", shape=[4096], nbytes=4096, durable=True)
+        for r in (raw, first):
+            r.s.shutdown(socket.SHUT_WR)
+        got = []
+        while len(got) < len(ids):
+            batch = raw.replies()
+            assert batch, f"EOF after {len(got)} of {len(ids)} replies"
+            got += batch
+        assert sorted(r["id"] for r in got) == ids and all("ok" in r for r in got), got[:3]
+        assert raw.s.recv(16) == b""
+        [r] = first.replies()
+        assert r["id"] == first_id and "rid" in r["ok"], r
+        assert first.s.recv(16) == b""
+    finally:
+        raw.close()
+        first.close()
+    assert all(victim.lookup(f"k{i}") is None for i in range(40))
+
+
+def test_an_empty_message_is_a_protocol_error_not_an_end(daemon, victim, ns):
+    """A message of no bytes reads as 0 bytes, as EOF does: the daemon tells them apart
+    and answers it as the malformed request it is, before closing."""
+    raw = Raw(daemon, ns)
+    try:
+        raw.s.send(b"")
+        [r] = raw.replies()
+        assert r["err"]["code"] == "ProtocolError" and "empty message" in r["err"]["message"], r
+        assert raw.replies() == []
+    finally:
+        raw.close()
+
+
+def test_a_refused_hello_binds_nothing_and_a_corrected_one_is_served(daemon, victim, ns):
+    """A hello whose ``fragments`` or ``joined`` is of the wrong type is refused and leaves
+    the connection without a namespace: requests other than hello are still refused, and
+    a corrected hello gets the arena."""
+    for bad in ({"fragments": "yes"}, {"joined": 3}):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(_REPLY_S)
+        s.connect(daemon.socket)
+        try:
+            hello = {"id": 1, "op": "hello", "version": PROTOCOL_VERSION, "namespace": ns}
+            s.send(msgpack.packb({**hello, **bad}))
+            r = msgpack.unpackb(s.recv(1 << 16), raw=False)
+            assert r["err"]["code"] == "InvalidArgument", r
+            s.send(msgpack.packb(hello))
+            data, fds, _, _ = socket.recv_fds(s, 1 << 16, 4)
+            for fd in fds:
+                os.close(fd)
+            assert "ok" in msgpack.unpackb(data, raw=False) and len(fds) == 1
+            s.send(msgpack.packb({"id": 2, "op": "ping"}))
+            assert msgpack.unpackb(s.recv(1 << 16), raw=False) == {"id": 2, "ok": {}}
+        finally:
+            s.close()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(_REPLY_S)
+    s.connect(daemon.socket)
+    try:
+        s.send(msgpack.packb({"id": 1, "op": "hello", "version": PROTOCOL_VERSION, "namespace": ns,
+                              "fragments": []}))
+        assert "err" in msgpack.unpackb(s.recv(1 << 16), raw=False)
+        s.send(msgpack.packb({"id": 2, "op": "stat"}))
+        r = msgpack.unpackb(s.recv(1 << 16), raw=False)
+        assert r["err"]["code"] == "ProtocolError" and "before 'hello'" in r["err"]["message"], r
+    finally:
+        s.close()
+
+
+def test_an_abort_sent_behind_its_commit_is_never_answered_as_done(daemon, victim, ns):
+    """``put_abort`` right behind ``put_commit`` (not waiting for its reply): the commit
+    stores the object, and the abort says it aborted nothing — it is never answered ``{}``
+    for a put that was stored."""
+    raw = Raw(daemon, ns)
+    try:
+        for i in range(20):
+            rid = raw.call("put_reserve", kind="numpy", dtype="uint8", shape=[4096], nbytes=4096, key=f"a{i}",
+                           durable=True)["ok"]["rid"]
+            commit, abort = raw.send("put_commit", rid=rid), raw.send("put_abort", rid=rid)
+            replies = {}
+            while len(replies) < 2:
+                replies.update((r["id"], r) for r in raw.replies())
+            assert "ok" in replies[commit], replies
+            assert replies[abort].get("err", {}).get("code") in ("InvalidArgument", "NotFound"), replies
+            assert victim.lookup(f"a{i}") is not None
+    finally:
+        raw.close()
+
+
+def test_an_admitted_uid_looping_on_bad_messages_does_not_flood_the_log(daemon, victim, ns):
+    """Hundreds of connections that each send garbage and close: every one is answered
+    and counted, and the log gets at most 5 lines a second from that uid, the next
+    saying how many were left out."""
+    import time
+
+    start = len(daemon.log.read_text().splitlines())
+    errors = victim.stat()["errors"].get("ProtocolError", 0)
+    t0 = time.monotonic()
+    for _ in range(300):
+        raw = Raw(daemon, ns)
+        raw.s.send(b"\xc1")  # never valid msgpack
+        [r] = raw.replies()
+        assert r["err"]["code"] == "ProtocolError"
+        raw.close()
+    elapsed = time.monotonic() - t0
+    assert victim.stat()["errors"]["ProtocolError"] - errors == 300
+    raw = Raw(daemon, ns)  # one more, in a new second: its line says how many were left out
+    poll_until(lambda: time.monotonic() - t0 > elapsed + 1.1, "a new second")
+    raw.s.send(b"\xc1")
+    raw.replies()
+    raw.close()
+    lines = [ln for ln in daemon.log.read_text().splitlines()[start:] if "undecodable" in ln]
+    assert len(lines) <= 5 * (int(elapsed) + 3), (len(lines), elapsed)
+    assert any("more of this uid's left out" in ln for ln in lines), lines
+
+
+def test_a_connections_clean_up_run_twice_at_once_ends_each_lease_once(make_store, caplog):
+    """A closed connection's clean-up can run on two threads at once (the close's own, and
+    a request of it that finished after the close): between them every lease and
+    reservation is ended once, with no error and no double count."""
+    import logging
+    import threading
+
+    s = make_store()
+    h = s.put(torch.arange(16.0), key="x")
+    for trial in range(5):
+        owner = object()
+        for _ in range(500):
+            s.daemon.checkout(h, "r", owner=owner, namespace="default")
+        for _ in range(50):
+            s.daemon.reserve_put(TensorSpec("numpy", "uint8", (4096,), 4096), key=None, tier=None, durable=False,
+                                 replace=False, ephemeral=False, wait_s=0.0, namespace="default", owner=owner)
+        go, counts = threading.Barrier(2), []
+
+        def drop():
+            go.wait()
+            counts.append(s.daemon.drop_owner(owner))
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # the two threads take turns often, as on a loaded machine
+        try:
+            with caplog.at_level(logging.ERROR, logger="tierstore"):
+                threads = [threading.Thread(target=drop) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        finally:
+            sys.setswitchinterval(interval)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records[:2]
+        assert sum(c[0] for c in counts) == 500 and sum(c[1] for c in counts) == 50, (trial, counts)
+        assert s.stat()["leases"] == 0 and s.daemon.puts.open_count() == 0

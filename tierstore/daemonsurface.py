@@ -90,10 +90,10 @@ class DaemonSurface:
 
     def abort_put(self, rid: int, *, owner: Any = LOCAL) -> Later:
         """``Puts.abort`` of the caller's open reservation ``rid`` (``NotFound``: it has
-        none of that number), as a ``Later``: the writes ``put_part`` began for it are
+        none of that number; ``InvalidArgument``: a commit has taken it up), as a ``Later``: the writes ``put_part`` began for it are
         ended and waited for on a worker, never on the event loop."""
         self.puts.owned(rid, owner)
-        return Later(lambda: self.puts.abort(rid, owner=owner))
+        return Later(lambda: self.puts.abort(rid, owner=owner, asked=True))
 
     def try_get_streamed(self, handle: Handle | int | str, *, owner: Any, namespace: str | None, stream: str,
                          device: bool) -> LeaseInfo | Stream | Later:

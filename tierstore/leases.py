@@ -156,6 +156,8 @@ class LeaseTable:
         self.lease_wait_s = lease_wait_s
         self.leases = _Leases()
         self._ids = itertools.count(1)
+        self._dropping: set[int] = set()
+        """(under cv) Leases a ``drop_owner`` is ending now."""
 
     def _add(self, info: LeaseInfo) -> LeaseInfo:
         """(under cv) Record a new lease; gives it its id."""
@@ -612,14 +614,20 @@ class LeaseTable:
         """End every lease of ``owner`` (a connection that went away) as check-ins; the
         prefetcher forgets it. Returns how many."""
         with self.cv:
-            lids = self.leases.of(owner)
+            # (a connection's clean-up may run on two threads at once: each lease is ended by one)
+            lids = [lid for lid in self.leases.of(owner) if lid not in self._dropping]
+            self._dropping.update(lids)
             if owner is not LOCAL:
                 self.prefetcher.drop_owner(owner)
-        for lid in lids:
-            try:
-                self.release(lid, owner=owner)
-            except TierstoreError as e:
-                log.error("releasing lease %d of a closed connection failed: %s", lid, e)
+        try:
+            for lid in lids:
+                try:
+                    self.release(lid, owner=owner)
+                except TierstoreError as e:
+                    log.error("releasing lease %d of a closed connection failed: %s", lid, e)
+        finally:
+            with self.cv:
+                self._dropping.difference_update(lids)
         return len(lids)
 
     def expire(self, max_age_s: float) -> int:

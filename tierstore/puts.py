@@ -421,20 +421,33 @@ class Puts:
             if res is None or res.owner != owner:
                 raise NotFound(f"no open reservation {rid} for this connection")
 
-    def abort(self, rid: int, *, owner: Any = LOCAL) -> None:
-        """Drop an open reservation; one a commit has taken up is left to it."""
-        self._drop(rid, owner, committing=False)
+    def abort(self, rid: int, *, owner: Any = LOCAL, asked: bool = False) -> bool:
+        """Drop an open reservation; one a commit has taken up is left to it. Whether it was
+        dropped here. ``asked``: the owner's own abort, which must not be answered as done
+        when it was not — ``InvalidArgument`` if a commit has taken it up, ``NotFound`` if
+        there is none (committed, or given up, since)."""
+        state = self._drop(rid, owner, committing=False)
+        if asked and state == "committing":
+            raise InvalidArgument(f"put {rid} is being committed and can no longer be aborted; its commit's "
+                                  "reply says whether it was stored")
+        if asked and state == "none":
+            raise NotFound(f"no open reservation {rid} for this connection")
+        return state == "dropped"
 
     def _give_up(self, rid: int, owner: Any) -> None:
         """The commit under way failed before the publish: its reservation goes (after the
         publish there is none left, and this does nothing)."""
         self._drop(rid, owner, committing=True)
 
-    def _drop(self, rid: int, owner: Any, *, committing: bool) -> None:
+    def _drop(self, rid: int, owner: Any, *, committing: bool) -> str:
+        """Drop ``owner``'s reservation ``rid`` if a commit has (``committing``) or has not
+        taken it up: ``"dropped"``, else ``"committing"`` (a commit has it) or ``"none"``."""
         with self.cv:
             res = self.reservations.get(rid)
-            if res is None or res.owner != owner or res.committing != committing:
-                return
+            if res is None or res.owner != owner:
+                return "none"
+            if res.committing != committing:
+                return "committing" if res.committing else "open"
             del self.reservations[rid]
             self._empty_open -= not res.meta.spec.nbytes
             meta = res.meta
@@ -444,6 +457,7 @@ class Puts:
         self.placement.cancel_early(meta)
         if extents:
             self.placement.nvme_free(extents)
+        return "dropped"
 
     def open_count(self) -> int:
         """Reservations open now."""
@@ -472,9 +486,8 @@ class Puts:
         """Abort every reservation of ``owner`` (a connection that went away); how many."""
         with self.cv:
             rids = [rid for rid, r in self.reservations.items() if r.owner == owner]
-        for rid in rids:
-            self.abort(rid, owner=owner)
-        return len(rids)
+        # (a connection's clean-up may run on two threads at once: each counts what it dropped)
+        return sum(self.abort(rid, owner=owner) for rid in rids)
 
     def _put_nvme(self, u8: np.ndarray, spec: TensorSpec, key: str | None, durable: bool, replace: bool,
                   ns: str, ephemeral: bool, home: str | None) -> Handle:
