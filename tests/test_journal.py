@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from tierstore import CapacityExceeded, Config, PermissionDenied, StorageError, Store
+from tierstore import CapacityExceeded, Config, NoSpace, PermissionDenied, StorageError, Store
 from tierstore.journal import JOURNAL_FILE, _encode, scan
 from tierstore.replay import Replay
 
@@ -221,9 +221,79 @@ def test_a_free_on_a_full_filesystem_leaves_the_object_as_it_was(tmpfs):
         h = s.put(torch.arange(1000.0), key="x", durable=True)
         _fill(os.path.join(tmpfs, "filler"))  # the filesystem full to the last page
         _fill(os.path.join(d, JOURNAL_FILE))  # and the journal's last page: the free record needs a new one
-        with pytest.raises(StorageError, match="object is unchanged"):
+        with pytest.raises(NoSpace, match="object is unchanged"):
             s.free(h)
         assert torch.equal(s.get(s.lookup("x")), torch.arange(1000.0))
+
+
+def test_a_free_whose_compaction_meets_a_full_filesystem_stands(tmpfs, caplog):
+    """A durable free is journaled, then the journal's compaction (mostly garbage now)
+    fails for want of room: the free stands — its key is gone, listings work, the other
+    objects are intact — and a restart agrees."""
+    import logging
+
+    d = os.path.join(tmpfs, "nvme")
+    cfg = Config(host_bytes="8MiB", nvme_dirs=[d], nvme_bytes="4MiB", nvme_grow_bytes="1MiB",
+                 journal_compact_bytes="64MiB")
+    with Store(cfg) as s:
+        hs = [s.put(torch.full((16,), float(i)), key=f"k{i}", durable=True) for i in range(300)]
+        for h in hs[:250]:
+            s.free(h)
+        _fill(os.path.join(tmpfs, "filler"))  # no room for the compacted copy; the free record fits the slack
+        s.durability.compact_bytes = 16 << 10
+        with caplog.at_level(logging.ERROR, logger="tierstore.durability"):
+            s.free(hs[260])
+        assert any("journal compaction failed" in r.getMessage() for r in caplog.records)
+        assert s.lookup("k260") is None and len(s.keys()) == 49
+        for i in range(250, 300):
+            if i != 260:
+                assert torch.equal(s.get(s.lookup(f"k{i}")), torch.full((16,), float(i)))
+        s.free(hs[261])  # the next free does not try again at once, and stands too
+        assert s.lookup("k261") is None
+    os.unlink(os.path.join(tmpfs, "filler"))
+    with Store(cfg) as s:
+        assert sorted(s.keys()) == sorted(f"k{i}" for i in range(250, 300) if i not in (260, 261))
+        assert torch.equal(s.get(s.lookup("k299")), torch.full((16,), 299.0))
+
+
+def test_a_store_that_filled_its_filesystem_with_durable_churn_starts_again(tmpfs):
+    """Durable puts and frees on a full filesystem go on in the journal's slack until one
+    fails with ``NoSpace`` (a typed, one-line error); the process is then killed (no
+    closing record): the next start still has room for its record and opens, with every
+    object whose put returned."""
+    from conftest import run_py
+
+    d = os.path.join(tmpfs, "nvme")
+    code = f"""
+import os, sys, torch
+from tierstore import Config, NoSpace, Store
+s = Store(Config(host_bytes="8MiB", nvme_dirs=[{d!r}], nvme_bytes="4MiB", nvme_grow_bytes="4MiB"))
+s.put(torch.zeros(4), key="anchor", durable=True)
+fd = os.open({os.path.join(tmpfs, "filler")!r}, os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(fd, bytes(4096))
+except OSError:
+    pass
+i = 0
+try:
+    while True:  # each replace journals a put and the old version's free
+        s.put(torch.full((4,), float(i)), key="churn", durable=True, replace=True)
+        i += 1
+except NoSpace as e:
+    st = os.stat(os.path.join({d!r}, "journal.log"))
+    room = st.st_blocks * 512 - -(-st.st_size // 4096) * 4096  # allocated past its end, for the next start
+    print(i, room, str(e).splitlines()[0], flush=True)
+os._exit(9)
+"""
+    r = run_py(code, timeout=300)
+    assert r.returncode == 9, r.stderr[-2000:]
+    done, room, msg = r.stdout.split(" ", 2)
+    assert int(done) > 100 and "journal" in msg, r.stdout
+    assert int(room) >= 32 << 10, r.stdout  # the start's record needs no new block
+    with Store(Config(host_bytes="8MiB", nvme_dirs=[d], nvme_bytes="4MiB", nvme_grow_bytes="4MiB")) as s:
+        assert torch.equal(s.get(s.lookup("anchor")), torch.zeros(4))
+        assert torch.equal(s.get(s.lookup("churn")), torch.full((4,), float(int(done) - 1)))
 
 
 def _fill(path):

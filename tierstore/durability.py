@@ -54,6 +54,8 @@ class Durability:
         what the last one covered) since the last; 0: none."""
         self.checkpoint_at = 0
         """Journal bytes the newest index checkpoint covers (0: none of this journal)."""
+        self._compact_retry_at = 0
+        """After a compaction failed: the journal size below which none is tried again."""
         self.checkpoints_written = 0
         self._counted_from = 0
         """The journal offset the next background checkpoint's growth is counted from: the
@@ -233,9 +235,22 @@ class Durability:
         self.journal.commit()
 
     def maybe_compact(self, force: bool = False) -> None:
+        """Rewrite the journal once it exceeds ``compact_bytes`` and is mostly garbage (or
+        ``force``). Never raises: a compaction that fails (a full filesystem) leaves the
+        journal as it was, is logged, and is tried again only once the journal has grown
+        by another eighth of ``compact_bytes`` — what the caller did (a free, journaled
+        before this) stands."""
         size = self.journal.size()
-        if not force and size < self.compact_bytes:
+        if not force and (size < self.compact_bytes or size < self._compact_retry_at):
             return
+        try:
+            self._compact(force, size)
+        except Exception as e:  # (the journal is unchanged: ``Journal.rewrite`` is atomic)
+            self._compact_retry_at = size + max(self.compact_bytes // 8, 1)
+            log.error("journal compaction failed, the journal is unchanged (tried again once it has grown %d "
+                      "bytes): %s", self._compact_retry_at - size, e)
+
+    def _compact(self, force: bool, size: int) -> None:
         with self.lock:
             records = self._live_records()
             est = sum(len(r) if isinstance(r, bytes) else len(str(r)) for r in records)
@@ -243,6 +258,7 @@ class Durability:
                 return
             checkpoint.remove(self.journal.directory)  # (it names the journal about to be replaced)
             self.journal.rewrite(iter(records))
+            self._compact_retry_at = 0
             self.checkpoint_at = self._counted_from = 0  # (no checkpoint of the new journal yet)
             self.damage_kept = False
             covered = self._covered()  # (before the next append)
@@ -580,7 +596,7 @@ class Durability:
                     self.journal.open_for_append()
         else:
             self.journal.open_for_append()
-        self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id})
+        self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id}, start=True)
         self._last_order = ix.next_id - 1
         with self.lock:
             self._after_append()  # (a long replay: its checkpoint now, not after the next puts)

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import msgpack
 
 from .checksum import crc32c
-from .errors import StorageError
+from .errors import NoSpace, StorageError
 from .files import FALLOC_KEEP_SIZE, create_fresh, fallocate, fsync_dir, open_own
 from .groupsync import GroupSync
 
@@ -54,6 +54,10 @@ SLACK_BYTES = 1 << 20
 """Room the journal keeps allocated past its end (``fallocate`` keeping its size), renewed
 as appends use it: a filesystem that filled up meanwhile still takes the next start's
 record, and the frees and durable puts of about that many bytes."""
+START_ROOM = 64 << 10
+"""Of that room, what appends leave for the next start's record when it cannot be renewed
+(the filesystem is full): they fail with ``NoSpace`` instead, so a store that filled its
+filesystem still starts again."""
 """How far past a free or a namespace claim later records repeat it: two pages, so
 neither a zeroed page nor a flipped byte takes every copy."""
 
@@ -170,9 +174,14 @@ class Journal:
     # -- append ----------------------------------------------------------------------------
     def open_for_append(self) -> None:
         self._fd = open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        self._pos = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        self._pos = st.st_size
         fsync_dir(self.directory)
         self._keep_slack()
+        if not self._slack_end:  # not renewed (a full filesystem): what the last run left past the end
+            past = st.st_blocks * 512 - -(-st.st_size // 4096) * 4096
+            if past > 0:
+                self._slack_end = self._pos + past
 
     def _keep_slack(self) -> None:
         """(under lock, or before appends begin) Allocate ``SLACK_BYTES`` past the end once
@@ -180,21 +189,30 @@ class Journal:
         the journal goes on as it is."""
         if self._pos + SLACK_BYTES // 2 <= self._slack_end:
             return
+        self._renew_slack()
+
+    def _renew_slack(self) -> bool:
+        """(under lock) Allocate ``SLACK_BYTES`` past the end now; whether it was."""
         if fallocate(self._fd, self._pos, SLACK_BYTES, FALLOC_KEEP_SIZE) == 0:
             self._slack_end = self._pos + SLACK_BYTES
+            return True
+        return False
 
-    def append(self, record: dict[str, Any], *, sync: bool = True) -> None:
+    def append(self, record: dict[str, Any], *, sync: bool = True, start: bool = False) -> None:
         """Append one record; with ``sync`` it is on stable storage when this returns
         (an fdatasync of its own, under the lock). Without, it is written but durable
         only once a ``commit`` called after this returned has returned.
         A free (``op: free``) or a namespace claim (``op: ns``) is repeated by the records
-        of the next ``ECHO_BYTES``."""
-        self.append_many([record], sync=sync)
+        of the next ``ECHO_BYTES``. ``start``: a start's own record, which may use the
+        room kept for it (``START_ROOM``)."""
+        self.append_many([record], sync=sync, start=start)
 
-    def append_many(self, records: list[dict[str, Any]], *, sync: bool = False) -> list[bytes | None]:
+    def append_many(self, records: list[dict[str, Any]], *, sync: bool = False,
+                    start: bool = False) -> list[bytes | None]:
         """Append ``records`` in order with one write (``append``'s rules for each): all of
         them, or, if the write fails, none. Per record its payload as written (``pack`` of
-        it), or None where it carries repeats of earlier frees or claims."""
+        it), or None where it carries repeats of earlier frees or claims. ``NoSpace`` where
+        the filesystem is full (or they would reach into the room kept for the next start)."""
         with self.lock:
             if self._fd < 0:
                 raise StorageError("journal is closed")
@@ -219,6 +237,12 @@ class Journal:
                 elif op == "ns":
                     echoes.append((pos, "own", [record["name"], record["uid"]]))
             blob = blobs[0] if len(blobs) == 1 else b"".join(blobs)
+            if self._slack_end and pos > self._slack_end - START_ROOM and not start:
+                self._renew_slack()  # (the filesystem may have room again)
+                if self._slack_end and pos > self._slack_end - START_ROOM:
+                    raise NoSpace(f"journal append to {self.path} failed: its filesystem is full, and the "
+                                  f"journal's last {START_ROOM >> 10} KiB of room are kept for the next start; free "
+                                  "space on that filesystem")
             synced = False
             try:
                 n = os.write(self._fd, blob)
@@ -238,8 +262,9 @@ class Journal:
                 except OSError:
                     self._pos = _size(self._fd, self._pos)
                 self._slack_end = 0
-                raise StorageError(f"journal append to {self.path} failed: {os.strerror(e.errno)}; "
-                                   "free space on that filesystem or check the drive") from None
+                kind = NoSpace if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageError
+                raise kind(f"journal append to {self.path} failed: {os.strerror(e.errno)}; "
+                           "free space on that filesystem or check the drive") from None
             self._pos = pos
             self._keep_slack()
             self.appended += len(blob)
@@ -328,7 +353,7 @@ class Journal:
             if self._fd >= 0 and self._echo:
                 try:  # the last frees and claims get their repeat, too
                     self.append({"op": "close"})
-                except StorageError as e:
+                except (StorageError, NoSpace) as e:
                     log.warning("journal: closing record not written: %s", e)
             if self._fd >= 0:
                 with self._fd_guard:
