@@ -250,6 +250,9 @@ class Server:
 
     def _recovered_how(self) -> str:
         info = self.store.replay_info
+        if info.get("cut_bytes"):
+            return (f"from the index checkpoint alone: the journal was cut {info['cut_bytes']} bytes below what "
+                    "it covers, and what it held after that is lost")
         if info.get("checkpoint") == "used":
             return f"from the index checkpoint and {info['records_replayed']} journal records"
         return f"replaying {info.get('records_replayed', 0)} journal records"

@@ -220,9 +220,10 @@ def test_a_journal_rewritten_cut_or_damaged_after_the_checkpoint_makes_it_stale(
     recs = [(b, e, r) for b, e, r in scan(data) if r is not None]
     b_, _, last = recs[-1]
     assert last["op"] == "open"
-    jpath.write_bytes(data[:b_])  # the last (open) record gone: every object still in the journal
+    jpath.write_bytes(data[:b_])  # the last (open) record gone: the checkpoint stands in for it
     with Store(_cfg(d)) as s:
-        assert s.replay_info["checkpoint"].startswith("refused")
+        j = s.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["cut_bytes"] == len(data) - b_ and j["kept_aside"]
         _check_contents(s, hs, [("after", _val(60))])
     # damaged in the middle of the covered bytes: found, reported and kept aside as always
     _flip_record(d, "k20")
@@ -230,6 +231,42 @@ def test_a_journal_rewritten_cut_or_damaged_after_the_checkpoint_makes_it_stale(
         j = s.stat()["journal"]
         assert j["checkpoint"].startswith("refused") and j["corrupt_records"] == 1 and j["kept_aside"]
         _check_contents(s, hs, [("after", _val(60))], gone=["k20"])
+
+
+@pytest.mark.parametrize("how", ["emptied", "halved", "removed"])
+def test_a_journal_cut_below_its_checkpoint_recovers_every_object_the_checkpoint_holds(tmp_path, how):
+    """The journal emptied, cut in half or removed after a clean close: the checkpoint is
+    the only record of its objects, so the start recovers them from it (an error saying
+    so), rewrites the journal from them and keeps the checkpoint aside; the start after
+    that needs neither, and what is freed then stays freed after a kill."""
+    d, hs = _filled(tmp_path)
+    jpath = d / JOURNAL_FILE
+    data = jpath.read_bytes()
+    if how == "removed":
+        jpath.unlink()
+    else:
+        jpath.write_bytes(data[:len(data) // 2] if how == "halved" else b"")
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"] == "used" and j["cut_bytes"] > 0, j
+        assert "cut" in render(s.stat())
+        _check_contents(s, hs)
+    assert len(list(d.glob(CHECKPOINT_FILE + ".damaged-*"))) == 1
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_checkpoint import _cfg
+from tierstore import Store
+s = Store(_cfg({str(d)!r}))
+assert s.replay_info["checkpoint"] == "used" and not s.replay_info["cut_bytes"], s.replay_info
+s.free(s.lookup("k5"))
+os._exit(9)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr[-2000:]
+    with Store(_cfg(d)) as s:
+        assert not s.replay_info["cut_bytes"]
+        _check_contents(s, hs, gone=["k5"])
 
 
 def test_a_checkpoint_from_another_directory_is_refused(tmp_path):

@@ -23,6 +23,9 @@ File format: ``magic 8s | version u32 | crc32c(body) u32 | len(body) u64 | body`
 body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arrays):
 
 - ``journal``: ``[X, crc32c of the journal's bytes [0, X)]``
+- ``head``: ``[length, crc32c]`` of the journal's first record (its ``open``, with a
+  random ``jid``), or ``[]``: a journal shorter than ``X`` that still begins with it, or
+  an empty or missing one, was cut, and the checkpoint stands in for it (``JournalCut``)
 - ``epoch``, ``next_id``, ``owners`` (``[[root namespace, uid], ...]`` in claim order)
 - ``ns``: the distinct namespaces; ``specs``: the distinct ``[kind, dtype, shape, nbytes]``
 - per object: ``id`` u64, ``ord`` u64 (``ObjectMeta.order``; absent: the ids), ``gen``
@@ -58,7 +61,7 @@ from .checksum import BLOCK_BYTES, crc32c
 from .errors import InvalidArgument
 from .files import create_fresh, fsync_dir
 from .index import ObjectMeta, validate_key, validate_namespace
-from .journal import _write_all
+from .journal import _write_all, scan
 from .nvme import Extent
 from .tensors import TensorSpec
 from .units import PAGE
@@ -86,6 +89,12 @@ class Refused(Exception):
     the whole journal)."""
 
 
+class JournalCut(Refused):
+    """The journal holds fewer bytes than the checkpoint covered (cut, emptied or removed
+    since), and nothing in it was written after the checkpoint: what the checkpoint holds
+    is the only record of those bytes."""
+
+
 @dataclass
 class Checkpoint:
     """What a usable checkpoint holds, ready to seed a replay."""
@@ -104,6 +113,8 @@ class Checkpoint:
     """Builds the namespace -> key -> id map of the objects (when a replay first needs it)."""
     load_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    cut: str | None = None
+    """Set (why) where the journal was cut below what this covers (``load(allow_cut=True)``)."""
 
 
 @contextlib.contextmanager
@@ -185,9 +196,9 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         rec.append(r)
         epoch = max(epoch, d["gen"])
         next_id = max(next_id, d["id"] + 1, ords[-1] + 1)
-    size, jcrc = identity
+    size, jcrc, *head = identity
     body = msgpack.packb({
-        "journal": [size, jcrc], "epoch": epoch, "next_id": next_id,
+        "journal": [size, jcrc], "head": head, "epoch": epoch, "next_id": next_id,
         "owners": [[n, u] for n, u in owners.items()], "ns": list(ns_ix),
         "specs": [[k, dt, list(sh), nb] for k, dt, sh, nb in spec_ix],
         "id": _col(ids, "<u8"), "ord": _col(ords, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"),
@@ -229,6 +240,24 @@ def remove_temp(directory: str) -> None:
             os.unlink(os.path.join(directory, name))
 
 
+def keep_aside(directory: str) -> str | None:
+    """Move the checkpoint to ``index.ckpt.damaged-<UTC time>``, where no start reads it
+    (kept, as a damaged journal is: no recovery decision is final). Its new path, or
+    None where there was none (or it could not be moved: then removed)."""
+    src = path_in(directory)
+    if not os.path.exists(src):
+        return None
+    dst = f"{src}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    try:
+        os.rename(src, dst)
+        fsync_dir(directory)
+        return dst
+    except OSError as e:
+        log.warning("index checkpoint not kept aside (%s); removed", e)
+        remove(directory)
+        return None
+
+
 def remove(directory: str) -> None:
     """No checkpoint (before the journal it names is replaced). A removal that fails, or
     that a crash undoes, leaves one a start finds stale (logged, not raised)."""
@@ -245,15 +274,28 @@ def _col(values: list, dtype: str) -> bytes:
     return np.asarray(values, dtype=dtype).tobytes()
 
 
-def journal_identity(journal_path: str, size: int | None = None) -> tuple[int, int]:
+def journal_identity(journal_path: str, size: int | None = None) -> tuple[int, ...]:
     """The journal's size and the CRC32C of all of it: what a checkpoint written now
-    covers (taken with the journal's lock held, so nothing is appended meanwhile).
+    covers (taken with the journal's lock held, so nothing is appended meanwhile); then,
+    where the journal begins with a whole record, that record's length and CRC32C (its
+    ``open`` record carries a random ``jid``: it tells this journal from any other, and a
+    cut one that kept its first record from one rewritten or replaced since).
     ``size``: of its first ``size`` bytes instead (the journal is append-only between
     rewrites, so what it held at that size is still its prefix; ``Refused`` if shorter)."""
     with open(journal_path, "rb") as f:
         if size is None:
             size = os.fstat(f.fileno()).st_size
-        return size, _crc_of(f, size)
+        crc = _crc_of(f, size)
+        f.seek(0)
+        data = f.read(min(size, _HEAD_SCAN))
+    first = next(iter(scan(data)), None)
+    if first is None or first[0] != 0 or first[2] is None or first[1] == len(data) < size:
+        return size, crc
+    return size, crc, first[1], crc32c(data[:first[1]])
+
+
+_HEAD_SCAN = 1 << 16
+"""Bytes read for the journal's first record (an ``open`` record is tens of bytes)."""
 
 
 def _crc_of(f: Any, size: int) -> int:
@@ -270,9 +312,12 @@ def _crc_of(f: Any, size: int) -> int:
 
 
 # ---------------------------------------------------------------------------- load
-def load(directory: str, journal_path: str, *, ndrives: int, drive_bytes: int) -> Checkpoint | None:
+def load(directory: str, journal_path: str, *, ndrives: int, drive_bytes: int,
+         allow_cut: bool = False) -> Checkpoint | None:
     """The checkpoint of ``directory`` if there is one and every check holds; None if
-    there is none; ``Refused`` (saying why) if there is one that cannot be used."""
+    there is none; ``Refused`` (saying why) if there is one that cannot be used.
+    ``allow_cut``: one whose journal was cut below what it covers (``JournalCut``) is
+    returned with ``cut`` saying so, for the caller to recover from it alone."""
     t0 = time.perf_counter()
     try:
         with open(path_in(directory), "rb") as f:
@@ -296,8 +341,15 @@ def load(directory: str, journal_path: str, *, ndrives: int, drive_bytes: int) -
     except Exception as e:  # (CRC-valid but undecodable: written by something else)
         raise Refused(f"undecodable: {e}") from None
     del data, body
-    _check_journal(b, journal_path)
+    cut = None
+    try:
+        _check_journal(b, journal_path)
+    except JournalCut as e:
+        if not allow_cut:
+            raise
+        cut = str(e)
     ck = _build(b, ndrives, drive_bytes)
+    ck.cut = cut
     ck.load_s = time.perf_counter() - t0
     return ck
 
@@ -311,11 +363,18 @@ def _check_journal(b: dict, journal_path: str) -> None:
         with open(journal_path, "rb") as f:
             have = os.fstat(f.fileno()).st_size
             if have < size:
-                raise Refused(f"the journal is {have} bytes, shorter than the {size} it covered (cut or rewritten)")
+                # a cut (or emptied) journal: one that still begins with the first record the
+                # checkpoint saw, or holds nothing; any other was rewritten or replaced since
+                head = b.get("head")
+                if have and not (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head)
+                                 and 0 < head[0] <= have and crc32c(f.read(head[0])) == head[1]):
+                    raise Refused(f"the journal is {have} bytes, shorter than the {size} it covered, and does not "
+                                  "begin as that one did (rewritten or replaced since)")
+                raise JournalCut(f"the journal is {have} bytes, shorter than the {size} it covered (cut)")
             if _crc_of(f, size) != crc:
                 raise Refused(f"the journal's first {size} bytes are not the ones it covered (rewritten or damaged)")
     except FileNotFoundError:
-        raise Refused("there is no journal") from None
+        raise JournalCut(f"there is no journal; it held {size} bytes when the checkpoint was written") from None
 
 
 def _arr(b: dict, name: str, dtype: str, n: int | None = None) -> np.ndarray:

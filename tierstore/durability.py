@@ -20,6 +20,7 @@ live records — is kept together so the lock's rules are read in one place.
 from __future__ import annotations
 
 import logging
+import secrets
 import os
 import threading
 from typing import Any, Callable
@@ -322,7 +323,9 @@ class Durability:
         journaled, or whose key a later put took, is not live in the journal."""
         owners = [{"op": "ns", "name": n, "uid": u} for n, u in self.owners.items()]
         epoch, next_id, recs = self.index.durable_records(self._freed)
-        return [{"op": "open", "epoch": epoch, "next_id": next_id}, *owners, *recs, *owners]
+        # (``jid``: a compacted journal's first record is its own, as a new journal's is)
+        return [{"op": "open", "epoch": epoch, "next_id": next_id, "jid": secrets.randbits(62)}, *owners, *recs,
+                *owners]
 
     # ------------------------------------------------------------------ background checkpoint
     def _after_append(self) -> None:
@@ -570,33 +573,47 @@ class Durability:
         for root, uid in rp.owners.items():
             self.roots_of.setdefault(uid, set()).add(root)
         info = {"torn_bytes": res.torn_bytes, "corrupt_records": res.corrupt_records,
-                "corrupt_bytes": res.corrupt_bytes, "malformed_records": rp.malformed,
+                "corrupt_bytes": res.corrupt_bytes, "cut_bytes": res.cut_bytes, "malformed_records": rp.malformed,
                 "superseded": rp.superseded, "dropped": dropped, "owner_conflicts": rp.owner_conflicts,
                 "kept_aside": None, "objects": ix.object_count(), **ck}
-        damaged = res.torn_bytes or res.corrupt_records or rp.malformed or dropped or rp.owner_conflicts
+        damaged = res.torn_bytes or res.corrupt_records or res.cut_bytes or rp.malformed or dropped \
+            or rp.owner_conflicts
         if damaged:
             # nothing recovery decided is final: the journal as found stays beside the new one
             info["kept_aside"] = self.journal.keep_aside()
             log.warning("journal recovery: %d damaged stretches (%d bytes) and %d malformed records skipped, "
-                        "torn tail of %d bytes dropped, %d objects superseded by later records, %d dropped; "
-                        "%d durable objects recovered; the journal as found is kept at %s",
-                        res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes, rp.superseded,
-                        dropped, ix.object_count(), info["kept_aside"])
-            if info["kept_aside"] is None:  # (logged) then nothing is decided for good: appended to as it is
+                        "torn tail of %d bytes dropped, %d bytes cut (the index checkpoint stood in), %d objects "
+                        "superseded by later records, %d dropped; %d durable objects recovered; the journal as "
+                        "found is kept at %s", res.corrupt_records, res.corrupt_bytes, rp.malformed, res.torn_bytes,
+                        res.cut_bytes, rp.superseded, dropped, ix.object_count(), info["kept_aside"])
+            if info["kept_aside"] is None and not res.cut_bytes:  # (logged) nothing decided for good: appended to
                 self.damage_kept = True
                 self.journal.open_for_append()
             else:
+                directory = self.journal.directory
+                # the checkpoint names the journal about to be replaced; one that stood in for a
+                # cut journal is kept aside until the rewrite holds what it held
+                drop = (lambda: checkpoint.keep_aside(directory)) if res.cut_bytes else \
+                    (lambda: checkpoint.remove(directory))
                 try:
                     self.checkpoint_at = self._counted_from = 0
-                    self.journal.rewrite(iter(self._live_records()))  # the damage is not carried forward
+                    # the damage is not carried forward
+                    self.journal.rewrite(iter(self._live_records()), before_replace=drop)
                 except StorageError as e:
+                    if res.cut_bytes:  # appending to the cut journal would leave the checkpoint's objects out
+                        raise StorageError(
+                            f"journal recovery: the journal was cut below what the index checkpoint covers and "
+                            f"could not be rewritten from it ({e.message}); the store does not open, so that the "
+                            "checkpoint stays the record of its objects: free space there and start again") from None
                     log.error("journal recovery: the journal could not be rewritten (%s); appending to it as "
                               "it is", e)
                     self.damage_kept = True
                     self.journal.open_for_append()
         else:
             self.journal.open_for_append()
-        self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id}, start=True)
+        # ``jid``: random, so the first record of every journal is its own (``checkpoint.JournalCut``)
+        self.journal.append({"op": "open", "epoch": ix.epoch, "next_id": ix.next_id, "jid": secrets.randbits(62)},
+                            start=True)
         self._last_order = ix.next_id - 1
         with self.lock:
             self._after_append()  # (a long replay: its checkpoint now, not after the next puts)
@@ -610,7 +627,7 @@ class Durability:
         directory, path = self.journal.directory, self.journal.path
         checkpoint.remove_temp(directory)  # (a background one a crash cut short)
         try:
-            ck = checkpoint.load(directory, path, ndrives=ndrives, drive_bytes=drive_bytes)
+            ck = checkpoint.load(directory, path, ndrives=ndrives, drive_bytes=drive_bytes, allow_cut=True)
         except checkpoint.Refused as e:
             log.warning("index checkpoint not used, replaying the whole journal: %s", e)
             ck, why = None, f"refused: {e}"
@@ -619,6 +636,15 @@ class Durability:
             ck, why = None, f"refused: {e!r}"
         else:
             why = None if ck is not None else "none"
+        if ck is not None and ck.cut is not None:
+            # the journal lost bytes only the checkpoint still holds: it stands in for all of
+            # them (what the journal held after it is gone, as a torn tail's records are)
+            res, rp = ReplayResult(), Replay(ndrives=ndrives, drive_bytes=drive_bytes)
+            rp.seed(ck)
+            res.cut_bytes = ck.offset - self.journal.size()
+            log.error("journal recovery: %s; the index checkpoint's %d durable objects are recovered as they were "
+                      "when it was written, and whatever the journal held after that is lost", ck.cut, len(ck.live))
+            return res, rp, {"checkpoint": "used", "records_replayed": 0}
         if ck is not None:
             try:
                 res, rp = ReplayResult(), Replay(ndrives=ndrives, drive_bytes=drive_bytes)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -73,6 +73,9 @@ class ReplayResult:
     """Damaged stretches in the middle (each one or more records) that were skipped."""
     corrupt_bytes: int = 0
     """Bytes in those stretches."""
+    cut_bytes: int = 0
+    """Bytes the index checkpoint covered that the journal no longer holds (it was cut,
+    emptied or removed): the checkpoint stood in for them."""
 
 
 def scan(data: bytes) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
@@ -315,9 +318,11 @@ class Journal:
         except FileNotFoundError:
             return 0
 
-    def rewrite(self, records: Iterator[dict[str, Any] | bytes]) -> None:
+    def rewrite(self, records: Iterator[dict[str, Any] | bytes], *,
+                before_replace: Callable[[], None] | None = None) -> None:
         """Compaction: replace the journal with exactly ``records`` (maps, or payloads
-        already packed by ``pack``), atomically."""
+        already packed by ``pack``), atomically. ``before_replace`` runs once the new file
+        is complete and synced, just before it takes the journal's name."""
         tmp = self.path + ".compact"
         with self.lock:
             fd = create_fresh(tmp)
@@ -335,6 +340,8 @@ class Journal:
                 os.unlink(tmp)
                 raise StorageError(f"journal compaction into {tmp} failed: {os.strerror(e.errno)}") from None
             os.close(fd)
+            if before_replace is not None:
+                before_replace()
             os.replace(tmp, self.path)
             fsync_dir(self.directory)
             with self._fd_guard:  # the new file holds every record so far, fsynced above

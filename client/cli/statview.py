@@ -95,10 +95,11 @@ def render(st: dict[str, Any], prev: dict[str, Any] | None = None, interval_s: f
     if "checkpoint_covers_bytes" in j:
         lines.append(f"  index checkpoint covers the journal's first {format_size(j['checkpoint_covers_bytes'])} "
                      f"({j.get('checkpoints_written', 0)} written since the start)")
-    if j.get("kept_aside"):
+    if j.get("kept_aside") or j.get("cut_bytes"):
         lines.append(f"  journal recovery at start: {j.get('corrupt_records', 0)} damaged stretches, "
-                     f"{j.get('malformed_records', 0)} malformed records, torn tail {j.get('torn_bytes', 0)} B skipped; "
-                     f"{j.get('superseded', 0)} objects superseded; journal as found: {j['kept_aside']}")
+                     f"{j.get('malformed_records', 0)} malformed records, torn tail {j.get('torn_bytes', 0)} B skipped"
+                     + (f", {j['cut_bytes']} B cut (recovered from the index checkpoint)" if j.get("cut_bytes") else "")
+                     + f"; {j.get('superseded', 0)} objects superseded; journal as found: {j.get('kept_aside')}")
     if st.get("errors"):
         lines.append("  errors: " + ", ".join(f"{k}={v}" for k, v in sorted(st["errors"].items())))
     return "\n".join(lines)
