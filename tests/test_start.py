@@ -432,8 +432,8 @@ def test_a_start_with_other_nvme_directories_is_refused_and_the_journal_kept(tmp
     """Objects striped over two directories, then starts that name only the first (it
     holds the journal), the two swapped, or a third added: each refused, in one line
     saying what to do (by the directories' tier.id; without one, by the journal's
-    extents), with the journal and data files left as they were; the start with both
-    directories in order again has every object."""
+    extents, or where the journal and the data are), with the journal and data files left
+    as they were; the start with both directories in order again has every object."""
     from tierstore import InvalidArgument, Store
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -456,6 +456,13 @@ def test_a_start_with_other_nvme_directories_is_refused_and_the_journal_kept(tmp
         os.remove(os.path.join(x, "tier.id"))
     with pytest.raises(InvalidArgument, match="start with the nvme_dirs, in the same order, and the nvme_bytes"):
         Store(cfg([a]))
+    # ... and so do where the journal is, and where the data is without one
+    for dirs, why in [([b, a], "holds objects' data .data.bin. but no journal"),
+                      ([b], "holds objects' data .data.bin. but no journal"),
+                      ([str(tmp_path / "c"), a], "holds journal.log, which only a tier's first directory has")]:
+        with pytest.raises(InvalidArgument, match=why):
+            Store(cfg(dirs))
+    assert not os.path.exists(os.path.join(b, "journal.log")) and not os.path.exists(os.path.join(a, "tier.id"))
     assert open(os.path.join(a, "journal.log"), "rb").read() == journal
     assert [open(os.path.join(x, "data.bin"), "rb").read() for x in (a, b)] == data
     assert not [n for n in os.listdir(a) if "damaged" in n]

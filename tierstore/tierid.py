@@ -10,7 +10,8 @@ anything else is refused, in one line, before anything is read or written.
 
 A directory without the file is new (its tier's other directories have none either) or
 was used by a version that did not write one: its position is taken as given, and
-recorded.
+recorded — unless where the journal is says otherwise (a journal anywhere but in the
+first directory, or data but no journal in the first: refused).
 """
 
 from __future__ import annotations
@@ -49,7 +50,42 @@ def check(dirs: list[str]) -> bool:
                 f"NVMe directory {d} is directory {f['index'] + 1} of {f['dirs']} of its tier, but this start "
                 f"names it as {pos + 1} of {n}{' with directories of another tier' if len(tiers) > 1 else ''}: "
                 "start with the nvme_dirs, in the same order, and the nvme_bytes that wrote them")
+    if not tiers:
+        _check_unrecorded(dirs)
     return not tiers
+
+
+_JOURNAL_FILES = ("journal.log", "index.ckpt")
+"""What only a tier's first directory holds (``tierstore.journal.JOURNAL_FILE``,
+``tierstore.checkpoint.CHECKPOINT_FILE``)."""
+_DATA_FILE = "data.bin"
+"""``tierstore.nvme.DATA_FILE`` (not imported: ``nvme`` imports this module)."""
+
+
+def _check_unrecorded(dirs: list[str]) -> None:
+    """Directories of a tier that recorded none (a version that wrote no ``tier.id``, or the
+    files removed): the journal, which lives in the first, says which that is. One named
+    after the first that holds a journal, or a first that holds objects' data but neither a
+    journal nor a checkpoint, is refused, before anything is written over."""
+    for pos, d in enumerate(dirs):
+        held = [name for name in _JOURNAL_FILES if os.path.exists(os.path.join(d, name))]
+        if pos and held:
+            raise InvalidArgument(
+                f"NVMe directory {d} holds {held[0]}, which only a tier's first directory has, but this start names "
+                f"it as directory {pos + 1} of {len(dirs)}: start with the nvme_dirs, in the same order, that wrote "
+                "them")
+        if not pos and not held and _size(os.path.join(d, _DATA_FILE)) > 0:
+            raise InvalidArgument(
+                f"NVMe directory {d} holds objects' data ({_DATA_FILE}) but no journal: it is not the first "
+                "directory of the tier that wrote it; start with the nvme_dirs, in the same order, that wrote them "
+                "(or empty it for a new tier)")
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
 
 
 def record(dirs: list[str]) -> None:
