@@ -366,9 +366,12 @@ class Server:
 
     # ------------------------------------------------------------------ socket setup
     def _check_no_live_daemon(self, path: str) -> None:
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             return
-        if not stat_mod.S_ISSOCK(os.lstat(path).st_mode):
+        mode = os.lstat(path).st_mode
+        if stat_mod.S_ISLNK(mode):  # (never followed: the daemon makes its socket itself)
+            raise DaemonAlreadyRunning(f"{path} is a symbolic link; remove it or choose another --socket")
+        if not stat_mod.S_ISSOCK(mode):
             raise DaemonAlreadyRunning(f"{path} exists and is not a socket; remove it or choose another --socket")
         try:
             pid = serving_pid(path)

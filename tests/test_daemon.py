@@ -405,6 +405,24 @@ def test_second_daemon_on_a_live_socket_refuses(daemon, tmp_path, same_nvme_dir)
         c.ping()
 
 
+@pytest.mark.parametrize("target", ["missing", "a file"])
+def test_a_link_at_the_socket_path_is_refused_not_followed(tmp_path, target):
+    """A symbolic link where the socket is to be (dangling, or to a file elsewhere) is
+    neither followed nor taken for a live daemon's socket: the start is refused naming it,
+    and what it points to is left as it was."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o750)
+    elsewhere = tmp_path / "elsewhere"
+    if target == "a file":
+        elsewhere.write_text("keep")
+    os.symlink(elsewhere, run / "s.sock")
+    r = subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", str(run / "s.sock"), "--nvme-dir",
+                        str(tmp_path / "n"), "--host-bytes", "16MiB"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "is a symbolic link; remove it" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert os.path.islink(run / "s.sock")
+    assert (elsewhere.read_text() == "keep") if target == "a file" else not elsewhere.exists()
+
+
 def test_settings_the_machine_cannot_honour_stop_the_daemon_with_a_message(daemon, tmp_path):
     def start(*flags):
         return subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", str(tmp_path / "s.sock"),
