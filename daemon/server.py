@@ -328,6 +328,8 @@ class Server:
             if sess.namespace is None and not sess.hello_pending and now - sess.opened > _HELLO_TIMEOUT_S:
                 sess.say(logging.INFO, "sent no hello in %.0f s; closing", _HELLO_TIMEOUT_S)
                 self._close(sess)
+            elif sess.eof and sess.parked_and_gone():  # half-closed, then gone while its requests run
+                self._close(sess)
         if (self.config.daemon.lease_timeout_s > 0 or self.config.daemon.reservation_timeout_s > 0) and \
                 (self._expiring is None or self._expiring.done()):
             self._expiring = self._control.submit(self._expire)

@@ -220,13 +220,19 @@ class Session:
             if not self.awaiting:
                 return False
             if self.writing:  # nothing to send until a request under way is answered: not watched
-                self.writing = False
+                self.writing = False  # (but looked at once a second: ``parked_and_gone``)
                 self.sel.unregister(self.sock)
             return True
         if self.writing:
             self.writing = False
             self.sel.modify(self.sock, selectors.EVENT_READ, ("sess", self))
         return True
+
+    def parked_and_gone(self) -> bool:
+        """Whether this half-closed connection waits, unwatched, for replies still to come
+        (``flush``) while its peer has closed for good: nobody is left to answer."""
+        return self.eof and not self.writing and not self.closed and \
+            bool(_peer_shut(self.sock) & (select.POLLHUP | select.POLLERR))
 
     def send_now(self, blob: bytes) -> None:
         """One packet sent at once, if the socket takes it (the last word before a close)."""

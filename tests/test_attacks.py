@@ -774,3 +774,32 @@ def test_a_connections_clean_up_run_twice_at_once_ends_each_lease_once(make_stor
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records[:2]
         assert sum(c[0] for c in counts) == 500 and sum(c[1] for c in counts) == 50, (trial, counts)
         assert s.stat()["leases"] == 0 and s.daemon.puts.open_count() == 0
+
+
+def test_a_half_closed_client_that_dies_while_its_request_waits_is_cleaned_up(daemon, victim, ns):
+    """A client holds a lease, sends a check-out that waits (60 s) behind another's lease,
+    half-closes, then dies: its connection is closed, and its lease released, within
+    seconds, not when the wait ends."""
+    x = victim.put(np.ones(4, np.float32), key="x")
+    y = victim.put(np.ones(4, np.float32), key="y")
+    held = victim.checkout(x, "w")  # the raw client's check-out of x waits behind this
+    raw = Raw(daemon, ns)
+    try:
+        assert "ok" in raw.call("checkout", handle=int(y), mode="r")
+        raw.send("checkout", handle=int(x), mode="r", timeout_s=60)
+        raw.s.shutdown(socket.SHUT_WR)
+        poll_until(lambda: victim.stat()["waiting"] >= 1, "the raw client's check-out waiting")
+    finally:
+        raw.close()
+
+    def y_free():
+        try:
+            with victim.checkout(y, "w", timeout_s=0.2):
+                return True
+        except Busy:
+            return False
+
+    try:
+        poll_until(y_free, "the dead client's lease on y released", timeout_s=15)
+    finally:
+        held.release()

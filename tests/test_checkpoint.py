@@ -233,7 +233,7 @@ def test_a_journal_rewritten_cut_or_damaged_after_the_checkpoint_makes_it_stale(
         _check_contents(s, hs, [("after", _val(60))], gone=["k20"])
 
 
-@pytest.mark.parametrize("how", ["emptied", "halved", "removed"])
+@pytest.mark.parametrize("how", ["emptied", "halved", "removed", "cut inside its first record"])
 def test_a_journal_cut_below_its_checkpoint_recovers_every_object_the_checkpoint_holds(tmp_path, how):
     """The journal emptied, cut in half or removed after a clean close: the checkpoint is
     the only record of its objects, so the start recovers them from it (an error saying
@@ -245,7 +245,7 @@ def test_a_journal_cut_below_its_checkpoint_recovers_every_object_the_checkpoint
     if how == "removed":
         jpath.unlink()
     else:
-        jpath.write_bytes(data[:len(data) // 2] if how == "halved" else b"")
+        jpath.write_bytes({"halved": data[:len(data) // 2], "emptied": b""}.get(how, data[:5]))
     with Store(_cfg(d)) as s:
         j = s.stat()["journal"]
         assert j["checkpoint"] == "used" and j["cut_bytes"] > 0, j
@@ -267,6 +267,39 @@ os._exit(9)
     with Store(_cfg(d)) as s:
         assert not s.replay_info["cut_bytes"]
         _check_contents(s, hs, gone=["k5"])
+
+
+@pytest.mark.parametrize("point", ["before", "after"])
+def test_a_crash_as_a_cut_journal_is_rewritten_loses_nothing(tmp_path, point):
+    """The start that recovers a cut journal from its checkpoint is killed just before, or
+    just after, the rewritten journal takes the journal's name: the next start has every
+    object either way (from the checkpoint again, or from the new journal, which the
+    checkpoint no longer vouches for)."""
+    d, hs = _filled(tmp_path)
+    (d / JOURNAL_FILE).write_bytes(b"")
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_checkpoint import _cfg
+from tierstore import Store
+real = os.replace
+def crash(src, dst):
+    if dst.endswith("journal.log"):
+        if {point!r} == "after":
+            real(src, dst)
+        os._exit(9)
+    real(src, dst)
+os.replace = crash
+Store(_cfg({str(d)!r}))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr[-2000:]
+    with Store(_cfg(d)) as s:
+        if point == "before":
+            assert s.replay_info["checkpoint"] == "used" and s.replay_info["cut_bytes"] > 0, s.replay_info
+        else:
+            assert s.replay_info["checkpoint"].startswith("refused") and not s.replay_info["cut_bytes"]
+        _check_contents(s, hs)
 
 
 def test_a_checkpoint_from_another_directory_is_refused(tmp_path):

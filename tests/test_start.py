@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from tierstore import Config, InvalidArgument
@@ -463,6 +464,14 @@ def test_a_start_with_other_nvme_directories_is_refused_and_the_journal_kept(tmp
         with pytest.raises(InvalidArgument, match=why):
             Store(cfg(dirs))
     assert not os.path.exists(os.path.join(b, "journal.log")) and not os.path.exists(os.path.join(a, "tier.id"))
+    # a first start stopped after reserving its data file, before its journal: nothing written, so a new tier
+    fresh = str(tmp_path / "fresh")
+    os.makedirs(fresh)
+    fd = os.open(os.path.join(fresh, "data.bin"), os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, 64 << 20)
+    os.close(fd)
+    with Store(cfg([fresh])) as s:
+        s.put(np.ones(4, np.float32), key="first", durable=True)
     assert open(os.path.join(a, "journal.log"), "rb").read() == journal
     assert [open(os.path.join(x, "data.bin"), "rb").read() for x in (a, b)] == data
     assert not [n for n in os.listdir(a) if "damaged" in n]

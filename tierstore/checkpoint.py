@@ -364,10 +364,13 @@ def _check_journal(b: dict, journal_path: str) -> None:
             have = os.fstat(f.fileno()).st_size
             if have < size:
                 # a cut (or emptied) journal: one that still begins with the first record the
-                # checkpoint saw, or holds nothing; any other was rewritten or replaced since
+                # checkpoint saw, or holds no whole record (``empty``: emptied, or cut inside its
+                # first); any other was rewritten or replaced since
                 head = b.get("head")
-                if have and not (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head)
-                                 and 0 < head[0] <= have and crc32c(f.read(head[0])) == head[1]):
+                data = f.read(min(have, _HEAD_SCAN))
+                empty = have <= _HEAD_SCAN and not any(r is not None for _, _, r in scan(data))
+                if not empty and not (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head)
+                                      and 0 < head[0] <= len(data) and crc32c(data[:head[0]]) == head[1]):
                     raise Refused(f"the journal is {have} bytes, shorter than the {size} it covered, and does not "
                                   "begin as that one did (rewritten or replaced since)")
                 raise JournalCut(f"the journal is {have} bytes, shorter than the {size} it covered (cut)")

@@ -257,8 +257,10 @@ class Durability:
             est = sum(len(r) if isinstance(r, bytes) else len(str(r)) for r in records)
             if not force and size < 2 * est:
                 return
-            checkpoint.remove(self.journal.directory)  # (it names the journal about to be replaced)
-            self.journal.rewrite(iter(records))
+            directory = self.journal.directory
+            # (it names the journal about to be replaced: removed once the new one is complete, so
+            # a compaction that cannot write it leaves the checkpoint as good as it was)
+            self.journal.rewrite(iter(records), before_replace=lambda: checkpoint.remove(directory))
             self._compact_retry_at = 0
             self.checkpoint_at = self._counted_from = 0  # (no checkpoint of the new journal yet)
             self.damage_kept = False
@@ -593,12 +595,15 @@ class Durability:
                 directory = self.journal.directory
                 # the checkpoint names the journal about to be replaced; one that stood in for a
                 # cut journal is kept aside until the rewrite holds what it held
+                # (after the rename: until the new journal has its name, a crash leaves the checkpoint
+                # with the cut journal, and the next start recovers from it again; after it, the new
+                # journal's first record is not the one the checkpoint names, so it is never used)
                 drop = (lambda: checkpoint.keep_aside(directory)) if res.cut_bytes else \
                     (lambda: checkpoint.remove(directory))
                 try:
                     self.checkpoint_at = self._counted_from = 0
                     # the damage is not carried forward
-                    self.journal.rewrite(iter(self._live_records()), before_replace=drop)
+                    self.journal.rewrite(iter(self._live_records()), after_replace=drop)
                 except StorageError as e:
                     if res.cut_bytes:  # appending to the cut journal would leave the checkpoint's objects out
                         raise StorageError(

@@ -260,11 +260,14 @@ class Journal:
                 # not appended: take back what reached the file, so a restart does not act on a
                 # record whose caller was told it failed (if even that fails, the partial record
                 # is a damaged stretch that replay skips, and the next record starts after it)
+                had = self._slack_end - self._pos
                 try:
-                    os.ftruncate(self._fd, self._pos)  # (which frees the room past the end too)
+                    os.ftruncate(self._fd, self._pos)  # (which frees the room past the end too ...)
                 except OSError:
                     self._pos = _size(self._fd, self._pos)
                 self._slack_end = 0
+                if had > 0 and fallocate(self._fd, self._pos, had, FALLOC_KEEP_SIZE) == 0:
+                    self._slack_end = self._pos + had  # (... taken again: it was just given back)
                 kind = NoSpace if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageError
                 raise kind(f"journal append to {self.path} failed: {os.strerror(e.errno)}; "
                            "free space on that filesystem or check the drive") from None
@@ -319,10 +322,14 @@ class Journal:
             return 0
 
     def rewrite(self, records: Iterator[dict[str, Any] | bytes], *,
-                before_replace: Callable[[], None] | None = None) -> None:
+                before_replace: Callable[[], None] | None = None,
+                after_replace: Callable[[], None] | None = None) -> None:
         """Compaction: replace the journal with exactly ``records`` (maps, or payloads
         already packed by ``pack``), atomically. ``before_replace`` runs once the new file
-        is complete and synced, just before it takes the journal's name."""
+        is complete and synced, just before it takes the journal's name; ``after_replace``
+        once it has it (the rename synced). Once the rename is done the journal is the new
+        file whatever else fails: a failed sync of the directory then fails every later
+        append, as a failed ``fdatasync`` does."""
         tmp = self.path + ".compact"
         with self.lock:
             fd = create_fresh(tmp)
@@ -343,7 +350,11 @@ class Journal:
             if before_replace is not None:
                 before_replace()
             os.replace(tmp, self.path)
-            fsync_dir(self.directory)
+            failed: OSError | None = None
+            try:
+                fsync_dir(self.directory)
+            except OSError as e:
+                failed = e
             with self._fd_guard:  # the new file holds every record so far, fsynced above
                 if self._fd >= 0:
                     os.close(self._fd)
@@ -353,6 +364,11 @@ class Journal:
             self._keep_slack()
             self._echo.clear()  # the new file holds the state itself: nothing freed is in it
             self.rewrites += 1
+            if failed is not None:  # which name the directory holds after a crash is unknown
+                self._sync_failure(failed)
+                raise StorageError(self._sync_failed or "journal directory sync failed")
+            if after_replace is not None:
+                after_replace()
         log.info("journal compacted to %d bytes", self._pos)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ first directory, or data but no journal in the first: refused).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -74,18 +75,30 @@ def _check_unrecorded(dirs: list[str]) -> None:
                 f"NVMe directory {d} holds {held[0]}, which only a tier's first directory has, but this start names "
                 f"it as directory {pos + 1} of {len(dirs)}: start with the nvme_dirs, in the same order, that wrote "
                 "them")
-        if not pos and not held and _size(os.path.join(d, _DATA_FILE)) > 0:
+        if not pos and not held and _holds_data(os.path.join(d, _DATA_FILE)):
             raise InvalidArgument(
                 f"NVMe directory {d} holds objects' data ({_DATA_FILE}) but no journal: it is not the first "
                 "directory of the tier that wrote it; start with the nvme_dirs, in the same order, that wrote them "
                 "(or empty it for a new tier)")
 
 
-def _size(path: str) -> int:
+def _holds_data(path: str) -> bool:
+    """Whether anything was ever written to the file: space reserved and never written
+    (``fallocate``, by a first start stopped before its journal was made) reads as a hole
+    to ``SEEK_DATA``; where the filesystem cannot say, any size counts."""
     try:
-        return os.lstat(path).st_size
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return 0
+        return False
+    except OSError:
+        return True  # (not ours to judge here: opening the tier says what is wrong)
+    try:
+        os.lseek(fd, 0, os.SEEK_DATA)
+        return True
+    except OSError as e:
+        return e.errno != errno.ENXIO and os.fstat(fd).st_size > 0
+    finally:
+        os.close(fd)
 
 
 def record(dirs: list[str]) -> None:
