@@ -269,6 +269,37 @@ os._exit(9)
         _check_contents(s, hs, gone=["k5"])
 
 
+def test_a_stretch_cut_out_of_a_journal_is_no_cut_the_checkpoint_stands_in_for(tmp_path):
+    """Records after the checkpoint (a start, then durable puts, then a kill), and a
+    stretch longer than them cut out of the middle of what the checkpoint covered: the
+    journal is shorter than that, but not its beginning, so the checkpoint is not used
+    and the full replay keeps every record left whole — the puts after it included."""
+    d, hs = _filled(tmp_path)
+    code = f"""
+import os, sys, torch
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_checkpoint import _cfg
+from tierstore import Store
+s = Store(_cfg({str(d)!r}))
+for i in range(3):
+    s.put(torch.full((8,), float(i)), key=f"late{{i}}", durable=True)
+os._exit(9)
+"""
+    covered = (d / JOURNAL_FILE).stat().st_size
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr[-2000:]
+    data = (d / JOURNAL_FILE).read_bytes()
+    late = len(data) - covered
+    recs = [(b, e, r) for b, e, r in scan(data) if r is not None and (r.get("key") or "").startswith("k")]
+    lo = recs[len(recs) // 2][0] + 7  # from inside a record in the middle, more than the late records' bytes
+    (d / JOURNAL_FILE).write_bytes(data[:lo] + data[lo + late + 500:])
+    with Store(_cfg(d)) as s:
+        j = s.stat()["journal"]
+        assert j["checkpoint"].startswith("refused") and not j["cut_bytes"] and j["corrupt_records"] >= 1, j
+        for i in range(3):
+            assert torch.equal(s.get(s.lookup(f"late{i}")), torch.full((8,), float(i)))
+
+
 @pytest.mark.parametrize("point", ["before", "after"])
 def test_a_crash_as_a_cut_journal_is_rewritten_loses_nothing(tmp_path, point):
     """The start that recovers a cut journal from its checkpoint is killed just before, or

@@ -24,8 +24,11 @@ body a msgpack map of plain fields and columns (``bin``: little-endian NumPy arr
 
 - ``journal``: ``[X, crc32c of the journal's bytes [0, X)]``
 - ``head``: ``[length, crc32c]`` of the journal's first record (its ``open``, with a
-  random ``jid``), or ``[]``: a journal shorter than ``X`` that still begins with it, or
-  an empty or missing one, was cut, and the checkpoint stands in for it (``JournalCut``)
+  random ``jid``), or ``[]``; ``ladder``: u32 CRC32C of the journal's first k × 4 KiB
+  for each whole 4 KiB of ``X``: a journal shorter than ``X`` whose whole 4 KiB rungs
+  (under 4 KiB: its first record) are those, and in which a replay skips nothing but a
+  torn tail, or an empty or missing one, was cut, and the checkpoint stands in for it
+  (``JournalCut``)
 - ``epoch``, ``next_id``, ``owners`` (``[[root namespace, uid], ...]`` in claim order)
 - ``ns``: the distinct namespaces; ``specs``: the distinct ``[kind, dtype, shape, nbytes]``
 - per object: ``id`` u64, ``ord`` u64 (``ObjectMeta.order``; absent: the ids), ``gen``
@@ -197,8 +200,9 @@ def _write(directory: str, identity: tuple[int, int], records: Iterable[dict[str
         epoch = max(epoch, d["gen"])
         next_id = max(next_id, d["id"] + 1, ords[-1] + 1)
     size, jcrc, *head = identity
+    ladder = head.pop() if len(head) == 3 else b""
     body = msgpack.packb({
-        "journal": [size, jcrc], "head": head, "epoch": epoch, "next_id": next_id,
+        "journal": [size, jcrc], "head": head, "ladder": ladder, "epoch": epoch, "next_id": next_id,
         "owners": [[n, u] for n, u in owners.items()], "ns": list(ns_ix),
         "specs": [[k, dt, list(sh), nb] for k, dt, sh, nb in spec_ix],
         "id": _col(ids, "<u8"), "ord": _col(ords, "<u8"), "gen": _col(gens, "<u4"), "nsi": _col(nsis, "<u4"),
@@ -282,31 +286,44 @@ def journal_identity(journal_path: str, size: int | None = None) -> tuple[int, .
     cut one that kept its first record from one rewritten or replaced since).
     ``size``: of its first ``size`` bytes instead (the journal is append-only between
     rewrites, so what it held at that size is still its prefix; ``Refused`` if shorter)."""
+    ladder: list[int] = []
     with open(journal_path, "rb") as f:
         if size is None:
             size = os.fstat(f.fileno()).st_size
-        crc = _crc_of(f, size)
+        crc = _crc_of(f, size, ladder)
         f.seek(0)
         data = f.read(min(size, _HEAD_SCAN))
     first = next(iter(scan(data)), None)
     if first is None or first[0] != 0 or first[2] is None or first[1] == len(data) < size:
         return size, crc
-    return size, crc, first[1], crc32c(data[:first[1]])
+    return size, crc, first[1], crc32c(data[:first[1]]), np.asarray(ladder, np.uint32).tobytes()
 
 
 _HEAD_SCAN = 1 << 16
 """Bytes read for the journal's first record (an ``open`` record is tens of bytes)."""
+_RUNG = 4096
+"""The ladder's step: a checkpoint holds the CRC32C of the journal's first k × this bytes
+for every k, so a shorter journal is known for an exact prefix of the covered one (cut)
+to within its last few KiB."""
 
 
-def _crc_of(f: Any, size: int) -> int:
-    """CRC32C of the first ``size`` bytes of ``f``, read a chunk at a time."""
+def _crc_of(f: Any, size: int, ladder: list[int] | None = None) -> int:
+    """CRC32C of the first ``size`` bytes of ``f``, read a chunk at a time; with
+    ``ladder``, the CRC32C of its first k × ``_RUNG`` bytes, for each whole rung, too."""
     crc, left = 0, size
     f.seek(0)
     while left:
         chunk = f.read(min(left, _CHUNK))
         if not chunk:
             raise Refused(f"the journal ended {left} bytes before the {size} it covered")
-        crc = crc32c(chunk, crc)
+        if ladder is None:
+            crc = crc32c(chunk, crc)
+        else:  # (_CHUNK is a multiple of _RUNG: rungs end where the chunks' do)
+            mv = memoryview(chunk)
+            for o in range(0, len(chunk), _RUNG):
+                crc = crc32c(mv[o:o + _RUNG], crc)
+                if o + _RUNG <= len(chunk):
+                    ladder.append(crc)
         left -= len(chunk)
     return crc
 
@@ -366,18 +383,35 @@ def _check_journal(b: dict, journal_path: str) -> None:
                 # a cut (or emptied) journal: one that still begins with the first record the
                 # checkpoint saw, or holds no whole record (``empty``: emptied, or cut inside its
                 # first); any other was rewritten or replaced since
-                head = b.get("head")
-                data = f.read(min(have, _HEAD_SCAN))
-                empty = have <= _HEAD_SCAN and not any(r is not None for _, _, r in scan(data))
-                if not empty and not (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head)
-                                      and 0 < head[0] <= len(data) and crc32c(data[:head[0]]) == head[1]):
-                    raise Refused(f"the journal is {have} bytes, shorter than the {size} it covered, and does not "
-                                  "begin as that one did (rewritten or replaced since)")
+                if not _a_prefix(b, f, have):
+                    raise Refused(f"the journal is {have} bytes, shorter than the {size} it covered, and not the "
+                                  "first bytes of that one (rewritten, replaced or damaged since)")
                 raise JournalCut(f"the journal is {have} bytes, shorter than the {size} it covered (cut)")
             if _crc_of(f, size) != crc:
                 raise Refused(f"the journal's first {size} bytes are not the ones it covered (rewritten or damaged)")
     except FileNotFoundError:
         raise JournalCut(f"there is no journal; it held {size} bytes when the checkpoint was written") from None
+
+
+def _a_prefix(b: dict, f: Any, have: int) -> bool:
+    """Whether the journal open as ``f`` (``have`` bytes, fewer than the checkpoint ``b``
+    covered) is those bytes' beginning, cut: it holds no whole record (emptied, or cut
+    inside its first); or its first whole rungs are the covered journal's (``ladder``;
+    a checkpoint without one: its first record, ``head``) and a replay would skip
+    nothing in it but a torn tail (so no stretch was cut out of its last rung)."""
+    f.seek(0)
+    data = f.read()
+    found = list(scan(data))
+    if not any(r is not None for _, _, r in found):
+        return True
+    if any(r is None and end != len(data) for _, end, r in found):
+        return False  # damaged, not only cut: a full replay finds and keeps what is whole
+    ladder, head, k = b.get("ladder"), b.get("head"), have // _RUNG
+    if isinstance(ladder, bytes) and ladder and len(ladder) % 4 == 0 and k:
+        rungs = np.frombuffer(ladder, np.uint32)
+        return k <= len(rungs) and crc32c(memoryview(data)[:k * _RUNG]) == int(rungs[k - 1])
+    return (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head)
+            and 0 < head[0] <= have and crc32c(data[:head[0]]) == head[1])
 
 
 def _arr(b: dict, name: str, dtype: str, n: int | None = None) -> np.ndarray:
