@@ -20,8 +20,8 @@ live records — is kept together so the lock's rules are read in one place.
 from __future__ import annotations
 
 import logging
-import secrets
 import os
+import secrets
 import threading
 from typing import Any, Callable
 
@@ -641,6 +641,10 @@ class Durability:
             ck, why = None, f"refused: {e!r}"
         else:
             why = None if ck is not None else "none"
+        if ck is not None and ck.cut is not None and (late := self._written_after(ck)) is not None:
+            log.warning("index checkpoint not used, replaying the whole journal: it is shorter than the checkpoint "
+                        "covered but holds %s, written after it", late)
+            ck, why = None, f"refused: the journal is shorter than it covered, but holds {late} written after it"
         if ck is not None and ck.cut is not None:
             # the journal lost bytes only the checkpoint still holds: it stands in for all of
             # them (what the journal held after it is gone, as a torn tail's records are)
@@ -666,6 +670,46 @@ class Durability:
         res, rp = ReplayResult(), Replay(ndrives=ndrives, drive_bytes=drive_bytes)
         n = self._apply(rp, res, 0)
         return res, rp, {"checkpoint": why, "records_replayed": n}
+
+    def _written_after(self, ck: checkpoint.Checkpoint) -> str | None:
+        """A record of the (cut) journal that the checkpoint ``ck`` does not reflect — so it
+        was written after the checkpoint, and the journal lost something other than its
+        end (whole records cut out of its last 4 KiB, where the checkpoint's rungs cannot
+        tell) — named; None if every record is one the checkpoint already holds the effect
+        of. Such records: a later start's ``open`` (a higher epoch), a namespace claim it
+        lacks, a put of an id or order from its ``next_id`` on, a free (or a repeat of one)
+        of an object it holds live, and a record of such an object after the one it holds."""
+        latest: set[int] = set()
+        for r, _ in self.journal.stream(ReplayResult()):
+            op = r.get("op")
+            repeats = r.get("fr")
+            if isinstance(repeats, list) and any(type(i) is int and i in ck.live for i in repeats):
+                return "a repeat of a free of an object it holds"
+            owns = r.get("own")
+            if isinstance(owns, list) and any(isinstance(o, list) and len(o) == 2 and ck.owners.get(o[0]) != o[1]
+                                              for o in owns):
+                return "a repeat of a namespace claim it lacks"
+            if op == "open" and not (type(r.get("epoch")) is int and r["epoch"] <= ck.epoch):
+                return "a later start's record"
+            if op == "ns" and ck.owners.get(r.get("name")) != r.get("uid"):
+                return "a namespace claim it lacks"
+            oid = r.get("id")
+            if type(oid) is not int:
+                continue
+            if op == "free" and oid in ck.live:
+                return f"the free of object {oid}"
+            if op != "put":
+                continue
+            order = r.get("ord", oid)
+            if oid >= ck.next_id or (type(order) is int and order >= ck.next_id):
+                return f"the put of object {oid}"
+            m = ck.live.get(oid)
+            if m is not None:
+                if oid in latest:
+                    return f"a later version of object {oid}"
+                if pack_record({k: v for k, v in r.items() if k not in ("fr", "own")}) == m.record:
+                    latest.add(oid)
+        return None
 
     def _apply(self, rp: "Replay", res: ReplayResult, start: int) -> int:
         n = 0

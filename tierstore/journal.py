@@ -176,6 +176,8 @@ class Journal:
 
     # -- append ----------------------------------------------------------------------------
     def open_for_append(self) -> None:
+        if self._fd >= 0:  # (a rewrite that failed after its rename left the new file open)
+            os.close(self._fd)
         self._fd = open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         st = os.fstat(self._fd)
         self._pos = st.st_size
