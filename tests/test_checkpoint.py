@@ -341,6 +341,28 @@ Store(_cfg({str(d)!r}))
         _check_contents(s, hs)
 
 
+def test_a_large_sparse_file_at_the_checkpoint_name_is_refused_without_being_read(tmp_path):
+    """1 GiB of holes where the checkpoint should be: refused by its header, with the
+    whole journal replayed, and the start's memory never near the file's size."""
+    d, hs = _filled(tmp_path)
+    with open(d / CHECKPOINT_FILE, "r+b") as f:
+        f.truncate(1 << 30)
+    code = f"""
+import os, resource, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_checkpoint import _cfg
+from tierstore import Store
+with Store(_cfg({str(d)!r})) as s:
+    print(s.replay_info["checkpoint"], "|", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    why, peak_kib = r.stdout.strip().rsplit("|", 1)
+    assert why.startswith("refused") and int(peak_kib) < (512 << 10), r.stdout
+    with Store(_cfg(d)) as s:
+        _check_contents(s, hs)
+
+
 def test_a_checkpoint_from_another_directory_is_refused(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     with Store(_cfg(a)) as s:

@@ -338,18 +338,22 @@ def load(directory: str, journal_path: str, *, ndrives: int, drive_bytes: int,
     t0 = time.perf_counter()
     try:
         with open(path_in(directory), "rb") as f:
-            data = f.read()
+            # the header first: a file that is not a checkpoint costs no read of its whole size
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size:
+                raise Refused("it is shorter than its header")
+            magic, version, crc, n = _HEAD.unpack_from(head)
+            if magic != _MAGIC:
+                raise Refused("bad magic")
+            if version != VERSION:
+                raise Refused(f"version {version}, this build reads version {VERSION}")
+            if n != os.fstat(f.fileno()).st_size - _HEAD.size:
+                raise Refused("its length does not match its header (damaged or cut)")
+            data = head + f.read()
     except FileNotFoundError:
         return None
     except OSError as e:
         raise Refused(f"cannot read it: {os.strerror(e.errno or 0)}") from None
-    if len(data) < _HEAD.size:
-        raise Refused("it is shorter than its header")
-    magic, version, crc, n = _HEAD.unpack_from(data)
-    if magic != _MAGIC:
-        raise Refused("bad magic")
-    if version != VERSION:
-        raise Refused(f"version {version}, this build reads version {VERSION}")
     body = memoryview(data)[_HEAD.size:]
     if n != len(body) or crc32c(body) != crc:
         raise Refused("its CRC does not check out (damaged or cut)")
