@@ -507,7 +507,9 @@ def open_snapshot(src: str) -> Any:
             store = zarr.storage.LocalStore(path, read_only=True)
     else:
         store = zarr.storage.FsspecStore.from_url(src, read_only=True)
-    return zarr.open_group(store, mode="r")
+    # (format 3 only, as tierstore writes: zarr would otherwise also read a format 2
+    # ``.zgroup``/``.zattrs``/``.zmetadata``, files none of these checks has seen)
+    return zarr.open_group(store, mode="r", zarr_format=3)
 
 
 _MAX_INDEX_BYTES = 2 << 30
@@ -618,10 +620,12 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
         if i < len(index) and i not in ahead and "pack" not in index[i]:
             ahead[i] = pool.submit(_read_checked, root, index[i], {}, local_dir, src)
 
+    current = None  # the entry being put (an interrupt may come after the target made it, before its handle)
     try:
         for i in range(6):
             fetch(i)
         for i, e in enumerate(index):
+            current = e
             fetch(i + 6)
             u8 = ahead.pop(i).result() if i in ahead else _read_checked(root, e, packs, local_dir, src)
             spec = TensorSpec(e["kind"], e["dtype"], tuple(e["shape"]), e["nbytes"])
@@ -632,11 +636,14 @@ def restore(target: Objects, src: str, *, overwrite: bool = False, progress: boo
         # changed since it was verified, a full pool or disk, the daemon gone, an interrupt:
         # without overwrite, what this restore put is taken back (as far as the target still answers)
         if not overwrite:
-            kept = _take_back(target, done)
+            kept = _take_back(target, done + _made_unanswered(target, current, done))
             if kept and isinstance(err, TierstoreError):
                 raise type(err)(f"{err.message}; {kept} of the {len(done)} objects this restore put could not be "
                                 "taken back (free them, or restore with --overwrite)") from None
             raise
+        if done and not isinstance(err, TierstoreError):  # (an interrupt: it goes on as one, saying this)
+            err.add_note(f"tierstore restore: interrupted with {len(done)} of {len(index)} objects already written "
+                         "over their keys (--overwrite: their values before are gone), the rest not; restore again")
         if not done or not isinstance(err, TierstoreError):
             raise
         # (keys written over cannot be given their old values back: say so, not "not restored")
@@ -661,6 +668,19 @@ optimizer's progress records, its torn-step marker, an owner's mark)."""
 
 def _bookkeeping(key: str) -> bool:
     return key.rsplit("/", 1)[-1] in _BOOKKEEPING
+
+
+def _made_unanswered(target: Objects, entry: dict[str, Any] | None, done: list[Any]) -> list[Any]:
+    """The object of ``entry`` (the one being put when the restore stopped) if the target
+    made it though its handle never came back (a restore without overwrite: the key was
+    free before), so it is taken back with the rest."""
+    if entry is None:
+        return []
+    try:
+        h = target.lookup(entry["key"])
+    except Exception:  # noqa: BLE001 - the target gone: nothing more to take back
+        return []
+    return [h] if h is not None and h not in done else []
 
 
 def _take_back(target: Objects, handles: list[Any]) -> int:
@@ -804,6 +824,12 @@ def _read_array(root: Any, path: str, local_dir: str | None, limit: int) -> np.n
     if local_dir is not None:
         _plain_files(local_dir, path, limit)
     arr = root[path]
+    codecs = getattr(arr.metadata, "codecs", None)
+    if not codecs or any(type(c).__name__ != "BytesCodec" for c in codecs):
+        # a compressor could expand a small file far past what the entry says
+        names = ", ".join(type(c).__name__ for c in codecs or ())
+        raise InvalidArgument(f"array {path!r} is compressed or filtered ({names}); tierstore snapshots store each "
+                              "array's bytes as they are")
     if math.prod(arr.shape) * arr.dtype.itemsize > limit:
         raise InvalidArgument(f"array {path!r} holds more bytes than its entry says")
     chunks = math.prod(-(-s // max(c, 1)) for s, c in zip(arr.shape, arr.chunks))

@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             return _quiet_broken_pipe()
         print(f"tierstore: {e.strerror or e}{': ' + e.filename if e.filename else ''}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        for note in getattr(e, "__notes__", ()):  # (what an interrupted restore left, say)
+            print(note, file=sys.stderr)
         return 130
 
 
