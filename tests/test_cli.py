@@ -42,7 +42,7 @@ def test_argument_errors_are_one_line_with_where_the_help_is():
     r = cli("stat", "--socket", "/nonexistent/ts.sock")  # no daemon there: the advice a command line can take
     line = _one_line(r)
     assert r.returncode == 1 and "DaemonUnavailable" in line and "--socket PATH" in line and "autostart" not in line
-    for bad in ("inf", "1e300", "-1", "0", "nan", "x"):  # refused before anything is drawn or slept
+    for bad in ("inf", "1e300", "-1", "0", "1e-300", "0.001", "nan", "x"):  # refused before anything is drawn
         r = cli("stat", "--watch", bad, "--socket", "/nonexistent/ts.sock")
         assert r.returncode == 2 and "argument --watch" in _one_line(r) and not r.stdout, bad
 

@@ -705,9 +705,15 @@ def _checked_index(attrs: dict[str, Any], src: str, local_dir: str | None) -> li
     if not isinstance(index, list):
         raise InvalidArgument(f"{src} is not a valid snapshot: it has no list of objects; nothing was restored")
     seen: set[str] = set()
+    last_pack = 0
     for i, e in enumerate(index):
         try:
             _check_entry(e, seen, local_dir)
+            if "pack" in e:  # in pack order, as written: one read of each pack, whatever the index's length
+                if e["pack"] < last_pack:
+                    raise InvalidArgument(f"pack {e['pack']} after pack {last_pack}: a snapshot's index lists its "
+                                          "packs in order")
+                last_pack = e["pack"]
         except InvalidArgument as err:
             key = e.get("key") if isinstance(e, dict) else None
             raise InvalidArgument(f"{src} is not a valid snapshot: entry {i}"

@@ -26,16 +26,18 @@ __all__ = ["main", "build_parser"]
 _SIGPIPE_STATUS = 141  # what a shell reports for a process killed by SIGPIPE, as `yes | head` gives
 
 _WATCH_MOST_S = 86400.0
+_WATCH_LEAST_S = 0.05
+"""(a shorter interval would have ``stat --watch`` keep a core and the daemon busy)"""
 
 
 def _interval(text: str) -> float:
-    """``--watch SECONDS``: a finite number above 0, at most a day."""
+    """``--watch SECONDS``: a finite number from 0.05 to a day."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < v <= _WATCH_MOST_S:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most {_WATCH_MOST_S:.0f} seconds, got {text}")
+    if not _WATCH_LEAST_S <= v <= _WATCH_MOST_S:
+        raise argparse.ArgumentTypeError(f"must be from {_WATCH_LEAST_S} to {_WATCH_MOST_S:.0f} seconds, got {text}")
     return v
 
 def _socket_flag(p: argparse.ArgumentParser) -> None:
