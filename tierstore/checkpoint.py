@@ -42,7 +42,8 @@ The module knows nothing of the store: ``write`` takes the live records, ``load`
 returns the objects and the replay structures that seed ``replay.Replay``.
 
 Length: one concept, the checkpoint format, written, loaded and validated (every check
-a replay makes of a record, vectorised) in one place.
+a replay makes of a record, vectorised, and the checks of the journal it names: covered
+byte for byte, or cut below it) in one place.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ The replay rules themselves (what a record means, how conflicts resolve) are
 ``replay.py``'s; the index checkpoint's format is ``checkpoint.py``'s.
 
 Length: one owner, the journal lock, and everything that must hold it — appends, frees,
-claims, compaction and the checkpoints (foreground and background) that read the same
-live records — is kept together so the lock's rules are read in one place.
+claims, compaction, the checkpoints (foreground and background) that read the same
+live records, and the start's recovery that decides which of journal and checkpoint to
+trust — is kept together so the lock's rules are read in one place.
 """
 
 from __future__ import annotations
