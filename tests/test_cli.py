@@ -219,3 +219,36 @@ def test_offload_parameters_trains_without_torch_warnings(make_store):
             model(torch.randn(4, 8)).sum().backward()
         undo()
     assert not [w for w in caught if "backward hook" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_empty_or_undecodable_arguments_are_refused_not_taken_for_defaults(daemon):
+    """`--socket ""` and `--namespace ""` are mistakes (an unset variable), not the
+    defaults; a key or prefix that is not UTF-8 is refused by name, not as a codec error."""
+    with daemon.client("default") as c:
+        c.put(torch.ones(1), key="a")
+    env = {"TIERSTORE_SOCKET": daemon.socket}
+    for args, what in ((["ls", "--socket", ""], "--socket: must not be empty"),
+                       (["ls", "--namespace", ""], "--namespace: must not be empty"),
+                       (["free", "--namespace", "", "a"], "--namespace: must not be empty"),
+                       (["free", ""], "KEY: must not be empty"),
+                       (["ls", "--prefix", b"\xff"], "--prefix: is not valid UTF-8: b'\\xff'"),
+                       (["free", b"k\xfe"], "KEY: is not valid UTF-8"),
+                       (["snapshot", "default", "/tmp/x", "--prefix", b"\xc3"], "--prefix: is not valid UTF-8")):
+        r = cli(*args, env=env)
+        assert r.returncode == 2 and what in _one_line(r), (args, r.stderr)
+    with daemon.client("default") as c:
+        assert c.keys() == ["a"]
+
+
+def test_a_snapshot_url_without_its_filesystem_is_one_line(daemon, tmp_path):
+    env = {"TIERSTORE_SOCKET": daemon.socket}
+    r = cli("snapshot", "default", "nosuchscheme://bucket/snap", env=env)
+    assert r.returncode == 1 and "InvalidArgument: nosuchscheme://bucket/snap is not a URL" in _one_line(r)
+    r = cli("restore", "nosuchscheme://bucket/snap", "--namespace", "x", env=env)
+    assert r.returncode == 1 and "InvalidArgument" in _one_line(r)
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        r = cli("snapshot", "default", "s3://bucket/snap", env=env)
+        assert r.returncode == 1 and "s3:// needs a package that is not installed" in _one_line(r)
+        assert "s3fs" in r.stderr

@@ -340,14 +340,14 @@ def _meta(d, apath, change):
 @pytest.mark.parametrize("attack", ["chunks for nothing", "shape that wraps", "pack chunks for nothing",
                                     "fifo chunk", "fifo array metadata", "fifo index", "index is /dev/zero",
                                     "sparse chunk", "link out, read by zarr", "zip bomb", "fifo .zgroup",
-                                    "gzip bomb"])
+                                    "gzip bomb", ".zip is a fifo", ".zip is /dev/zero"])
 def test_a_hostile_snapshots_metadata_or_files_are_refused_at_once(make_store, tmp_path, attack):
     """Metadata that asks for 10^12 chunk files of nothing, a shape whose product wraps
     around in 64 bits, a FIFO where a file is read (which would hang), an index that is
     /dev/zero, a 2 GiB sparse chunk declared as 1.2 MB, a chunk link leading out read
     through zarr (an unusual codec), a 2 GiB zip entry deflated to 2 MiB, an array gzipped
-    to 1 MiB from 1 GiB: each refused in one line, at once, with nothing restored and no
-    large allocation. A FIFO at a format 2 name (``.zgroup``) is never opened."""
+    to 1 MiB from 1 GiB, a ``.zip`` source that is a FIFO or a link to /dev/zero: each
+    refused in one line, at once, with nothing restored and no large allocation. A FIFO at a format 2 name (``.zgroup``) is never opened."""
     import zipfile
 
     s = make_store(host_bytes="64MiB")
@@ -388,6 +388,12 @@ def test_a_hostile_snapshots_metadata_or_files_are_refused_at_once(make_store, t
                                                          {"name": "gzip", "configuration": {"level": 9}}]))
         with open(chunk, "wb") as f:
             f.write(gzip.compress(b"\0" * (1 << 30), 9))
+    elif attack == ".zip is a fifo":
+        src = str(tmp_path / "snap.zip")
+        os.mkfifo(src)
+    elif attack == ".zip is /dev/zero":
+        src = str(tmp_path / "snap.zip")
+        os.symlink("/dev/zero", src)
     elif attack == "sparse chunk":
         _meta(d, "big/~data", unusual)
         with open(chunk, "r+b") as f:

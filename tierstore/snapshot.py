@@ -278,8 +278,6 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
              progress: bool | None = None) -> dict[str, Any]:
     """Write every object of ``source`` (a ``Pool``, or a store's view of ``namespace``) under
     ``prefix`` to the Zarr v3 store ``dest`` (a directory, ``*.zip``, or a URL)."""
-    import zarr
-
     dest = str(dest)
     entries = source.ls(prefix=prefix)
     local = _is_local(dest)
@@ -304,7 +302,7 @@ def snapshot(source: Objects, dest: str, *, namespace: str, prefix: str = "",
 
     try:
         # its first file is written at once: a full disk fails here, inside the clean-up
-        writer = _LocalWriter(work.root) if work else _ZarrWriter(zarr.storage.FsspecStore.from_url(dest))
+        writer = _LocalWriter(work.root) if work else _ZarrWriter(_url_store(dest, read_only=False))
         for e in entries:
             data = _current(source, e)
             if data is None:  # freed since the listing: not in the snapshot
@@ -499,6 +497,7 @@ def open_snapshot(src: str) -> Any:
         if not os.path.exists(path):
             raise InvalidArgument(f"no snapshot at {path}")
         if path.endswith(".zip"):
+            _regular_file(path, None)
             _check_zip(path)
             store = zarr.storage.ZipStore(path, mode="r")
         else:
@@ -506,7 +505,7 @@ def open_snapshot(src: str) -> Any:
                 _regular_file(os.path.join(path, "zarr.json"), _MAX_INDEX_BYTES)
             store = zarr.storage.LocalStore(path, read_only=True)
     else:
-        store = zarr.storage.FsspecStore.from_url(src, read_only=True)
+        store = _url_store(src, read_only=True)
     # (format 3 only, as tierstore writes: zarr would otherwise also read a format 2
     # ``.zgroup``/``.zattrs``/``.zmetadata``, files none of these checks has seen)
     return zarr.open_group(store, mode="r", zarr_format=3)
@@ -516,16 +515,29 @@ _MAX_INDEX_BYTES = 2 << 30
 """The most a snapshot's root ``zarr.json`` (its index: a few hundred bytes an object) may hold."""
 
 
-def _regular_file(path: str, most: int) -> None:
-    """Refuse a metadata file of a local snapshot that is not a regular file (a FIFO would
-    hang the read, a link to ``/dev/zero`` never end it) or is larger than ``most``."""
+def _url_store(url: str, *, read_only: bool) -> Any:
+    """The Zarr store at a URL (``s3://``, ``gs://``, ...): fsspec's filesystem for its
+    scheme, refused with what to install where that package is missing."""
+    import zarr
+
+    try:
+        return zarr.storage.FsspecStore.from_url(url, read_only=read_only)
+    except ImportError as e:
+        raise InvalidArgument(f"{url.split('://', 1)[0]}:// needs a package that is not installed: {e}") from None
+    except ValueError as e:
+        raise InvalidArgument(f"{url} is not a URL a snapshot can use: {e}") from None
+
+
+def _regular_file(path: str, most: int | None) -> None:
+    """Refuse a file of a local snapshot that is not a regular file (a FIFO would hang the
+    read, a link to ``/dev/zero`` never end it) or is larger than ``most``."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return  # (zarr says what is missing)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgument(f"{path} is not a regular file; the snapshot is damaged and was not restored")
-    if st.st_size > most:
+    if most is not None and st.st_size > most:
         raise InvalidArgument(f"{path} holds {st.st_size} bytes, more than a snapshot's metadata needs")
 
 

@@ -40,12 +40,28 @@ def _interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be from {_WATCH_LEAST_S} to {_WATCH_MOST_S:.0f} seconds, got {text}")
     return v
 
+def _text(empty_ok: bool = False):
+    """An argument as text the daemon can take: valid UTF-8 (a shell passes any bytes;
+    Python keeps what is not UTF-8 as lone surrogates) and, unless ``empty_ok``, not empty
+    (an empty ``--socket ""`` would otherwise mean the default)."""
+
+    def check(text: str) -> str:
+        if not text and not empty_ok:
+            raise argparse.ArgumentTypeError("must not be empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise argparse.ArgumentTypeError(f"is not valid UTF-8: {text.encode('utf-8', 'surrogateescape')!r}") from None
+        return text
+    return check
+
+
 def _socket_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", metavar="PATH", help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
+    p.add_argument("--socket", metavar="PATH", type=_text(), help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
 
 
 def _namespace_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--namespace", metavar="NS", help="namespace (job) to work in (default: 'default')")
+    p.add_argument("--namespace", metavar="NS", type=_text(), help="namespace (job) to work in (default: 'default')")
 
 
 def build_parser() -> ArgumentParser:
@@ -73,29 +89,29 @@ def build_parser() -> ArgumentParser:
     ls = sub.add_parser("ls", help="list the keyed objects of a namespace")
     _socket_flag(ls)
     _namespace_flag(ls)
-    ls.add_argument("--prefix", default="", help="only keys starting with this")
+    ls.add_argument("--prefix", default="", type=_text(empty_ok=True), help="only keys starting with this")
     ls.add_argument("--json", action="store_true", help="machine-readable output (info() of each object)")
     fr = sub.add_parser("free", help="free objects by key")
     _socket_flag(fr)
     _namespace_flag(fr)
-    fr.add_argument("keys", nargs="+", metavar="KEY", help="keys to free")
+    fr.add_argument("keys", nargs="+", metavar="KEY", type=_text(), help="keys to free")
     sn = sub.add_parser("snapshot", help="export a namespace as a Zarr v3 store (directory, .zip or URL)")
     _socket_flag(sn)
-    sn.add_argument("namespace", help="namespace to export")
-    sn.add_argument("dest", help="destination: a directory, a .zip file or a URL")
-    sn.add_argument("--prefix", default="", help="only keys starting with this")
+    sn.add_argument("namespace", type=_text(), help="namespace to export")
+    sn.add_argument("dest", type=_text(), help="destination: a directory, a .zip file or a URL")
+    sn.add_argument("--prefix", default="", type=_text(empty_ok=True), help="only keys starting with this")
     sn.add_argument("--sharded", action="store_true", help="NAMESPACE is a job: every JOB/... namespace on this "
                     "node goes to DEST (a shared directory), one Zarr store each, with an index")
-    sn.add_argument("--node", help="this node's name in a sharded snapshot's index (default: the host name)")
+    sn.add_argument("--node", type=_text(), help="this node's name in a sharded snapshot's index (default: the host name)")
     rs = sub.add_parser("restore", help="import a snapshot into a namespace")
     _socket_flag(rs)
-    rs.add_argument("src", help="the snapshot: a directory, a .zip file or a URL")
-    rs.add_argument("--namespace", metavar="NS", help="target namespace (default: the one the snapshot was taken "
+    rs.add_argument("src", type=_text(), help="the snapshot: a directory, a .zip file or a URL")
+    rs.add_argument("--namespace", metavar="NS", type=_text(), help="target namespace (default: the one the snapshot was taken "
                     "from)")
     rs.add_argument("--overwrite", action="store_true", help="replace keys the namespace already has")
     rs.add_argument("--sharded", action="store_true", help="SRC is a sharded snapshot: restore the namespaces its "
                     "index places on this node")
-    rs.add_argument("--node", help="this node's name in the sharded snapshot's index (default: the host name)")
+    rs.add_argument("--node", type=_text(), help="this node's name in the sharded snapshot's index (default: the host name)")
     return p
 
 
