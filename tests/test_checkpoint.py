@@ -365,6 +365,46 @@ with Store(_cfg({str(d)!r})) as s:
         _check_contents(s, hs)
 
 
+@pytest.mark.parametrize("where", ["a hole in the middle", "a hole at the end"])
+def test_a_journal_with_a_gigabyte_of_holes_is_replayed_in_bounded_memory(tmp_path, where):
+    """1 GiB of zeros (sparse) between two of the journal's records (no checkpoint: the
+    whole journal is replayed, the records past the hole found again) or after its last
+    (a torn tail past what the checkpoint covers): every object comes back, and the
+    start's memory stays far below the journal's size — it is scanned through a mapping,
+    a window at a time, never read whole."""
+    d, hs = _filled(tmp_path)
+    jpath = d / JOURNAL_FILE
+    data = jpath.read_bytes()
+    if where == "a hole in the middle":
+        os.unlink(d / CHECKPOINT_FILE)
+        cut = [end for _, end, r in scan(data) if r is not None][10]
+        with open(jpath, "r+b") as f:
+            f.truncate(cut)
+            f.truncate(cut + (1 << 30))
+            f.seek(cut + (1 << 30))
+            f.write(data[cut:])
+    else:
+        with open(jpath, "r+b") as f:
+            f.truncate(len(data) + (1 << 30))
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_checkpoint import _cfg, _check_contents
+from tierstore import Store
+with Store(_cfg({str(d)!r})) as s:
+    hwm = [ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0]
+    print(s.replay_info["corrupt_bytes"], s.replay_info["torn_bytes"], "|", hwm)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    damage, peak_kib = r.stdout.strip().rsplit("|", 1)
+    corrupt, torn = map(int, damage.split())
+    assert (corrupt, torn) == ((1 << 30, 0) if where == "a hole in the middle" else (0, 1 << 30)), r.stdout
+    assert int(peak_kib) < (512 << 10), r.stdout
+    with Store(_cfg(d)) as s:
+        _check_contents(s, hs)
+
+
 def test_a_checkpoint_from_another_directory_is_refused(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     with Store(_cfg(a)) as s:

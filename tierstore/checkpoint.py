@@ -65,7 +65,7 @@ from .checksum import BLOCK_BYTES, crc32c
 from .errors import InvalidArgument
 from .files import create_fresh, fsync_dir
 from .index import ObjectMeta, validate_key, validate_namespace
-from .journal import _write_all, scan
+from .journal import _write_all, mapped, scan
 from .nvme import Extent
 from .tensors import TensorSpec
 from .units import PAGE
@@ -403,20 +403,31 @@ def _a_prefix(b: dict, f: Any, have: int) -> bool:
     covered) is those bytes' beginning, cut: it holds no whole record (emptied, or cut
     inside its first); or its first whole rungs are the covered journal's (``ladder``;
     a checkpoint without one: its first record, ``head``) and a replay would skip
-    nothing in it but a torn tail (so no stretch was cut out of its last rung)."""
-    f.seek(0)
-    data = f.read()
-    found = list(scan(data))
-    if not any(r is not None for _, _, r in found):
+    nothing in it but a torn tail (so no stretch was cut out of its last rung). Scanned
+    through a mapping, in bounded memory."""
+    whole = damaged = False
+    with mapped(f.name) as (data, release):
+        if len(data) != have:
+            return False  # (changed under the check)
+        for _, end, r in scan(data, 0, release):
+            whole = whole or r is not None
+            damaged = damaged or (r is None and end != have)
+    if not whole:
         return True
-    if any(r is None and end != len(data) for _, end, r in found):
+    if damaged:
         return False  # damaged, not only cut: a full replay finds and keeps what is whole
     ladder, head, k = b.get("ladder"), b.get("head"), have // _RUNG
     if isinstance(ladder, bytes) and ladder and len(ladder) % 4 == 0 and k:
         rungs = np.frombuffer(ladder, np.uint32)
-        return k <= len(rungs) and crc32c(memoryview(data)[:k * _RUNG]) == int(rungs[k - 1])
-    return (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head)
-            and 0 < head[0] <= have and crc32c(data[:head[0]]) == head[1])
+        if k > len(rungs):
+            return False
+        try:
+            return _crc_of(f, k * _RUNG) == int(rungs[k - 1])
+        except Refused:
+            return False
+    if not (isinstance(head, list) and len(head) == 2 and all(type(v) is int for v in head) and 0 < head[0] <= have):
+        return False
+    return _crc_of(f, head[0]) == head[1]
 
 
 def _arr(b: dict, name: str, dtype: str, n: int | None = None) -> np.ndarray:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import shutil
 import struct
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -39,7 +41,7 @@ from .errors import NoSpace, StorageError
 from .files import FALLOC_KEEP_SIZE, create_fresh, fallocate, fsync_dir, open_own
 from .groupsync import GroupSync
 
-__all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "scan", "pack"]
+__all__ = ["Journal", "ReplayResult", "JOURNAL_FILE", "ECHO_BYTES", "mapped", "scan", "pack"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,10 @@ _MAGIC_BYTES = struct.pack("<I", _MAGIC)
 _HEADER = struct.Struct("<III")
 _MAX_RECORD = 64 << 20
 ECHO_BYTES = 8192
+"""How far past a free or a namespace claim later records repeat it: two pages, so
+neither a zeroed page nor a flipped byte takes every copy."""
+_WINDOW = 64 << 20
+"""How much of a mapped journal a scan reads before it gives the pages back."""
 SLACK_BYTES = 1 << 20
 """Room the journal keeps allocated past its end (``fallocate`` keeping its size), renewed
 as appends use it: a filesystem that filled up meanwhile still takes the next start's
@@ -58,8 +64,6 @@ START_ROOM = 64 << 10
 """Of that room, what appends leave for the next start's record when it cannot be renewed
 (the filesystem is full): they fail with ``NoSpace`` instead, so a store that filled its
 filesystem still starts again."""
-"""How far past a free or a namespace claim later records repeat it: two pages, so
-neither a zeroed page nor a flipped byte takes every copy."""
 
 
 @dataclass
@@ -78,21 +82,56 @@ class ReplayResult:
     emptied or removed): the checkpoint stood in for them."""
 
 
-def scan(data: bytes) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
-    """``(start, end, record)`` for each valid record of a journal image, in order, and
-    ``(start, end, None)`` for each stretch that holds none (the last one may be a torn tail)."""
-    pos, n = 0, len(data)
+def scan(data: Any, start: int = 0,
+         release: Callable[[int], None] | None = None) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
+    """``(start, end, record)`` for each valid record of a journal image (``bytes``, or a
+    read-only ``mmap`` of the file) from offset ``start``, in order, and ``(start, end,
+    None)`` for each stretch that holds none (the last one may be a torn tail).
+    ``release(offset)``: told, now and then, that nothing before ``offset`` is read again
+    (a mapping gives those pages back: a large journal is scanned in bounded memory)."""
+    pos, n = start, len(data)
     while pos < n:
         rec, end = _parse_at(data, pos)
         if rec is not None:
             yield pos, end, rec
             pos = end
-            continue
-        nxt = _resync(data, pos + 1)
-        yield pos, (n if nxt is None else nxt), None
-        if nxt is None:
+        else:
+            nxt = _resync(data, pos + 1, release)
+            yield pos, (n if nxt is None else nxt), None
+            if nxt is None:
+                return
+            pos = nxt
+        if release is not None:
+            release(pos)
+
+
+@contextmanager
+def mapped(path: str) -> Iterator[tuple[Any, Callable[[int], None]]]:
+    """The file at ``path`` mapped read-only, for ``scan``, with the ``release`` that gives
+    back the pages read (``b""`` for an empty file). A journal of any size is scanned in a
+    few windows' worth of memory, never read whole into it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            yield b"", lambda upto: None
             return
-        pos = nxt
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    done = 0
+
+    def release(upto: int) -> None:
+        nonlocal done
+        upto -= upto % mmap.PAGESIZE
+        if upto - done >= _WINDOW:
+            mm.madvise(mmap.MADV_DONTNEED, 0, upto)
+            done = upto
+    try:
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+        yield mm, release
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # (a view of it still held by the caller: the mapping goes with it)
+            pass
 
 
 class Journal:
@@ -132,25 +171,21 @@ class Journal:
         of collecting the records, so a caller that uses each record as it comes never
         holds them all. ``start``: the records from this offset on (a record boundary:
         the end of what an index checkpoint covers), scanned as a journal of their own."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(start)
-                data = f.read()
-        except FileNotFoundError:
+        if not os.path.exists(self.path):
             return
-        header = _HEADER.size
-        for begin, end, rec in scan(data):
-            if rec is not None:
-                yield rec, data[begin + header:end]
-            elif end == len(data):
-                res.torn_bytes = end - begin
-                log.warning("journal %s: %d bytes at the end hold no valid record (torn tail); dropped",
-                            self.path, res.torn_bytes)
-            else:
-                res.corrupt_records += 1
-                res.corrupt_bytes += end - begin
-                log.error("journal %s: %d damaged bytes at offset %d skipped", self.path, end - begin,
-                          start + begin)
+        with mapped(self.path) as (data, release):
+            header, n = _HEADER.size, len(data)
+            for begin, end, rec in scan(data, start, release):
+                if rec is not None:
+                    yield rec, data[begin + header:end]
+                elif end == n:
+                    res.torn_bytes = end - begin
+                    log.warning("journal %s: %d bytes at the end hold no valid record (torn tail); dropped",
+                                self.path, res.torn_bytes)
+                else:
+                    res.corrupt_records += 1
+                    res.corrupt_bytes += end - begin
+                    log.error("journal %s: %d damaged bytes at offset %d skipped", self.path, end - begin, begin)
 
     def keep_aside(self) -> str | None:
         """Keep the journal as it is now under ``journal.damaged-<UTC time>`` (a hard link:
@@ -436,12 +471,19 @@ def _parse_at(data: bytes, pos: int) -> tuple[dict | None, int]:
     return (rec, end) if isinstance(rec, dict) else (None, pos)
 
 
-def _resync(data: bytes, start: int) -> int | None:
-    """Offset of the next valid record at or after ``start``, or None (the rest is a torn tail)."""
-    pos = data.find(_MAGIC_BYTES, start)
-    while pos != -1:
-        rec, _ = _parse_at(data, pos)
-        if rec is not None:
-            return pos
-        pos = data.find(_MAGIC_BYTES, pos + 1)
+def _resync(data: Any, start: int, release: Callable[[int], None] | None = None) -> int | None:
+    """Offset of the next valid record at or after ``start``, or None (the rest is a torn
+    tail). Searched a window at a time, ``release`` told as each is passed."""
+    pos, n = start, len(data)
+    while pos < n:
+        stop = min(n, pos + _WINDOW)
+        hit = data.find(_MAGIC_BYTES, pos, stop + len(_MAGIC_BYTES) - 1)  # (one that straddles ``stop`` too)
+        if hit == -1:
+            pos = stop
+            if release is not None:
+                release(pos)
+            continue
+        if _parse_at(data, hit)[0] is not None:
+            return hit
+        pos = hit + 1
     return None
