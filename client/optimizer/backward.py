@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from tierstore.errors import InvalidArgument
+
 from ..claims import BACKWARD_UPDATES, PARAM_OFFLOAD, held_by
 from .state import Item as _Item
 from .state import local as _local
@@ -57,6 +59,8 @@ def _sample(grad: torch.Tensor) -> torch.Tensor:
     """A few of a gradient's values (a copy). In-place changes bump a tensor's version, but
     not all of them: GradScaler's unscaling kernel leaves it as it is, and scales every
     nonzero value, so a sample shows it where the version does not."""
+    if grad.layout != torch.strided:  # (a sparse gradient, nn.Embedding(sparse=True)'s: its values)
+        grad = grad._values()
     flat = _local(grad)[1].detach().reshape(-1)  # a DTensor: this rank's shard
     stride = max(1, flat.numel() // 8)
     return flat[::stride][:8].clone()
@@ -108,6 +112,8 @@ class BackwardUpdates:
         self._pos: dict[tuple[int, int], int] = {}
         self._queued = False  # the end-of-backward callback is queued for the backward under way
         self._hooks: list[Any] = []
+        self.superseded = False
+        """Whether a newer optimizer over the same parameters took these hooks over."""
         refuse_offloaded_parameters(opt.param_groups)
         if self.enabled:
             for gi, g in enumerate(opt.param_groups):
@@ -119,6 +125,7 @@ class BackwardUpdates:
                     if old is not None and old is not self and old._hooks:
                         log.info("update_in_backward: a new optimizer takes over parameters another one updated")
                         old.remove()
+                        old.superseded = True
                     setattr(p, _OWNER, weakref.ref(self))
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, pi)))
             weakref.finalize(opt, self.remove)  # a deleted optimizer's hooks come off with it
@@ -139,6 +146,15 @@ class BackwardUpdates:
     def active(self) -> bool:
         """Whether the hooks are on and their optimizer alive."""
         return bool(self._hooks) and self._opt() is not None
+
+    def check_not_superseded(self) -> None:
+        """Raise where a newer update-in-backward optimizer over these parameters took the
+        hooks: the two would update each parameter twice, in an order plain training never has."""
+        if self.superseded:
+            raise InvalidArgument(
+                "a newer offloaded optimizer with update_in_backward=True took over this one's parameters (their "
+                "gradients now update that one in backward): step the newer optimizer; two optimizers over the "
+                "same parameters cannot both update in backward")
 
     def remove(self) -> None:
         """Take the hooks off the parameters (``step()`` then updates every parameter)."""

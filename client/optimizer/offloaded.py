@@ -30,7 +30,8 @@ from .backward import BackwardUpdates, refuse_offloaded_parameters
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
 from .progress import Progress
 from .state import Item, Key, StateTensors, local
-from .state_dict import Placeholders, PoolState, finish_lazy_load, in_rule_format, pack, placed, set_param_state
+from .state_dict import (Placeholders, PoolState, checked_state, finish_lazy_load, in_rule_format, pack, placed,
+                         set_param_state)
 from .update import Updates
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "offloaded"]
@@ -109,6 +110,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  drop_grads: bool = False) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"offload_optimizer wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+        if isinstance(inner, OffloadedOptimizer):
+            raise TypeError("this optimizer is offloaded already (offload_optimizer was given what an earlier "
+                            "offload_optimizer returned): wrap the plain torch.optim optimizer, once")
+        if tier not in (None, "host", "nvme", "gpu"):
+            raise InvalidArgument(f"tier must be one of None, 'host', 'nvme', 'gpu'; got {tier!r}")
         if update not in ("auto", "cpu", "gpu"):
             raise ValueError(f"update must be 'auto', 'cpu' or 'gpu', got {update!r}")
         if update == "gpu" and not all(p.is_cuda for g in inner.param_groups for p in g["params"]):
@@ -171,6 +177,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """This optimizer's mark under its prefix: a newer optimizer on the same prefix in any
         process or connection puts its own there."""
         self._owner_seen = -1  # the completed step count at which the mark was last found ours
+        self._load_failed: str | None = None
+        """Why a ``load_state_dict`` that failed part-way left the state incomplete (``None``: it
+        is whole); until a load succeeds or ``free()``, ``step()`` and ``state_dict()`` raise."""
         claim_prefix(store, self.prefix, self, frees_all=True)
         if resume and self.progress.resume(self.param_groups, self._needs_master):
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
@@ -208,9 +217,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return want
 
     # ------------------------------------------------------------------ step
+    @torch._disable_dynamo  # (``torch.compile(opt.step)`` runs it as it is: its work is the pool's I/O)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self._check_owner()
+        self._check_loaded()
+        if self.backward is not None:
+            self.backward.check_not_superseded()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -305,12 +318,30 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         set_param_state(self.state_tensors, gi, pi, p, st, master=self._needs_master(p))
         self.progress.write()
 
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's own format: state keyed by integer ids in parameter-group
         order (``torch.distributed.checkpoint.state_dict.get_state_dict`` turns them into
         parameter names); FSDP2 / tensor-parallel state as DTensors sharded like their
-        parameters. fp32 masters are not part of it (they are rebuilt from the parameters)."""
-        return pack(self.state_tensors, self.param_groups, self._lazy)
+        parameters. fp32 masters are not part of it (they are rebuilt from the parameters).
+        Hooks registered with ``register_state_dict_pre_hook`` / ``_post_hook`` run as
+        torch's own ``state_dict`` runs them."""
+        self._check_loaded()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = pack(self.state_tensors, self.param_groups, self._lazy)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _check_loaded(self) -> None:
+        """Raise while a ``load_state_dict`` that failed part-way has left the state incomplete."""
+        if self._load_failed is not None:
+            raise InvalidArgument(
+                f"this offloaded optimizer's state is incomplete: a load_state_dict failed part-way "
+                f"({self._load_failed}); load a state dict again, or call free() to start from no state")
 
     @contextlib.contextmanager
     def lazy_state_dict(self) -> Iterator[Placeholders]:
@@ -375,20 +406,38 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         in their groups; DTensor state (as DCP loads it, resharded to this rank's layout)
         is stored as this rank's local shard."""
         self._check_owner(again=True)  # a taken-over optimizer touches nothing under the prefix
-        found = in_rule_format(self.inner, self.param_groups, placed(self.param_groups, state_dict))
+        state_dict = dict(state_dict)  # (shallow, as torch's: a pre-hook may change it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        # checked whole before anything changes: a state dict refused leaves the optimizer as it was
+        found, settings = placed(self.param_groups, state_dict)
+        as_saved = [dict(g, **values) for g, values in zip(self.param_groups, settings)]
+        found = [(key, checked_state(key, st)) for key, st in in_rule_format(self.inner, as_saved, found)]
+        for g, values in zip(self.param_groups, settings):
+            g.update(values)
         # the state is replaced in place (each put replaces its key) rather than freed and put
         # again: the progress records go first, so a process that dies meanwhile resumes
         # fresh, as after a clear; objects the new state does not name go last
         states = self.state_tensors
         self.progress.forget()
+        self._load_failed = "begun"
         old = {e["key"]: e["handle"] for e in states.store.ls(states.prefix + "/")}
         states.layout, states.cur = {}, {}
         self.progress.completed = 0
-        for (gi, pi), st in found:
-            p = self.param_groups[gi]["params"][pi]
-            set_param_state(states, gi, pi, p, st, master=self._needs_master(p))
-        states.free_others(old, states.keys_in_layout() | {self._mark.key})
-        self.progress.write()
+        try:
+            for (gi, pi), st in found:
+                p = self.param_groups[gi]["params"][pi]
+                set_param_state(states, gi, pi, p, st, master=self._needs_master(p))
+            states.free_others(old, states.keys_in_layout() | {self._mark.key})
+            self.progress.write()
+        except BaseException as e:
+            self._load_failed = f"{type(e).__name__}: {e}"
+            raise
+        self._load_failed = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def free(self) -> None:
         """Free every object this optimizer keeps in the pool."""
@@ -401,6 +450,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state_tensors.cur = {}
         self.progress.cleared()
         self._mark_owner()
+        self._load_failed = None
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, client: Pool, *, tier: str | None = "nvme",

@@ -9,6 +9,7 @@ is kept.
 from __future__ import annotations
 
 from collections import defaultdict
+from copy import deepcopy
 from collections.abc import MutableMapping
 from typing import Any, Callable, Iterator
 
@@ -16,7 +17,7 @@ import torch
 
 from .state import Key, StateTensors, local, pytag, untag, wrap_like
 
-__all__ = ["PoolState", "Placeholders", "param_state", "set_param_state", "pack", "placed"]
+__all__ = ["PoolState", "Placeholders", "checked_state", "param_state", "set_param_state", "pack", "placed"]
 
 
 def param_state(states: StateTensors, gi: int, pi: int, p: torch.Tensor) -> dict[str, Any]:
@@ -200,21 +201,24 @@ def in_rule_format(inner: torch.optim.Optimizer, param_groups: list[dict[str, An
         inner.__dict__.update(kept)
 
 
-def placed(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> list[tuple[Key, dict[str, Any]]]:
+def placed(param_groups: list[dict[str, Any]],
+           state_dict: dict[str, Any]) -> tuple[list[tuple[Key, dict[str, Any]]], list[dict[str, Any]]]:
     """``load_state_dict``'s check and match: each saved state's parameter (group, index),
-    found by position in its group; the groups' settings are taken over. Nothing in the
-    pool changes here."""
+    found by position in its group, and each group's saved settings (copies, as torch's
+    own load deep-copies them: a tensor ``lr`` is not shared with the source). Nothing
+    changes here, in the groups or in the pool."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("a state dict needs 'state' and 'param_groups' (as Optimizer.state_dict() returns)")
     groups = state_dict["param_groups"]
     if len(groups) != len(param_groups):
         raise ValueError(f"state_dict has {len(groups)} parameter groups, the optimizer {len(param_groups)}")
     idx_of: dict[Any, Key] = {}
+    settings = []
     for gi, (g, saved) in enumerate(zip(param_groups, groups)):
         if len(g["params"]) != len(saved["params"]):
             raise ValueError(f"parameter group {gi} has {len(g['params'])} parameters, the state_dict "
                              f"{len(saved['params'])}")
-        for k, v in saved.items():
-            if k != "params":
-                g[k] = v
+        settings.append(deepcopy({k: v for k, v in saved.items() if k != "params"}))
         for pi, i in enumerate(saved["params"]):
             idx_of[i] = (gi, pi)
     out = []
@@ -225,7 +229,26 @@ def placed(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> li
         if where is None:
             raise ValueError(f"state_dict has state for parameter {i!r}, which none of its parameter "
                              "groups lists; was it saved from a different model or optimizer?")
+        if not isinstance(st, dict):
+            raise ValueError(f"state_dict's state for parameter {i!r} is a {type(st).__name__}, not a dict")
         out.append((where, st))
+    return out, settings
+
+
+def checked_state(key: Key, st: dict[str, Any]) -> dict[str, Any]:
+    """Parameter ``key``'s saved state, checked before anything is put (every value one the
+    pool can hold: a dense tensor or a python number), so a state dict refused changes
+    nothing. A value of ``None`` (an older torch's SGD kept ``momentum_buffer: None``
+    without momentum) is left out: the rule reads it with ``state.get``, as then."""
+    out = {}
+    for name, v in st.items():
+        if v is None:
+            continue
+        try:
+            local(v) if isinstance(v, torch.Tensor) else pytag(v)
+        except TypeError as e:
+            raise TypeError(f"parameter {key[0]}.{key[1]}'s state {name!r}: {e}") from None
+        out[name] = v
     return out
 
 

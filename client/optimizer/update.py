@@ -30,6 +30,25 @@ __all__ = ["Updates"]
 Views = dict[str, torch.Tensor]
 
 
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (an integer view of the same width): compared bit for bit, a NaN
+    equals itself."""
+    t = t.detach()
+    return t.view(_SAME_WIDTH[t.element_size()]) if t.is_floating_point() else t
+
+
+def _fingerprint(p: torch.Tensor) -> int | None:
+    """The sum of a CPU parameter's bit patterns (integer: the same whatever the threads),
+    or ``None`` for a parameter elsewhere (reading one back would wait on its device). Any
+    change but a reordering of its values moves it; one pass over the parameter."""
+    if p.device.type != "cpu" or not p.is_floating_point():
+        return None
+    return int(torch.sum(_bits(p), dtype=torch.int64))
+
+
 class Updates:
     """Runs the wrapped optimizer's update rule on state checked out of the pool."""
 
@@ -48,18 +67,27 @@ class Updates:
         (``_master_of``)."""
 
     def _wrote(self, p: torch.Tensor) -> None:
-        self._written[p] = p._version
+        self._written[p] = (p._version, p.data_ptr(), _fingerprint(p))
 
     def _master_of(self, p: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-        """``p``'s master, made ``p`` again where something changed ``p`` in place since its
-        last update wrote it (``load_state_dict``, a ``mul_``, a ``fill_``): the update then
-        starts from the parameter as the model has it, as the plain optimizer's does,
-        instead of silently undoing the change. The version moved but the values are the
-        master's rounding (a parameter offload writing the same values back): kept."""
+        """``p``'s master, made ``p`` again where something changed ``p`` since its last
+        update wrote it (``load_state_dict``, a ``mul_``, a ``fill_``, and writes through
+        ``p.data``, which leave ``_version`` as it was: ``p.data.clamp_(...)``, ``p.data =
+        t``): the update then starts from the parameter as the model has it, as the plain
+        optimizer's does, instead of silently undoing the change. Seen by the version, the
+        storage, or (a CPU parameter) a sum of its bit patterns; confirmed bit for bit
+        against the master's rounding (a parameter offload writing the same values back
+        keeps the master)."""
         seen = self._written.get(p)
-        if seen is not None and p._version != seen and not torch.equal(p, master.to(p.device, p.dtype)):
-            log.info("a parameter of shape %s was changed in place since the optimizer's last update: its fp32 "
-                     "master starts again from it", tuple(p.shape))
+        if seen is None:
+            return master
+        version, ptr, print_ = seen
+        if p._version == version and p.data_ptr() == ptr and (print_ is None or _fingerprint(p) == print_):
+            return master
+        rounded = master.to(p.device, p.dtype)
+        if not torch.equal(_bits(p), _bits(rounded)):
+            log.info("a parameter of shape %s was changed since the optimizer's last update: its fp32 master "
+                     "starts again from it", tuple(p.shape))
             master.copy_(p.detach())
         return master
 
@@ -189,10 +217,11 @@ class Updates:
             # is in optimizer.state (as torch's own defaultdict has it), and every update is a first one
             layout = states.layout[(gi, pi)] = {}
             for name, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    layout[name], t = local(v)
-                else:
-                    layout[name], t = pytag(v)
+                try:
+                    layout[name], t = local(v) if isinstance(v, torch.Tensor) else pytag(v)
+                except TypeError as e:
+                    raise TypeError(f"parameter {gi}.{pi}'s state {name!r} made by {type(self._inner).__name__}: "
+                                    f"{e}") from None
                 states.put_both(gi, pi, name, t)
             if target is not p:
                 layout["master"] = "tensor"
