@@ -25,6 +25,7 @@ import threading
 import subprocess
 import sys
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -201,6 +202,7 @@ class Client:
         self._mm_ro, self._arena_ro = map_arena_fd(arena_fd, int(hello["arena_bytes"]), read_only=True, huge=huge)
         # page tables filled in the background, so connecting costs O(1), not O(arena)
         self._closing = False
+        self._closed_why = "this client is closed: connect again"
         self._prefault_stop = threading.Event()
         self._prefault = threading.Thread(target=self._prefault_mappings, name="tierstore-prefault", daemon=True)
         if prefault:
@@ -227,6 +229,30 @@ class Client:
         self._side: Any = None  # per-device copy streams
         self._gpu_lock = threading.Lock()
         self._gpu_ok: bool | None = None
+        conn.on_abandon = weakref.WeakMethod(self._abandon)
+        self._collected = weakref.finalize(self, _collected, conn, [(self._mm, self._arena, False),
+                                                                    (self._mm_ro, self._arena_ro, True)], arena_fd)
+        self._collected.atexit = False  # (at exit the process's end gives all of it back)
+        """A client collected without ``close()``: its check-outs' views turn private before its
+        connection (and with it every lease) ends, as at ``close()``."""
+
+    def _own(self) -> None:
+        """Before a call touches the arena or a thread of this client: refuse it in a forked
+        child (``InvalidArgument``: it would overwrite the parent's staging area, or wait on
+        threads the child does not have) and after ``close()`` (``Closed``)."""
+        self._conn.check_own()
+        if self._closing:
+            raise Closed(self._closed_why)
+
+    def _abandon(self, why: str) -> None:
+        """The connection is being given up (a granting request was interrupted): views of
+        check-outs turn private first, so nothing written through one reaches a block the
+        daemon hands out again once the session ends."""
+        self._closing = True
+        self._closed_why = f"this client's connection was given up: {why}; connect again"
+        self._prefault_stop.set()
+        for view, read_only in ((self._arena, False), (self._arena_ro, True)):
+            detach_mapping(view, self._arena_fd, read_only=read_only)
 
     @property
     def pinned(self) -> bool:
@@ -292,8 +318,7 @@ class Client:
         if tier == "gpu" and not self.server.get("gpu_tier"):
             raise InvalidArgument(f"the daemon has no GPU tier: {self.server.get('gpu_reason', 'not configured')}")
         eph = {"ephemeral": True} if ephemeral else {}  # the field only when set: most puts stay one field shorter
-        if self._closing:  # (a put copies into the arena before its first message: say why here)
-            raise Closed("this client is closed: connect again")
+        self._own()  # (a put copies into the arena before its first message: say why here)
         if is_cuda(tensor) or tier == "gpu":
             return self._put_cuda(tensor, key, tier, durable, replace, wait_s, eph)
         u8, spec = to_bytes(tensor)
@@ -342,6 +367,7 @@ class Client:
     def get(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Any:
         """A new CPU tensor (copy), or the bytes copied into ``out`` (CPU or CUDA).
         ``stream`` tags the access sequence for the prefetcher (e.g. "params" vs "optim")."""
+        self._own()
         if is_cuda(out):
             return self._get_cuda(handle, out, stream)
         dev = self._gpu_readable()  # then a GPU-tier object is read where it is, not moved down
@@ -476,6 +502,7 @@ class Client:
         complete in any order); anything
         else is put on a background thread and must not change until the future completes.
         A CUDA tensor is copied after the work queued so far on the caller's current stream."""
+        self._own()
         fut = self._put_pipelined(tensor, key, tier, durable, kw)
         if fut is not None:
             return fut
@@ -522,6 +549,7 @@ class Client:
     def get_async(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Future:
         """``get`` on a background thread; a CUDA ``out`` is written after the work queued so
         far on the caller's current stream (which may still be reading it)."""
+        self._own()
         return self._pool().submit(on_callers_stream(out), self.get, handle, out, stream=stream)
 
     # ------------------------------------------------------------------ index
@@ -653,10 +681,15 @@ class Client:
     def close(self) -> None:
         # in this order: async puts and gets copy through the mappings below, and a copy may
         # still run on a side stream after its call returned; only then do the mappings go
+        self._collected.detach()
         self._closing = True
         self._prefault_stop.set()
-        while self._in_flight:  # pipelined puts: their replies
+        forked = self._conn._parent is not None  # (a forked child: the replies, the threads are the parent's)
+        while self._in_flight and not forked:  # pipelined puts: their replies
             self._in_flight.popleft().exception()
+        self._in_flight.clear()
+        if self._executor is not None and forked:
+            self._executor = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -858,17 +891,35 @@ class _ReadsReplies(Future):
         self._conn = conn
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self.done() and timeout is None:
-            self._conn.wait(self)
-        return super().result(timeout)
+        if not self.done():
+            self._conn.wait(self, timeout)
+        return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self.done() and timeout is None:
+        if not self.done():
             try:
-                self._conn.wait(self)
-            except BaseException:  # the failure is the future's own
+                self._conn.wait(self, timeout)
+            except TimeoutError:
+                raise
+            except Exception:  # the failure is the future's own (an interrupt is the caller's)
                 pass
-        return super().exception(timeout)
+        return super().exception(0)
+
+
+def _collected(conn: Connection, mappings: list[tuple[Any, np.ndarray, bool]], fd: int) -> None:
+    """What ``close()`` leaves behind, for a client garbage-collected without it: each
+    mapping unmapped, or (views of check-outs still hold it) turned private copy-on-write,
+    before the connection ends and the daemon takes the leases back."""
+    for mm, view, read_only in mappings:
+        try:
+            mm.close()
+        except BufferError:
+            detach_mapping(view, fd, read_only=read_only)
+    conn.close()
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _entries(page: dict[str, Any]) -> list[dict[str, Any]]:
@@ -927,10 +978,17 @@ def _autostart(path: str, timeout_s: float) -> Connection:
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
     log.info("started a tierstore daemon (pid %d) on %s; log in %s", proc.pid, path, log_path)
     deadline = time.monotonic() + timeout_s
+    lost_race = False
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise DaemonUnavailable(f"the daemon started for you on {path} exited with status {proc.returncode}: "
-                                    f"{_last_error(log_path)}; its log is {log_path}")
+        if not lost_race and proc.poll() is not None:
+            why = _last_error(log_path)
+            # another process started one at the same moment (the ranks of a job, each with
+            # autostart) and it holds the directories: connect to that one as it opens
+            lost_race = " is in use by pid " in why
+            if not lost_race:
+                raise DaemonUnavailable(f"the daemon started for you on {path} exited with status "
+                                        f"{proc.returncode}: {why}; its log is {log_path}")
+            log.info("the daemon started for %s found another starting (%s): connecting to that one", path, why)
         try:
             return Connection(path, timeout_s=timeout_s)
         except DaemonUnavailable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 from msgpack import unpackb as _unpackb
 
-from tierstore.errors import DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError, error_for_code
+from tierstore.errors import Closed, DaemonUnavailable, InvalidArgument, ProtocolError, TierstoreError, error_for_code
 from tierstore.protocol import MAX_REPLY_BYTES, PACKET_BYTES, PROTOCOL_VERSION, encode
 
 __all__ = ["Connection"]
@@ -32,6 +33,13 @@ _open: "weakref.WeakSet[Connection]" = weakref.WeakSet()
 def _in_child() -> None:
     for conn in list(_open):
         conn._parent = os.getppid()
+        # this process's copy of the socket goes: a forked helper that outlives its parent must
+        # not keep the parent's session (its leases, its ephemeral objects) alive. (A close,
+        # never a shutdown: the parent's own descriptor, the same socket, stays as it is.)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
 
 
 os.register_at_fork(after_in_child=_in_child)
@@ -40,6 +48,12 @@ log = logging.getLogger(__name__)
 
 
 _BACKLOG_RETRY_S = 0.005
+
+GRANTING = frozenset({"checkout", "checkout_each", "checkout_many", "get", "put_reserve", "put_staged", "staging",
+                      "gpu_attach"})
+"""Requests whose answer hands the client something (a lease, a reservation, a staging
+area, bytes copied into or out of the staging area): one interrupted before its answer
+was read cannot be taken up again, so the connection is given up (``on_abandon``)."""
 
 
 def _connect(sock: socket.socket, path: str, timeout_s: float | None) -> None:
@@ -93,6 +107,9 @@ class Connection:
         """The pid of the process that made this connection, in a child it forked (which
         must connect its own: the two would share the socket, the request ids and the
         staging area, and both hang)."""
+        self.on_abandon: Any = None
+        """Called (a ``weakref.WeakMethod`` or a function, with the reason) when a granting
+        request is interrupted before its answer; the connection is closed after it."""
         _open.add(self)
 
     # ------------------------------------------------------------------ handshake
@@ -135,12 +152,18 @@ class Connection:
         has), as to a ``submit``'s future, without one."""
         self._send(op, fields, waiter)
 
-    def _send(self, op: str, fields: dict[str, Any], waiter: Any) -> int:
+    def check_own(self) -> None:
+        """Raise ``InvalidArgument`` in a process this connection's process forked."""
         if self._parent is not None:
             raise InvalidArgument(f"this client was connected by process {self._parent}, which forked this one; a "
                                   "forked process must connect a client of its own (Client.connect), e.g. in a "
                                   "DataLoader's worker_init_fn")
+
+    def _send(self, op: str, fields: dict[str, Any], waiter: Any) -> int:
+        self.check_own()
         with self._send_lock:
+            if isinstance(self._closed, Closed):
+                raise Closed(str(self._closed))
             if self._closed is not None:
                 raise DaemonUnavailable(f"connection to {self.path} is closed: {self._closed}")
             rid = next(self._ids)
@@ -157,7 +180,37 @@ class Connection:
 
     def request(self, op: str, **fields: Any) -> Any:
         """Send and wait. A thread that finds nobody reading replies reads its own (and
-        any others that arrive first) directly: no Future, no hand-off."""
+        any others that arrive first) directly: no Future, no hand-off. A granting request
+        (``GRANTING``) interrupted before its answer (``KeyboardInterrupt``) gives the
+        connection up: the daemon then takes back whatever it granted with the session."""
+        try:
+            return self._request(op, fields)
+        except Exception:
+            raise
+        except BaseException as e:
+            if op in GRANTING and self._closed is None:
+                self.abandon(f"{op} was interrupted ({type(e).__name__}) before its answer was read")
+            raise
+
+    def abandon(self, why: str) -> None:
+        """Give the connection up: ``on_abandon`` first (the client makes its views private),
+        then the socket goes, and every later call raises ``Closed``."""
+        cb = self.on_abandon
+        fn = cb() if isinstance(cb, weakref.WeakMethod) else cb
+        if fn is not None:
+            try:
+                fn(why)
+            except Exception:  # (the connection goes all the same)
+                log.exception("giving up the connection to %s", self.path)
+        self._closed = Closed(f"this client's connection was given up: {why}, so whatever the daemon granted "
+                              "for it goes back with the session; connect again")
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self._fail_all(self._closed)
+
+    def _request(self, op: str, fields: dict[str, Any]) -> Any:
         if not self._recv_lock.acquire(blocking=False):
             return self.wait(self.submit(op, **fields))
         try:
@@ -174,11 +227,19 @@ class Connection:
             with self._cv:
                 self._cv.notify_all()  # let a follower take over reading
 
-    def wait(self, fut: Future) -> Any:
+    def wait(self, fut: Future, timeout: float | None = None) -> Any:
+        """Read replies (or let another thread read them) until ``fut`` is done; its result.
+        With ``timeout``, ``TimeoutError`` once that many seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no answer from the daemon within {timeout} s")
             if self._recv_lock.acquire(blocking=False):
                 try:
                     while not fut.done():
+                        if deadline is not None and not self._readable(deadline - time.monotonic()):
+                            break
                         self._recv_one()
                 finally:
                     self._recv_lock.release()
@@ -186,8 +247,18 @@ class Connection:
                         self._cv.notify_all()  # let a follower take over reading
             else:
                 with self._cv:
-                    self._cv.wait_for(lambda: fut.done() or not self._recv_lock.locked(), timeout=0.2)
+                    self._cv.wait_for(lambda: fut.done() or not self._recv_lock.locked(),
+                                      timeout=0.2 if left is None else max(0.0, min(0.2, left)))
         return fut.result()
+
+    def _readable(self, left: float) -> bool:
+        """Whether a packet (or the connection's end) is there to read within ``left`` seconds."""
+        if left <= 0 or self._closed is not None:
+            return self._closed is not None
+        try:
+            return bool(select.select([self.sock], [], [], left)[0])
+        except (OSError, ValueError):  # (closed under us: the read below says so)
+            return True
 
     def _recv_one(self, want: int | None = None) -> dict[str, Any] | None:
         """Read one packet and hand each reply in it to its waiter; the reply itself if it
@@ -288,7 +359,7 @@ class Connection:
 
     def close(self) -> None:
         if self._closed is None:
-            self._closed = DaemonUnavailable("closed by the client")
+            self._closed = Closed("this client is closed: connect again")
         try:
             self.sock.close()
         except OSError:

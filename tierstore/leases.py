@@ -578,6 +578,8 @@ class LeaseTable:
                 if meta.durable:
                     self.durability.log_host(meta)  # the block is its bytes again: a restart may adopt it
                 self.placement.demote_if_home_nvme(meta)
+                # replaced while its write-back ran (the replacing put left it to this check-in)
+                drop = self.index.droppable(meta)
         return meta if drop else None
 
     def revoke(self, lid: int, *, owner: Any) -> bool:

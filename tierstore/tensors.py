@@ -160,9 +160,17 @@ def out_bytes(out: Any, spec: TensorSpec) -> np.ndarray:
             raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, got {type(out).__name__}")
         if out.device.type != "cpu":
             raise InvalidArgument(f"out must be a CPU or CUDA tensor, got one on {out.device}")
+        if out.requires_grad and torch.is_grad_enabled():
+            raise InvalidArgument("out requires grad: bytes copied into it would change it behind autograd's back; "
+                                  "pass out=t.detach() or call under torch.no_grad()")
         got_dtype, got_n = str(out.dtype).removeprefix("torch."), out.numel() * out.element_size()
         ok_layout = out.is_contiguous() and out.layout == torch.strided
-        view = (lambda: out.reshape(-1).view(torch.uint8).numpy() if got_n else np.empty(0, np.uint8))
+
+        def view() -> np.ndarray:
+            # written behind autograd's back: its version moves, so a backward that saved it
+            # raises autograd's own error, as after an in-place copy_
+            torch.autograd.graph.increment_version(out)
+            return out.detach().reshape(-1).view(torch.uint8).numpy() if got_n else np.empty(0, np.uint8)
     if got_dtype != spec.dtype:
         raise InvalidArgument(f"out has dtype {got_dtype}, the object is {spec.dtype}")
     if got_n != spec.nbytes:
