@@ -273,6 +273,10 @@ class Connection:
     def _read_packet(self, want: int | None) -> dict[str, Any] | None:
         try:
             n, _anc, flags, _ = self.sock.recvmsg_into([self._rbuf])
+        except TimeoutError:  # (a connection given a timeout for its answers: the CLI's)
+            return self._fail_all(DaemonUnavailable(
+                f"the daemon on {self.path} did not answer within {self.sock.gettimeout():g} s (stopped with "
+                "SIGSTOP, or wedged?)"), want)
         except OSError as e:
             return self._fail_all(DaemonUnavailable(f"lost the daemon on {self.path}: {e}"), want)
         if not n:

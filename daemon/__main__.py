@@ -14,6 +14,17 @@ log = logging.getLogger("tierstore.daemon")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .stopsignals import StopDuringStart, stop_during_start
+
+    stop_during_start()
+    try:
+        return _main(argv)
+    except StopDuringStart as e:
+        log.error("%s", e)
+        return e.status
+
+
+def _main(argv: list[str] | None) -> int:
     args = daemon_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

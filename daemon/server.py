@@ -59,6 +59,7 @@ from tierstore.protocol import decode, reply_err, reply_ok
 from tierstore.store import Store
 from tierstore.units import format_size
 
+from .stopsignals import STOP_SIGNALS, StopDuringStart
 from .auth import admitted, peer_cred, resolve_groups
 from .gcpolicy import FreezeAfterFullCollections, release_free_heap
 from .loglimit import UidLines
@@ -958,10 +959,15 @@ def _seconds(v: Any) -> float | None:
 
 
 def run(config: Config) -> int:
-    """Run a daemon in the foreground until SIGTERM/SIGINT (exit 1 when it cannot start)."""
+    """Run a daemon in the foreground until SIGTERM, SIGINT or SIGHUP (a closed terminal)
+    (exit 1 when it cannot start; 143, 130 or 129, with a line saying so, when such a
+    signal comes while it starts)."""
     try:
         server = Server(config)
         server.start()
+    except StopDuringStart as e:
+        log.error("%s", e)
+        return e.status
     except DaemonAlreadyRunning as e:
         log.error("%s", e)
         return 1
@@ -975,8 +981,8 @@ def run(config: Config) -> int:
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
         server.request_stop()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     FreezeAfterFullCollections().install()  # (the process is the daemon's: an in-process Server is left alone)
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     server.serve_forever()

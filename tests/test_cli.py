@@ -252,3 +252,30 @@ def test_a_snapshot_url_without_its_filesystem_is_one_line(daemon, tmp_path):
         r = cli("snapshot", "default", "s3://bucket/snap", env=env)
         assert r.returncode == 1 and "s3:// needs a package that is not installed" in _one_line(r)
         assert "s3fs" in r.stderr
+
+
+def test_stat_and_watch_against_a_daemon_that_stopped_answering_end_in_one_line(daemon):
+    """A SIGSTOPped (or wedged) daemon: `stat`, `ls` and a `stat --watch` already drawing
+    wait for each answer a bounded time (30 s; 1 s here), then end with one line, status
+    1 — never hang."""
+    import signal
+
+    code = ("import sys\n"
+            "import tierstore.client.cli.support as s\n"
+            "s.ANSWER_WITHIN_S = 1.0\n"
+            "from tierstore.client.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    watch = subprocess.Popen([sys.executable, "-c", code, "stat", "--watch", "0.1", "--json", "--socket",
+                              daemon.socket], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout.readline().startswith("{")  # drawing: connected, answered
+        daemon.proc.send_signal(signal.SIGSTOP)
+        _, err = watch.communicate(timeout=60)
+        assert watch.returncode == 1 and "did not answer within 1 s" in err and "Traceback" not in err, err
+        for args in (["stat"], ["ls"]):
+            r = subprocess.run([sys.executable, "-c", code, *args, "--socket", daemon.socket], capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 1 and "did not answer" in _one_line(r), (args, r.stderr)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        watch.kill()

@@ -90,11 +90,11 @@ def test_flags_parse_with_the_same_rules_as_everything_else():
 
     args = _parser().parse_args(["--host-bytes", "1GiB", "--nvme-dir", "/a", "--nvme-dir", "/b", "--prefetch", "off",
                                  "--high-watermark", "0.8", "--lease-wait-s", "2.5", "--policy", "lru",
-                                 "--max-message-bytes", "2MiB", "--allowed-group", "wheel"])
+                                 "--max-message-bytes", "2MiB", "--allowed-group", "root"])
     cfg, sources = sourced_config_from_args(args, env={})
     st, d = cfg.store, cfg.daemon
     assert (st.host_bytes, st.nvme_dirs, st.prefetch, st.high_watermark) == (1 << 30, ["/a", "/b"], False, 0.8)
-    assert (st.lease_wait_s, st.policy, d.max_message_bytes, d.allowed_groups) == (2.5, "lru", 2 << 20, ["wheel"])
+    assert (st.lease_wait_s, st.policy, d.max_message_bytes, d.allowed_groups) == (2.5, "lru", 2 << 20, ["root"])
     assert sources["nvme_dirs"] == "flag --nvme-dir" and sources["io_threads"] == "default"
 
 
@@ -259,3 +259,54 @@ def test_a_choice_outside_its_literal_is_one_line_naming_the_setting(tmp_path, h
              "toml": "[store] direct_io = 'maybe'", "python": "direct_io"}[how]
     assert named in str(e.value) and "expected one of auto, on, off" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _config_cli(*args, timeout=30):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tierstore.client.cli", "config", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("case", ["fifo", "dev zero", "not utf-8", "tierstore = 5", "[tierstore] and [daemon]",
+                                  "nan seconds", "inf seconds", "port 70000", "unknown group"])
+def test_a_config_file_that_cannot_work_is_one_line_naming_it(tmp_path, case):
+    """Each is refused by `tierstore config` (as by the daemon) in one line, status 2, at
+    once: a FIFO or /dev/zero as the file never hangs the read."""
+    import os
+
+    f = tmp_path / "tierstore.toml"
+    text = {"tierstore = 5": "tierstore = 5\n",
+            "[tierstore] and [daemon]": '[tierstore]\nhost_bytes = "1GiB"\n[daemon]\nno_such_key = 3\n',
+            "nan seconds": "[store]\nlease_wait_s = nan\n",
+            "inf seconds": "[daemon]\nlease_timeout_s = inf\n",
+            "port 70000": "[daemon]\nmetrics_port = 70000\n",
+            "unknown group": '[daemon]\nallowed_groups = ["no-such-group-here"]\n'}.get(case)
+    if case == "fifo":
+        os.mkfifo(f)
+    elif case == "dev zero":
+        os.symlink("/dev/zero", f)
+    elif case == "not utf-8":
+        f.write_bytes(b'[store]\npolicy = "\xff"\n')
+    else:
+        f.write_text(text)
+    r = _config_cli("--config", str(f))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    want = {"fifo": "not a regular file", "dev zero": "not a regular file", "not utf-8": "not UTF-8",
+            "tierstore = 5": "[tierstore] table", "[tierstore] and [daemon]": "[tierstore] table",
+            "nan seconds": "lease_wait_s", "inf seconds": "lease_timeout_s", "port 70000": "metrics_port",
+            "unknown group": "no group named 'no-such-group-here'"}[case]
+    assert want in lines[0], lines[0]
+
+
+def test_nan_and_inf_are_refused_from_every_source(monkeypatch):
+    from tierstore.config import ConfigError
+
+    for value in ("nan", "inf", "-inf", float("nan")):
+        with pytest.raises(ConfigError, match="finite"):
+            Config(lease_wait_s=value)
+    monkeypatch.setenv("TIERSTORE_HIGH_WATERMARK", "nan")
+    with pytest.raises(ConfigError, match="TIERSTORE_HIGH_WATERMARK"):
+        Config.load()

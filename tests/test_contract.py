@@ -222,6 +222,13 @@ def test_a_client_finds_the_machines_daemon_where_none_listens_on_its_own_socket
     mine.write_text("")  # not a socket: still the machine's
     assert paths.client_socket_path() == str(system)
     mine.unlink()
+    import socket as socket_mod
+
+    stale = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_SEQPACKET)
+    stale.bind(str(mine))  # a socket file nobody listens on (a daemon that was killed)
+    stale.close()
+    assert paths.client_socket_path() == str(system)
+    mine.unlink()
     os.symlink(daemon.socket, mine)
     assert paths.client_socket_path() == str(mine)
 

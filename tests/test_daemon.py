@@ -616,10 +616,10 @@ os.execv(sys.executable, [sys.executable, "-m", "tierstore.daemon", *sys.argv[3:
 
 
 @contextlib.contextmanager
-def _relaunched(daemon, stored: dict):
+def _relaunched(daemon, stored: dict, host_bytes: str = "64MiB"):
     """The next daemon, handed the arena and index fds ``stored`` as systemd would; yields
     its READY=1 status."""
-    args = ["--socket", daemon.socket, "--nvme-dir", daemon.nvme, "--host-bytes", "64MiB", "--nvme-bytes", "1GiB"]
+    args = ["--socket", daemon.socket, "--nvme-dir", daemon.nvme, "--host-bytes", host_bytes, "--nvme-bytes", "1GiB"]
     with open(daemon.log, "ab") as logf:
         p = subprocess.Popen([sys.executable, "-c", LAUNCH, str(stored["arena"]), str(stored["index"]), *args],
                              pass_fds=(stored["arena"], stored["index"]), stdout=logf, stderr=logf,
@@ -668,6 +668,22 @@ def test_host_tier_survives_a_restart_through_the_fd_store(daemon, how):
             assert c.lookup("durable") == d
             h = c.put(torch.ones(3), key="after")  # the adopted arena keeps working
             assert torch.equal(c.get(h), torch.ones(3))
+
+
+def test_a_restart_with_another_host_bytes_says_the_handed_back_arena_keeps_its_size(daemon):
+    """``systemctl restart`` after host_bytes was changed: the arena handed back keeps its
+    size and objects (as documented), and the start warns that only a stop and a start
+    give it the new size, instead of the settings line alone claiming the new one."""
+    stored = dict(daemon.fdstore)
+    with daemon.client("size") as c:
+        c.put(torch.ones(10), key="k")
+    daemon.stop()
+    with _relaunched(daemon, stored, host_bytes="128MiB"):
+        with daemon.client("size") as c:
+            assert torch.equal(c.get(c.lookup("k")), torch.ones(10))
+            assert c.stat()["tiers"]["host"]["capacity_bytes"] == 64 << 20
+    log = daemon.log.read_text()
+    assert "host_bytes is 128.0 MiB, but the host arena handed back by the service manager holds 64.0 MiB" in log
 
 
 @needs_root

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import numpy as np
+import torch
 import pytest
 
 from tierstore import Config, InvalidArgument
@@ -514,3 +515,80 @@ def test_a_socket_directory_others_may_write_is_refused(tmp_path, case):
     assert r.returncode == 1 and f"socket directory {d}" in line, line
     assert ("belongs to uid" if case != "writable by others" else "others may replace") in line
     assert os.listdir(d) == []
+
+
+def test_sighup_stops_the_daemon_cleanly_with_its_checkpoint(daemon_factory):
+    """The terminal of a daemon run in the foreground closes (SIGHUP): a clean stop, as
+    SIGTERM's — exit 0, the index checkpoint written, the socket removed — not a death."""
+    import signal
+
+    d = daemon_factory()
+    with d.client("hup") as c:
+        c.put(torch.ones(4), key="k", durable=True)
+    d.proc.send_signal(signal.SIGHUP)
+    assert d.proc.wait(timeout=60) == 0
+    log = d.log.read_text()
+    assert "received SIGHUP" in log and not os.path.exists(d.socket)
+    assert os.path.exists(os.path.join(d.nvme, "index.ckpt"))
+    d.messages.clear()
+    d.start()
+    with d.client("hup") as c:
+        assert torch.equal(c.get(c.lookup("k")), torch.ones(4))
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_while_the_daemon_starts_ends_it_with_a_line_not_a_traceback(daemon_factory, sig):
+    """Sent at several moments of the start (from its first log line on: during the
+    checks, while the store opens, once serving): every one ends the daemon with a line
+    saying why — ``received SIG... while starting: not started`` and status 128 + the
+    signal, or a clean stop (0) — never a traceback or a death without a word; a start
+    after that opens with what was there."""
+    import signal
+    import time
+
+    num = getattr(signal, sig)
+    d = daemon_factory(start=False)
+    for delay in (0.0, 0.05, 0.15, 0.3, 0.6):
+        d.start(expect_ready=False)
+        # (from its first line on: before it, the interpreter itself is still starting)
+        deadline = time.monotonic() + 60
+        while "settings:" not in d.log.read_text() and d.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(delay)
+        d.proc.send_signal(num)
+        rc = d.proc.wait(timeout=60)
+        log = d.log.read_text()
+        assert "Traceback" not in log, log[-3000:]
+        assert rc == 0 and f"received {sig}" in log or rc == 128 + num and "while starting: not started" in log, \
+            (delay, rc, log[-2000:])
+        d.logf.close()
+        d.log.write_text("")
+        _drain(d)  # (a full datagram queue would block the next daemon's notifications)
+    d.messages.clear()
+    d.start()
+    with d.client("after") as c:
+        c.ping()
+
+
+def _drain(d):
+    """Read what the daemons so far told the notify socket (READY=1 among it is not the
+    next start's)."""
+    d.notify.setblocking(False)
+    while True:
+        try:
+            d.notify.recv(4096)
+        except BlockingIOError:
+            break
+    d.notify.settimeout(0.05)
+
+
+def test_an_engine_that_cannot_run_here_is_a_one_line_refusal(daemon_factory):
+    from tierstore.engine import kvikio_engine
+
+    if kvikio_engine.detect()[0]:
+        pytest.skip("kvikio works here")
+    d = daemon_factory("--engine", "kvikio", start=False)
+    d.start(expect_ready=False)
+    assert d.proc.wait(timeout=60) == 1
+    log = d.log.read_text()
+    assert "Traceback" not in log and "engine=kvikio requested but unusable here" in log, log[-2000:]

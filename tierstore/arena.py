@@ -44,6 +44,12 @@ class Arena:
         if fd is not None:  # an arena handed back (systemd's fd store): its pages and bytes are kept
             self.fd = fd
             self.size = os.fstat(fd).st_size
+            wanted = align_up(size, PAGE)
+            if wanted != self.size:
+                log.warning("host_bytes is %s, but the host arena handed back by the service manager holds %s: it "
+                            "keeps its size (and its objects) until the daemon is stopped and started again "
+                            "(systemctl stop tierstore; systemctl start tierstore), not restarted",
+                            format_size(wanted), format_size(self.size))
         else:
             self.size = align_up(size, _hugetlb_page() if huge_pages == "hugetlb" else PAGE)
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import stat
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -93,6 +95,9 @@ def _check(section: Any) -> None:
     for f in fields(section):
         low = f.metadata.get("minimum")
         value = getattr(section, f.name)
+        if _kind(f.name) == "float" and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError("must be a finite number of seconds or a fraction (nan and inf are not)",
+                              field=f.name, value=value)
         if low is not None and value is not None and value < low:
             raise ConfigError(f"must be at least {low:g}", field=f.name, value=value)
 
@@ -190,6 +195,11 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         _check(self)
+        if self.metrics_port > 65535:
+            raise ConfigError("must be a TCP port (0 to 65535), 0 for any free one or -1 for none",
+                              field="metrics_port", value=self.metrics_port)
+        for name in self.allowed_groups:
+            _known_group(name)
 
     def resolved(self) -> "DaemonConfig":
         return dataclasses.replace(self, socket=self.socket or default_socket_path())
@@ -289,20 +299,50 @@ class Config:
             raise
 
 
+def _known_group(name: str) -> None:
+    """``ConfigError`` for an ``allowed_groups`` entry that is neither a gid nor a group of
+    this machine (the daemon could admit no one through it)."""
+    import grp
+
+    if name.isdigit():
+        return
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        raise ConfigError(f"no group named {name!r} on this machine (create it, or give a gid)",
+                          field="allowed_groups", value=name) from None
+
+
+_MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_toml(path: str | os.PathLike) -> dict[str, tuple[str, Any]]:
     """setting -> (its key as written in the file, value). A ``[store]`` or ``[daemon]``
-    table holds that section's settings; flat keys at the top (or under ``[tierstore]``)
-    are read too, as before sections existed."""
+    table holds that section's settings; flat keys at the top (or, alone, under
+    ``[tierstore]``) are read too, as before sections existed."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        with open(path, "rb", opener=_regular_only) as f:
+            text = f.read(_MAX_CONFIG_BYTES + 1)
+        if len(text) > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is larger than {_MAX_CONFIG_BYTES} bytes; it is not a settings file")
+        data = tomllib.loads(text.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check --config or TIERSTORE_CONFIG") from None
+    except _NotRegular:
+        raise ConfigError(f"config file {path} is not a regular file (a FIFO or a device would never end the "
+                          "read); check --config or TIERSTORE_CONFIG") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    data = data.get("tierstore", data)
+    if "tierstore" in data:
+        legacy = data["tierstore"]
+        if not isinstance(legacy, dict) or len(data) > 1:
+            raise ConfigError(f"config file {path}: a [tierstore] table holds every setting, alone (as before "
+                              "sections existed); use [store] and [daemon] tables instead")
+        data = legacy
     out: dict[str, tuple[str, Any]] = {}
     unknown: list[str] = []
     for key, value in data.items():
@@ -321,6 +361,20 @@ def _read_toml(path: str | os.PathLike) -> dict[str, tuple[str, Any]]:
         raise ConfigError(f"config file {path}: unknown keys {unknown}; valid keys are the settings listed by "
                           "`tierstore config`, in their [store] or [daemon] table")
     return out
+
+
+class _NotRegular(Exception):
+    pass
+
+
+def _regular_only(path: str, flags: int) -> int:
+    """``open``'s opener: the file only if it is a regular one (checked on the descriptor
+    opened without blocking, so a FIFO neither hangs the open nor the read)."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _NotRegular(path)
+    return fd
 
 
 # -- one parser per field, whatever the source --------------------------------------------
@@ -404,9 +458,12 @@ def parse_setting(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError("expected a number", field=name, value=value)
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             raise ConfigError("expected a number", field=name, value=value) from None
+        if not math.isfinite(number):
+            raise ConfigError("expected a finite number (nan and inf are not)", field=name, value=value)
+        return number
     if not isinstance(value, str):
         raise ConfigError("expected a string", field=name, value=value)
     return value

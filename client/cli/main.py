@@ -231,15 +231,15 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _client_command(args: argparse.Namespace) -> int:
-    from .support import connect
+    from .support import ANSWER_WITHIN_S, connect
 
     if args.cmd == "stat":
         from .statview import print_stat, watch
 
         if args.watch:
-            return watch(lambda: connect(args.socket, "default"), args.watch, as_json=args.json,
-                         iterations=args.iterations)
-        with connect(args.socket, "default") as c:
+            return watch(lambda: connect(args.socket, "default", answer_within_s=ANSWER_WITHIN_S), args.watch,
+                         as_json=args.json, iterations=args.iterations)
+        with connect(args.socket, "default", answer_within_s=ANSWER_WITHIN_S) as c:
             st = c.stat(ops=args.json)
         if args.json:
             print(json.dumps(st, indent=2, default=str))
@@ -248,7 +248,7 @@ def _client_command(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "ls":
         ns = args.namespace or "default"
-        with connect(args.socket, ns) as c:
+        with connect(args.socket, ns, answer_within_s=ANSWER_WITHIN_S) as c:
             others = {} if args.namespace else {k: v for k, v in c.stat().get("namespaces", {}).items() if k != ns}
             if args.json:
                 print(json.dumps(c.ls(prefix=args.prefix), indent=2))

@@ -117,7 +117,7 @@ def watch(connect: Callable[[], Any], interval_s: float, *, as_json: bool = Fals
     with connect() as c:
         while iterations is None or n < iterations:
             try:
-                st = c.stat()
+                st = c.stat(ops=as_json)  # (the same document as `stat --json`)
             except TierstoreError as e:
                 print(f"tierstore: {e}", file=sys.stderr)
                 return 1

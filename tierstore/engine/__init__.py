@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import InvalidArgument
 from .base import EngineFile, IOEngine
 from .posix import PosixEngine, dio_memory_alignment, probe_direct_io
 
@@ -22,7 +23,7 @@ def select_engine(choice: str, threads: int, task_bytes: int = 4 << 20) -> IOEng
     ok, why = kvikio_engine.detect()
     if choice == "kvikio":
         if not ok:
-            raise RuntimeError(f"engine=kvikio requested but unusable: {why}")
+            raise InvalidArgument(f"engine=kvikio requested but unusable here: {why}; use --engine auto or posix")
         return kvikio_engine.KvikioEngine(threads, f"requested by configuration; {why}", task_bytes)
     if ok:
         log.info("I/O engine kvikio: %s", why)
