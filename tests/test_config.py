@@ -90,11 +90,11 @@ def test_flags_parse_with_the_same_rules_as_everything_else():
 
     args = _parser().parse_args(["--host-bytes", "1GiB", "--nvme-dir", "/a", "--nvme-dir", "/b", "--prefetch", "off",
                                  "--high-watermark", "0.8", "--lease-wait-s", "2.5", "--policy", "lru",
-                                 "--max-message-bytes", "2MiB", "--allowed-group", "root"])
+                                 "--max-message-bytes", "2MiB", "--allowed-group", "wheel"])
     cfg, sources = sourced_config_from_args(args, env={})
     st, d = cfg.store, cfg.daemon
     assert (st.host_bytes, st.nvme_dirs, st.prefetch, st.high_watermark) == (1 << 30, ["/a", "/b"], False, 0.8)
-    assert (st.lease_wait_s, st.policy, d.max_message_bytes, d.allowed_groups) == (2.5, "lru", 2 << 20, ["root"])
+    assert (st.lease_wait_s, st.policy, d.max_message_bytes, d.allowed_groups) == (2.5, "lru", 2 << 20, ["wheel"])
     assert sources["nvme_dirs"] == "flag --nvme-dir" and sources["io_threads"] == "default"
 
 
@@ -270,7 +270,7 @@ def _config_cli(*args, timeout=30):
 
 
 @pytest.mark.parametrize("case", ["fifo", "dev zero", "not utf-8", "tierstore = 5", "[tierstore] and [daemon]",
-                                  "nan seconds", "inf seconds", "port 70000", "unknown group"])
+                                  "nan seconds", "inf seconds", "port 70000"])
 def test_a_config_file_that_cannot_work_is_one_line_naming_it(tmp_path, case):
     """Each is refused by `tierstore config` (as by the daemon) in one line, status 2, at
     once: a FIFO or /dev/zero as the file never hangs the read."""
@@ -281,8 +281,7 @@ def test_a_config_file_that_cannot_work_is_one_line_naming_it(tmp_path, case):
             "[tierstore] and [daemon]": '[tierstore]\nhost_bytes = "1GiB"\n[daemon]\nno_such_key = 3\n',
             "nan seconds": "[store]\nlease_wait_s = nan\n",
             "inf seconds": "[daemon]\nlease_timeout_s = inf\n",
-            "port 70000": "[daemon]\nmetrics_port = 70000\n",
-            "unknown group": '[daemon]\nallowed_groups = ["no-such-group-here"]\n'}.get(case)
+            "port 70000": "[daemon]\nmetrics_port = 70000\n"}.get(case)
     if case == "fifo":
         os.mkfifo(f)
     elif case == "dev zero":
@@ -296,8 +295,7 @@ def test_a_config_file_that_cannot_work_is_one_line_naming_it(tmp_path, case):
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     want = {"fifo": "not a regular file", "dev zero": "not a regular file", "not utf-8": "not UTF-8",
             "tierstore = 5": "[tierstore] table", "[tierstore] and [daemon]": "[tierstore] table",
-            "nan seconds": "lease_wait_s", "inf seconds": "lease_timeout_s", "port 70000": "metrics_port",
-            "unknown group": "no group named 'no-such-group-here'"}[case]
+            "nan seconds": "lease_wait_s", "inf seconds": "lease_timeout_s", "port 70000": "metrics_port"}[case]
     assert want in lines[0], lines[0]
 
 
@@ -310,3 +308,17 @@ def test_nan_and_inf_are_refused_from_every_source(monkeypatch):
     monkeypatch.setenv("TIERSTORE_HIGH_WATERMARK", "nan")
     with pytest.raises(ConfigError, match="TIERSTORE_HIGH_WATERMARK"):
         Config.load()
+
+
+def test_an_unknown_group_is_warned_by_config_and_refuses_a_daemon_start(tmp_path):
+    import subprocess
+    import sys
+
+    r = _config_cli("--allowed-group", "no-such-group-here")
+    assert r.returncode == 0 and "no-such-group-here" in r.stderr and "refuses to start" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tierstore.client.cli", "daemon", "--allowed-group", "no-such-group-here",
+                        "--socket", str(tmp_path / "run" / "s.sock"), "--nvme-dir", str(tmp_path / "nvme"),
+                        "--host-bytes", "16MiB", "--nvme-bytes", "64MiB"], capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "allowed_groups names 'no-such-group-here'" in lines[0]

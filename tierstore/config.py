@@ -198,8 +198,6 @@ class DaemonConfig:
         if self.metrics_port > 65535:
             raise ConfigError("must be a TCP port (0 to 65535), 0 for any free one or -1 for none",
                               field="metrics_port", value=self.metrics_port)
-        for name in self.allowed_groups:
-            _known_group(name)
 
     def resolved(self) -> "DaemonConfig":
         return dataclasses.replace(self, socket=self.socket or default_socket_path())
@@ -299,18 +297,20 @@ class Config:
             raise
 
 
-def _known_group(name: str) -> None:
-    """``ConfigError`` for an ``allowed_groups`` entry that is neither a gid nor a group of
-    this machine (the daemon could admit no one through it)."""
+def unknown_groups(names: list[str]) -> list[str]:
+    """The ``allowed_groups`` entries that are neither a gid nor a group of this machine
+    (a daemon could admit no one through them: ``preflight`` refuses its start)."""
     import grp
 
-    if name.isdigit():
-        return
-    try:
-        grp.getgrnam(name)
-    except KeyError:
-        raise ConfigError(f"no group named {name!r} on this machine (create it, or give a gid)",
-                          field="allowed_groups", value=name) from None
+    out = []
+    for name in names:
+        if name.isdigit():
+            continue
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            out.append(name)
+    return out
 
 
 _MAX_CONFIG_BYTES = 1 << 20

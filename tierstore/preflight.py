@@ -21,7 +21,7 @@ import stat
 import struct
 from collections.abc import Callable
 
-from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes
+from .config import DEFAULT_NVME_BYTES, Config, StoreConfig, total_memory_bytes, unknown_groups
 from .errors import InvalidArgument, StorageError
 from .files import open_own
 from .units import PAGE, format_size
@@ -99,6 +99,10 @@ def check_daemon_start(cfg: Config) -> None:
     """``check_start`` (refusals only: the store's open warns) plus the daemon's socket
     directory (made if missing, writable)."""
     resolved = cfg.resolved()
+    missing = unknown_groups(resolved.daemon.allowed_groups)
+    if missing:
+        raise InvalidArgument(f"allowed_groups names {', '.join(map(repr, missing))}, which this machine has no "
+                              "group of: create it (groupadd), give a gid, or remove it")
     check_dir(os.path.dirname(resolved.daemon.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
     _no_daemon_serving(resolved.daemon.socket)  # (before the NVMe directories, which such a daemon holds)
     check_start(resolved.store, warn=False)

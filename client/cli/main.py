@@ -220,6 +220,11 @@ def _config_command(args: argparse.Namespace) -> int:
         print(json.dumps({section: {r["name"]: {"value": r["value"], "source": r["source"]} for r in section_rows}
                           for section, section_rows in rows.items()}, indent=2))
         return 0
+    from tierstore.config import unknown_groups
+
+    for name in unknown_groups(cfg.daemon.allowed_groups):
+        print(f"tierstore: warning: allowed_groups names {name!r}, which this machine has no group of: a daemon "
+              "started here refuses to start", file=sys.stderr)
     config_file = args.config or os.environ.get("TIERSTORE_CONFIG") or "(none)"
     print(f"tierstore {__version__} settings (precedence: flags > TIERSTORE_* variables > TOML file > defaults; "
           f"TOML file: {config_file})")
