@@ -230,8 +230,12 @@ class Client:
         self._gpu_lock = threading.Lock()
         self._gpu_ok: bool | None = None
         conn.on_abandon = weakref.WeakMethod(self._abandon)
+        self._detached = [False]
+        """Whether the mappings were turned private already (``_abandon``): done once, or a
+        second remap would drop what was written through the views since."""
         self._collected = weakref.finalize(self, _collected, conn, [(self._mm, self._arena, False),
-                                                                    (self._mm_ro, self._arena_ro, True)], arena_fd)
+                                                                    (self._mm_ro, self._arena_ro, True)], arena_fd,
+                                           (self._pinning, self._pinning_ro), self._detached)
         self._collected.atexit = False  # (at exit the process's end gives all of it back)
         """A client collected without ``close()``: its check-outs' views turn private before its
         connection (and with it every lease) ends, as at ``close()``."""
@@ -251,8 +255,12 @@ class Client:
         self._closing = True
         self._closed_why = f"this client's connection was given up: {why}; connect again"
         self._prefault_stop.set()
-        for view, read_only in ((self._arena, False), (self._arena_ro, True)):
-            detach_mapping(view, self._arena_fd, read_only=read_only)
+        self._pinning.close()  # (no CUDA copy may reach the shared pages past here either)
+        self._pinning_ro.close()
+        if not self._detached[0]:
+            self._detached[0] = True
+            for view, read_only in ((self._arena, False), (self._arena_ro, True)):
+                detach_mapping(view, self._arena_fd, read_only=read_only)
 
     @property
     def pinned(self) -> bool:
@@ -548,9 +556,10 @@ class Client:
 
     def get_async(self, handle: Handle | int | str, out: Any = None, *, stream: str = "default") -> Future:
         """``get`` on a background thread; a CUDA ``out`` is written after the work queued so
-        far on the caller's current stream (which may still be reading it)."""
+        far on the caller's current stream (which may still be reading it), and under the
+        caller's grad mode (``torch.no_grad()`` holds for the copy, as for ``get``)."""
         self._own()
-        return self._pool().submit(on_callers_stream(out), self.get, handle, out, stream=stream)
+        return self._pool().submit(on_callers_stream(out), _in_callers_grad_mode(self.get), handle, out, stream=stream)
 
     # ------------------------------------------------------------------ index
     def free(self, handle: Handle | int | str) -> None:
@@ -712,8 +721,9 @@ class Client:
             except BufferError:
                 # views of check-outs outlive the client: they keep private copy-on-write
                 # pages from now on, so a write through one cannot reach the pool, whose
-                # leases ended with the connection
-                detach_mapping(view, self._arena_fd, read_only=read_only)
+                # leases ended with the connection (once: an abandon may have done it)
+                if not self._detached[0]:
+                    detach_mapping(view, self._arena_fd, read_only=read_only)
                 log.debug("arena still referenced by checked-out views; unmapped when they are collected")
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
@@ -906,15 +916,36 @@ class _ReadsReplies(Future):
         return super().exception(0)
 
 
-def _collected(conn: Connection, mappings: list[tuple[Any, np.ndarray, bool]], fd: int) -> None:
-    """What ``close()`` leaves behind, for a client garbage-collected without it: each
-    mapping unmapped, or (views of check-outs still hold it) turned private copy-on-write,
-    before the connection ends and the daemon takes the leases back."""
+def _in_callers_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, to run on another thread under the grad mode of the thread calling this
+    (a per-thread setting: a pool thread's is on)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return fn
+    enabled = torch.is_grad_enabled()
+
+    def run(*args: Any, **kw: Any) -> Any:
+        with torch.set_grad_enabled(enabled):
+            return fn(*args, **kw)
+    return run
+
+
+def _collected(conn: Connection, mappings: list[tuple[Any, np.ndarray, bool]], fd: int, pinnings: tuple[Any, ...],
+               detached: list[bool]) -> None:
+    """What ``close()`` leaves behind, for a client garbage-collected without it: the replies
+    of requests in flight read (a pipelined put's future gets its handle), the arena's
+    page-locking released, each mapping unmapped or (views of check-outs still hold it)
+    turned private copy-on-write, before the connection ends and the daemon takes the
+    leases back."""
+    conn.drain()
+    for pinning in pinnings:
+        pinning.close()
     for mm, view, read_only in mappings:
         try:
             mm.close()
         except BufferError:
-            detach_mapping(view, fd, read_only=read_only)
+            if not detached[0]:
+                detach_mapping(view, fd, read_only=read_only)
     conn.close()
     try:
         os.close(fd)
@@ -980,18 +1011,20 @@ def _autostart(path: str, timeout_s: float) -> Connection:
     deadline = time.monotonic() + timeout_s
     lost_race = False
     while time.monotonic() < deadline:
-        if not lost_race and proc.poll() is not None:
+        exited = not lost_race and proc.poll() is not None
+        try:
+            return Connection(path, timeout_s=timeout_s)
+        except DaemonUnavailable:
+            pass
+        if exited:
             why = _last_error(log_path)
             # another process started one at the same moment (the ranks of a job, each with
-            # autostart) and it holds the directories: connect to that one as it opens
-            lost_race = " is in use by pid " in why
+            # autostart): it holds the directories or the socket; connect to that one as it opens
+            lost_race = " is in use by pid " in why or " is already serving " in why
             if not lost_race:
                 raise DaemonUnavailable(f"the daemon started for you on {path} exited with status "
                                         f"{proc.returncode}: {why}; its log is {log_path}")
             log.info("the daemon started for %s found another starting (%s): connecting to that one", path, why)
-        try:
-            return Connection(path, timeout_s=timeout_s)
-        except DaemonUnavailable:
-            time.sleep(0.05)
+        time.sleep(0.05)
     raise DaemonUnavailable(f"autostarted daemon (pid {proc.pid}) did not open {path} within {timeout_s} s; "
                             f"see {log_path}")

@@ -205,6 +205,13 @@ class Connection:
         self._closed = Closed(f"this client's connection was given up: {why}, so whatever the daemon granted "
                               "for it goes back with the session; connect again")
         try:
+            # a shutdown, not only a close: it wakes a thread of this client blocked reading the
+            # socket (a close would leave that read holding the socket, and the session, open);
+            # this process's own socket, as its forked children closed their copies
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self.sock.close()
         except OSError:
             pass
@@ -232,13 +239,12 @@ class Connection:
         With ``timeout``, ``TimeoutError`` once that many seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no answer from the daemon within {timeout} s")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self._recv_lock.acquire(blocking=False):
                 try:
                     while not fut.done():
-                        if deadline is not None and not self._readable(deadline - time.monotonic()):
+                        # (with a deadline: what is there already is read even at 0 s left)
+                        if deadline is not None and not self._readable(max(0.0, deadline - time.monotonic())):
                             break
                         self._recv_one()
                 finally:
@@ -248,15 +254,20 @@ class Connection:
             else:
                 with self._cv:
                     self._cv.wait_for(lambda: fut.done() or not self._recv_lock.locked(),
-                                      timeout=0.2 if left is None else max(0.0, min(0.2, left)))
+                                      timeout=0.2 if left is None else min(0.2, left))
+            if not fut.done() and deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer from the daemon within {timeout} s")
         return fut.result()
 
     def _readable(self, left: float) -> bool:
-        """Whether a packet (or the connection's end) is there to read within ``left`` seconds."""
-        if left <= 0 or self._closed is not None:
-            return self._closed is not None
+        """Whether a packet (or the connection's end) is there to read within ``left`` seconds
+        (``poll``: any descriptor number, unlike ``select``)."""
+        if self._closed is not None:
+            return True  # (the read says what happened)
         try:
-            return bool(select.select([self.sock], [], [], left)[0])
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            return bool(poller.poll(left * 1000.0))
         except (OSError, ValueError):  # (closed under us: the read below says so)
             return True
 
@@ -332,6 +343,8 @@ class Connection:
 
     def _fail_all(self, exc: TierstoreError, want: int | None = None) -> None:
         self._closed = self._closed or exc
+        if isinstance(self._closed, Closed):  # (closed or given up here: what a read then meets says less)
+            exc = self._closed
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if fut is not _DIRECT and not fut.done():

@@ -137,6 +137,9 @@ class Server:
         self.metrics_port: int | None = None
         self.failed: BaseException | None = None
         """Set when the start could not finish in the background (the arena's memory was not there)."""
+        self.stop_on_signals = False
+        """Whether this server's process is the daemon's (``run``): once its store is open,
+        a stop signal asks it for a clean stop."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -176,6 +179,11 @@ class Server:
             if gc_was_on:
                 gc.enable()
             release_free_heap()  # what the replay's decoded records took goes back to the system
+        if self.stop_on_signals:
+            # the store is open: from here a stop signal asks for a clean stop, which the start
+            # finishes first (nothing half-opened to leave behind) and serve_forever then does
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._stop_on_signal)
         # the arena and its index go to systemd's fd store: a restarted daemon (upgrade,
         # crash) gets them back and adopts every host-resident object
         if self.notifier.store_fd("arena", self.store.arena.fd) and \
@@ -270,6 +278,10 @@ class Server:
     def request_stop(self) -> None:
         self._stop.set()
         self._wake()
+
+    def _stop_on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        self.request_stop()
 
     def serve_forever(self) -> None:
         last_tick = last_expiry = time.monotonic()
@@ -964,6 +976,7 @@ def run(config: Config) -> int:
     signal comes while it starts)."""
     try:
         server = Server(config)
+        server.stop_on_signals = True
         server.start()
     except StopDuringStart as e:
         log.error("%s", e)
@@ -978,11 +991,8 @@ def run(config: Config) -> int:
         log.error("cannot start: %s; check --socket and --nvme-dir", e)
         return 1
 
-    def on_signal(signum, _frame):
-        log.info("received %s", signal.Signals(signum).name)
-        server.request_stop()
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, on_signal)
+    for sig in STOP_SIGNALS:  # (as the start installed them once the store was open)
+        signal.signal(sig, server._stop_on_signal)
     FreezeAfterFullCollections().install()  # (the process is the daemon's: an in-process Server is left alone)
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     server.serve_forever()

@@ -7,9 +7,13 @@ from typing import Any
 
 __all__ = ["STOP_SIGNALS", "StopDuringStart", "stop_during_start"]
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = tuple(sig for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                     if signal.getsignal(sig) is not signal.SIG_IGN)
 """What stops a daemon cleanly: systemd's stop, Ctrl-C, and the terminal of a foreground
-daemon closing (SIGHUP, which would otherwise kill it without its index checkpoint)."""
+daemon closing (SIGHUP, which would otherwise kill it without its index checkpoint) —
+each unless the process was started with it ignored (``nohup``, which ignores SIGHUP;
+a background job of a script, SIGINT): that choice is kept. (Read as this module is
+first imported, before anything here installs a handler.)"""
 
 
 class StopDuringStart(BaseException):

@@ -282,3 +282,99 @@ def test_a_durable_object_replaced_while_its_write_back_runs_leaves_nothing_behi
     assert not b.stat()["namespaces"].get("job", {}).get("objects"), b.stat()["namespaces"]
     a.close()
     b.close()
+
+
+def test_ctrl_c_gives_the_connection_up_even_while_another_thread_reads_it(daemon_factory):
+    """Another thread of the client is blocked on the same connection (waiting for a lease)
+    when Ctrl-C gives it up: that thread is woken (its call fails, ``Closed``), and the
+    session ends at once — its lease and its ephemeral object go."""
+    d = daemon_factory("--lease-wait-s", "30")
+    a, b = d.client("job"), d.client("job")
+    try:
+        x = b.put(torch.zeros(1 << 16), key="x")
+        y = b.put(torch.zeros(1 << 16), key="y")
+        a.put(torch.ones(4), key="eph", ephemeral=True)
+        mine = a.checkout(a.lookup("x") and x, "r")
+        held = b.checkout(y, "rw")
+        errors = []
+
+        def waiter():
+            try:
+                a.checkout(y, "rw", timeout_s=25)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.5)  # (the waiter's request is in; the main thread's goes next)
+        _interrupt_after(0.5)
+        with pytest.raises(KeyboardInterrupt):
+            a.checkout(y, "rw", timeout_s=20)
+        th.join(timeout=20)
+        assert not th.is_alive() and errors and isinstance(errors[0], Closed), errors
+        deadline = time.monotonic() + 10
+        while b.lookup("eph") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.lookup("eph") is None
+        held.release()
+        with b.checkout(x, "rw", timeout_s=5):
+            pass
+        del mine
+    finally:
+        a.close()
+        b.close()
+
+
+def test_after_a_ctrl_c_views_keep_what_was_written_through_them(daemon_factory):
+    """The abandon turned the mappings private once; ``close()`` does not turn them private
+    again (which would drop what the program wrote through its views since)."""
+    d = daemon_factory("--lease-wait-s", "10")
+    a, b = d.client("job"), d.client("job")
+    h = a.put(torch.zeros(1024), key="v")
+    lease = a.checkout(h, "rw")
+    other = b.put(torch.zeros(4), key="o")
+    held = b.checkout(other, "rw")
+    _interrupt_after(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        a.checkout(other, "rw", timeout_s=8)
+    lease.tensor.fill_(5.0)
+    a.close()
+    assert float(lease.tensor[0]) == 5.0
+    held.release()
+    b.close()
+
+
+def test_a_collected_clients_pipelined_puts_complete(daemon):
+    def puts():
+        c = Client.connect(daemon.socket, namespace="job", prefault=False)
+        return [c.put_async(torch.full((4,), float(i)), key=f"p{i}") for i in range(32)]
+    futs = puts()
+    gc.collect()
+    assert [f.exception(timeout=30) for f in futs] == [None] * 32
+    with daemon.client("job") as c:
+        assert sorted(c.keys()) == sorted(f"p{i}" for i in range(32))
+
+
+def test_a_future_polled_with_a_zero_timeout_completes(daemon):
+    import concurrent.futures
+
+    with daemon.client("job") as c:
+        fut = c.put_async(torch.ones(4))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                fut.result(timeout=0)
+                break
+            except concurrent.futures.TimeoutError:
+                pass
+        assert fut.done()
+
+
+def test_get_async_into_a_parameter_under_no_grad_runs_as_get_does(daemon):
+    with daemon.client("job") as c:
+        h = c.put(torch.full((4,), 3.0))
+        p = torch.nn.Parameter(torch.zeros(4))
+        with torch.no_grad():
+            c.get_async(h, out=p).result(timeout=30)
+        assert torch.equal(p.detach(), torch.full((4,), 3.0))
+        with pytest.raises(InvalidArgument, match="requires grad"):
+            c.get_async(h, out=p).result(timeout=30)

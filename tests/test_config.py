@@ -293,7 +293,7 @@ def test_a_config_file_that_cannot_work_is_one_line_naming_it(tmp_path, case):
     r = _config_cli("--config", str(f))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    want = {"fifo": "not a regular file", "dev zero": "not a regular file", "not utf-8": "not UTF-8",
+    want = {"fifo": "a pipe that stayed silent", "dev zero": "not a regular file", "not utf-8": "not UTF-8",
             "tierstore = 5": "[tierstore] table", "[tierstore] and [daemon]": "[tierstore] table",
             "nan seconds": "lease_wait_s", "inf seconds": "lease_timeout_s", "port 70000": "metrics_port"}[case]
     assert want in lines[0], lines[0]
@@ -322,3 +322,16 @@ def test_an_unknown_group_is_warned_by_config_and_refuses_a_daemon_start(tmp_pat
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "allowed_groups names 'no-such-group-here'" in lines[0]
+
+
+def test_a_settings_file_through_a_pipe_is_read(tmp_path):
+    """``--config <(envsubst < template)``: a pipe whose writer ends is read like a file."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m tierstore.client.cli config --json --config "
+                        "<(printf '[store]\\npolicy = \"lru\"\\n')"], capture_output=True, text=True, timeout=60)
+    import json
+
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["store"]["policy"]["value"] == "lru"

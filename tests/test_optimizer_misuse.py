@@ -92,6 +92,9 @@ def test_a_state_dict_refused_by_a_load_changes_nothing(make_store):
     bad["state"][1]["note"] = "from my trainer"
     with pytest.raises(TypeError, match="parameter 0.1's state 'note'"):
         oopt.load_state_dict(bad)
+    bad["state"][1]["note"] = torch.empty(8, device="meta")
+    with pytest.raises(TypeError, match="parameter 0.1's state 'note': a meta tensor"):
+        oopt.load_state_dict(bad)
     assert oopt.param_groups[0]["lr"] == 1e-2 and oopt.completed_steps == 3
     assert s.lookup("bad/_progress") is not None
     assert torch.equal(oopt.state[off.bias]["exp_avg"], popt.state[plain.bias]["exp_avg"])

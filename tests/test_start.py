@@ -592,3 +592,20 @@ def test_an_engine_that_cannot_run_here_is_a_one_line_refusal(daemon_factory):
     assert d.proc.wait(timeout=60) == 1
     log = d.log.read_text()
     assert "Traceback" not in log and "engine=kvikio requested but unusable here" in log, log[-2000:]
+
+
+def test_a_daemon_started_with_sighup_ignored_keeps_it_ignored(daemon_factory):
+    """``nohup tierstore daemon &``: the hang-up nohup ignores does not stop the daemon."""
+    import signal
+
+    d = daemon_factory(start=False)
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (inherited through exec, as nohup does it)
+    try:
+        d.start()
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    d.proc.send_signal(signal.SIGHUP)
+    for _ in range(20):
+        with d.client("nohup") as c:
+            c.ping()
+    assert d.proc.poll() is None and "received SIGHUP" not in d.log.read_text()

@@ -321,16 +321,14 @@ def _read_toml(path: str | os.PathLike) -> dict[str, tuple[str, Any]]:
     table holds that section's settings; flat keys at the top (or, alone, under
     ``[tierstore]``) are read too, as before sections existed."""
     try:
-        with open(path, "rb", opener=_regular_only) as f:
-            text = f.read(_MAX_CONFIG_BYTES + 1)
+        text = _config_bytes(str(path))
         if len(text) > _MAX_CONFIG_BYTES:
             raise ConfigError(f"config file {path} is larger than {_MAX_CONFIG_BYTES} bytes; it is not a settings file")
         data = tomllib.loads(text.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; check --config or TIERSTORE_CONFIG") from None
-    except _NotRegular:
-        raise ConfigError(f"config file {path} is not a regular file (a FIFO or a device would never end the "
-                          "read); check --config or TIERSTORE_CONFIG") from None
+    except _NotRegular as e:
+        raise ConfigError(f"config file {path} {e}; check --config or TIERSTORE_CONFIG") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -367,14 +365,44 @@ class _NotRegular(Exception):
     pass
 
 
-def _regular_only(path: str, flags: int) -> int:
-    """``open``'s opener: the file only if it is a regular one (checked on the descriptor
-    opened without blocking, so a FIFO neither hangs the open nor the read)."""
-    fd = os.open(path, flags | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+_PIPE_QUIET_S = 5.0
+"""How long a pipe given as the settings file (``--config <(...)``) may stay silent."""
+
+
+def _config_bytes(path: str) -> bytes:
+    """The settings file's bytes (at most one more than ``_MAX_CONFIG_BYTES``): a regular
+    file, or a pipe whose writer ends within ``_PIPE_QUIET_S`` of quiet (process
+    substitution); anything else (a device such as ``/dev/zero``, a FIFO nobody writes)
+    is ``_NotRegular``, never a read that hangs. Opened without blocking: a FIFO's open
+    waits for no writer."""
+    import select
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            os.set_blocking(fd, True)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read(_MAX_CONFIG_BYTES + 1)
+        if not stat.S_ISFIFO(mode):
+            raise _NotRegular("is not a regular file (a device would never end the read)")
+        chunks, n = [], 0
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while n <= _MAX_CONFIG_BYTES:
+            if not poller.poll(_PIPE_QUIET_S * 1000):
+                raise _NotRegular(f"is a pipe that stayed silent for {_PIPE_QUIET_S:g} s (a FIFO nobody writes?)")
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        return b"".join(chunks)
+    finally:
         os.close(fd)
-        raise _NotRegular(path)
-    return fd
 
 
 # -- one parser per field, whatever the source --------------------------------------------

@@ -556,10 +556,12 @@ class LeaseTable:
                 drop, written = False, True
         if written:
             if meta.durable:
+                failed = True
                 try:
                     # durable: the new bytes reach NVMe and the journal before the check-in returns
                     self.placement.write_down(meta, sync=True)
                     self.durability.record_write_back(meta)
+                    failed = False
                 except BaseException:
                     with self.cv:
                         if meta.nvme is None and stale:
@@ -572,6 +574,9 @@ class LeaseTable:
                         meta.moving = False
                         meta.writer = False
                         self.cv.notify_all()
+                        replaced = failed and self.index.droppable(meta)
+                    if replaced:  # (the write-back failed, and a put replaced the object meanwhile)
+                        self._discard_soon(meta)
             if stale:
                 self.placement.nvme_free(stale)  # (durable) only after the journal names the new copy
             with self.cv:

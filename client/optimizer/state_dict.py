@@ -245,7 +245,12 @@ def checked_state(key: Key, st: dict[str, Any]) -> dict[str, Any]:
         if v is None:
             continue
         try:
-            local(v) if isinstance(v, torch.Tensor) else pytag(v)
+            if isinstance(v, torch.Tensor):
+                if v.device.type == "meta":
+                    raise TypeError("a meta tensor has no values to offload (materialize the state first)")
+                local(v)
+            else:
+                pytag(v)
         except TypeError as e:
             raise TypeError(f"parameter {key[0]}.{key[1]}'s state {name!r}: {e}") from None
         out[name] = v

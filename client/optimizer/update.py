@@ -42,8 +42,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _fingerprint(p: torch.Tensor) -> int | None:
     """The sum of a CPU parameter's bit patterns (integer: the same whatever the threads),
-    or ``None`` for a parameter elsewhere (reading one back would wait on its device). Any
-    change but a reordering of its values moves it; one pass over the parameter."""
+    or ``None`` for a parameter elsewhere (reading one back would wait on its device). One
+    pass over the parameter; a change that keeps the sum goes unseen (a reordering of the
+    values, or the sign of as many positive as negative ones flipped)."""
     if p.device.type != "cpu" or not p.is_floating_point():
         return None
     return int(torch.sum(_bits(p), dtype=torch.int64))
