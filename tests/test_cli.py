@@ -279,3 +279,10 @@ def test_stat_and_watch_against_a_daemon_that_stopped_answering_end_in_one_line(
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
         watch.kill()
+
+
+def test_demo_steps_and_message_size_that_cannot_work_are_refused():
+    r = cli("demo", "--steps", "-1")
+    assert r.returncode == 2 and "argument --steps: must be at least 1" in _one_line(r)
+    r = cli("config", "--max-message-bytes", "0")
+    assert r.returncode == 2 and "must be at least 4096" in _one_line(r)

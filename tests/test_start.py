@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import pytest
 
-from tierstore import Config, InvalidArgument
+from tierstore import Config, InvalidArgument, Store
 
 
 def _daemon(tmp_path, *flags, env=None):
@@ -609,3 +609,12 @@ def test_a_daemon_started_with_sighup_ignored_keeps_it_ignored(daemon_factory):
         with d.client("nohup") as c:
             c.ping()
     assert d.proc.poll() is None and "received SIGHUP" not in d.log.read_text()
+
+
+def test_one_directory_named_twice_is_refused_naming_it(tmp_path):
+    d = tmp_path / "nvme"
+    d.mkdir()
+    os.symlink(d, tmp_path / "again")
+    for dirs in ([str(d), str(d) + "/"], [str(d), str(tmp_path / "again")]):
+        with pytest.raises(InvalidArgument, match="names one directory twice"):
+            Store(Config(host_bytes="4MiB", nvme_bytes="64MiB", nvme_dirs=dirs))

@@ -186,7 +186,8 @@ class DaemonConfig:
                                                "memory (0: only when the connection ends)", minimum=0)
     max_clients: int = _knob(256, "connections the daemon admits at once", minimum=1)
     max_clients_per_uid: int = _knob(128, "connections one uid may hold at once (root is exempt)", minimum=1)
-    max_message_bytes: int = _knob(1 << 20, "largest control message the daemon accepts")
+    max_message_bytes: int = _knob(1 << 20, "largest control message the daemon accepts (at least 4KiB: a "
+                                            "client's requests need that much)", minimum=4096)
     metrics_port: int = _knob(-1, "serve Prometheus metrics on this port (-1: off, 0: any free port, shown by "
                                   "stat)", minimum=-1)
     metrics_addr: str = _knob("127.0.0.1", "address the metrics endpoint binds")

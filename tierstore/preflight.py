@@ -47,6 +47,13 @@ def check_start(cfg: StoreConfig, *, warn: bool = True) -> StoreConfig:
     refusals only, the warnings left to the store's own check (the daemon's early checks
     would otherwise print each one three times)."""
     say = log.warning if warn else _silent
+    seen: dict[str, str] = {}
+    for d in cfg.nvme_dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            raise InvalidArgument(f"nvme_dirs names one directory twice ({seen[real]!r} and {d!r} are both {real}); "
+                                  "give each drive's directory once")
+        seen[real] = d
     for d in cfg.nvme_dirs:
         check_dir(d)
         _check_private(d, say)

@@ -30,6 +30,17 @@ __all__ = ["main", "TinyGPT", "make_corpus"]
 _LR = 3e-3
 _WARMUP = 20
 
+
+def _positive(text: str) -> int:
+    """``--steps N``: a whole number of steps, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 def make_corpus(n_sentences: int = 20000, seed: int = 0) -> str:
     rng = random.Random(seed)
     out = []
@@ -90,7 +101,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--socket", metavar="PATH", help="daemon socket (default: $TIERSTORE_SOCKET or the standard path)")
     p.add_argument("--namespace", default="demo/rank0", metavar="NS",
                    help="namespace holding the optimizer state (default: demo/rank0)")
-    p.add_argument("--steps", type=int, default=300, metavar="N", help="train until step N (default: 300)")
+    p.add_argument("--steps", type=_positive, default=300, metavar="N", help="train until step N (default: 300)")
     p.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step (default: 16)")
     p.add_argument("--ctx", type=int, default=64, metavar="N", help="context length in characters (default: 64)")
     p.add_argument("--tier", default="nvme", choices=["host", "nvme"],
