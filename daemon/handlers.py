@@ -41,7 +41,8 @@ __all__ = ["Deferred", "Handlers", "ITEMSIZE"]
 ITEMSIZE = {
     "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16, "complex32": 4,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
 }
 """Element sizes of the dtypes the daemon accepts (torch and NumPy names)."""
 

@@ -378,3 +378,18 @@ def test_get_async_into_a_parameter_under_no_grad_runs_as_get_does(daemon):
         assert torch.equal(p.detach(), torch.full((4,), 3.0))
         with pytest.raises(InvalidArgument, match="requires grad"):
             c.get_async(h, out=p).result(timeout=30)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                                  "float4_e2m1fn_x2", "uint16", "uint32", "uint64", "complex32", "bool"])
+def test_every_torch_dtype_the_store_takes_goes_through_the_daemon(daemon, name):
+    """What the in-process store takes, a daemon takes too, bit for bit."""
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"this torch has no {name}")
+    raw = torch.arange(64, dtype=torch.uint8).repeat(4)
+    t = raw.view(dtype) if dtype.itemsize == 1 else torch.arange(32, dtype=torch.int64).to(torch.uint8).repeat(8).view(dtype)
+    with daemon.client("dtypes") as c:
+        got = c.get(c.put(t))
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
