@@ -377,6 +377,11 @@ class Connection:
     def close(self) -> None:
         if self._closed is None:
             self._closed = Closed("this client is closed: connect again")
+        if self._parent is None:  # (a forked child closed its copy at the fork: the socket is the parent's)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread of this client still blocked reading
+            except OSError:
+                pass
         try:
             self.sock.close()
         except OSError:

@@ -118,6 +118,22 @@ def test_a_forked_helper_does_not_keep_its_dead_parents_session(daemon):
             pass
 
 
+def _waiting(call):
+    """``call`` on a thread of its own, blocked in it by the time this returns (its request
+    is in); the thread and the list its error goes to."""
+    errors = []
+
+    def run():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    th = threading.Thread(target=run)
+    th.start()
+    time.sleep(0.5)
+    return th, errors
+
+
 def _interrupt_after(seconds):
     threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
 
@@ -296,16 +312,7 @@ def test_ctrl_c_gives_the_connection_up_even_while_another_thread_reads_it(daemo
         a.put(torch.ones(4), key="eph", ephemeral=True)
         mine = a.checkout(a.lookup("x") and x, "r")
         held = b.checkout(y, "rw")
-        errors = []
-
-        def waiter():
-            try:
-                a.checkout(y, "rw", timeout_s=25)
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-        th = threading.Thread(target=waiter)
-        th.start()
-        time.sleep(0.5)  # (the waiter's request is in; the main thread's goes next)
+        th, errors = _waiting(lambda: a.checkout(y, "rw", timeout_s=25))
         _interrupt_after(0.5)
         with pytest.raises(KeyboardInterrupt):
             a.checkout(y, "rw", timeout_s=20)
@@ -393,3 +400,23 @@ def test_every_torch_dtype_the_store_takes_goes_through_the_daemon(daemon, name)
         got = c.get(c.put(t))
         assert got.dtype == t.dtype and got.shape == t.shape
         assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_close_wakes_a_thread_blocked_on_the_same_client(daemon_factory):
+    """``close()`` while another thread of the client waits for a lease: that thread gets
+    ``Closed`` (not a lost-daemon error, and not only once the daemon happens to answer),
+    and the session ends."""
+    d = daemon_factory("--lease-wait-s", "60")
+    a, b = d.client("job"), d.client("job")
+    h = b.put(torch.zeros(16), key="x")
+    held = b.checkout(h, "rw")
+    th, errors = _waiting(lambda: a.checkout(h, "rw", timeout_s=50))
+    a.close()
+    th.join(timeout=30)
+    assert not th.is_alive() and len(errors) == 1 and isinstance(errors[0], Closed), errors
+    deadline = time.monotonic() + 10
+    while len(b.stat()["sessions"]) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(b.stat()["sessions"]) == 1
+    held.release()
+    b.close()
