@@ -515,6 +515,17 @@ def test_a_socket_directory_others_may_write_is_refused(tmp_path, case):
     assert r.returncode == 1 and f"socket directory {d}" in line, line
     assert ("belongs to uid" if case != "writable by others" else "others may replace") in line
     assert os.listdir(d) == []
+    # refused by the checks before the store: no journal replayed, no NVMe directory made
+    assert "store open" not in r.stderr and not (tmp_path / "n").exists(), r.stderr[-2000:]
+
+
+def test_a_socket_path_too_long_is_refused_before_the_store_opens(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    r = subprocess.run([sys.executable, "-m", "tierstore.daemon", "--socket", str(deep / "t.sock"), "--nvme-dir",
+                        str(tmp_path / "n"), "--host-bytes", "64MiB"], capture_output=True, text=True, timeout=60)
+    line = _one_error_line(r)
+    assert r.returncode == 1 and "longer than a Unix socket's 107" in line and "--socket" in line, line
+    assert "store open" not in r.stderr and not (tmp_path / "n").exists(), r.stderr[-2000:]
 
 
 def test_sighup_stops_the_daemon_cleanly_with_its_checkpoint(daemon_factory):

@@ -111,8 +111,31 @@ def check_daemon_start(cfg: Config) -> None:
         raise InvalidArgument(f"allowed_groups names {', '.join(map(repr, missing))}, which this machine has no "
                               "group of: create it (groupadd), give a gid, or remove it")
     check_dir(os.path.dirname(resolved.daemon.socket) or ".", mode=0o750, what="socket directory", flag="--socket")
+    _socket_path_usable(resolved.daemon.socket)
     _no_daemon_serving(resolved.daemon.socket)  # (before the NVMe directories, which such a daemon holds)
     check_start(resolved.store, warn=False)
+
+
+_SUN_PATH_MAX = 107
+"""The longest path a Unix socket can be bound at (``sun_path`` holds 108 bytes with its NUL)."""
+
+
+def _socket_path_usable(path: str) -> None:
+    """The refusals the socket's bind would make, before the store opens (a journal
+    replayed for nothing): a path too long for a Unix socket, a directory another uid
+    owns, or one others may write in without the sticky bit (they could replace the
+    socket). The daemon's bind checks them again."""
+    if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        raise InvalidArgument(f"the socket path {path} is {len(os.fsencode(path))} bytes, longer than a Unix "
+                              f"socket's {_SUN_PATH_MAX}; choose a shorter --socket")
+    d = os.path.dirname(path) or "."
+    st = os.stat(d)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise InvalidArgument(f"socket directory {d} belongs to uid {st.st_uid}, who could replace the daemon's "
+                              f"socket; use a directory of uid {os.geteuid()} (or root's)")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise InvalidArgument(f"socket directory {d} has mode {stat.S_IMODE(st.st_mode):o}: others may replace the "
+                              "daemon's socket in it; use a directory only its owner writes (0750), or a sticky one")
 
 
 def _no_daemon_serving(path: str) -> None:
