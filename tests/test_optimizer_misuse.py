@@ -242,3 +242,27 @@ def test_a_compiled_step_runs_as_the_eager_one(make_store):
         step()
         oopt.zero_grad()
         assert torch.equal(plain.weight, off.weight), k
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_a_resume_under_a_model_whose_shapes_changed_is_refused_before_any_update(make_store, master):
+    """As many parameters as the run that wrote the state, but the head now has 5 outputs
+    instead of 3: the resume is refused naming the parameter, and nothing was updated."""
+    s = make_store()
+
+    def model(out):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, out))
+    m = model(3)
+    opt = offload_optimizer(torch.optim.AdamW(m.parameters(), lr=0.1), s, prefix="run", master_weights=master)
+    for _ in range(2):
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    del opt
+    m2 = model(5)
+    before = [p.detach().clone() for p in m2.parameters()]
+    with pytest.raises(ValueError, match=r"parameter 0\.2, whose shape is \[5, 4\]: the model changed"):
+        offload_optimizer(torch.optim.AdamW(m2.parameters(), lr=0.1), s, prefix="run", resume=True,
+                          master_weights=master)
+    assert all(torch.equal(a, b) for a, b in zip(before, m2.parameters()))

@@ -28,6 +28,7 @@ from ..claims import PrefixMark, claim_prefix
 
 from .backward import BackwardUpdates, refuse_offloaded_parameters
 from .buckets import DEFAULT_BUCKET_BYTES, Buckets
+from .tiles import ELEMENTWISE
 from .progress import Progress
 from .state import Item, Key, StateTensors, local
 from .state_dict import (Placeholders, PoolState, checked_state, finish_lazy_load, in_rule_format, pack, placed,
@@ -182,6 +183,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         is whole); until a load succeeds or ``free()``, ``step()`` and ``state_dict()`` raise."""
         claim_prefix(store, self.prefix, self, frees_all=True)
         if resume and self.progress.resume(self.param_groups, self._needs_master):
+            self._check_resumed_shapes()
             self.state_tensors.masters_into(self.param_groups)  # parameters come back from their masters
             self._mark_owner()
         else:
@@ -192,6 +194,30 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Whether an update in backward sets its parameters' gradients to ``None``."""
         self.backward = BackwardUpdates(self) if update_in_backward else None
         """The update-in-backward hooks (``None`` without ``update_in_backward``)."""
+
+    def _check_resumed_shapes(self) -> None:
+        """``ValueError`` where the state resumed does not fit this model's parameters (a
+        model changed between runs, as many parameters but other shapes), before any step
+        updates one: an fp32 master of another shape, or (under the elementwise rules,
+        whose state tensors are the parameter's shape) a state tensor of as many
+        dimensions as its parameter and another shape."""
+        states = self.state_tensors
+        shapes = {e["key"]: tuple(e["shape"]) for e in self.store.ls(states.prefix + "/")}
+        elementwise = type(self.inner) in ELEMENTWISE
+        for (gi, pi), layout in states.layout.items():
+            if gi >= len(self.param_groups) or pi >= len(self.param_groups[gi]["params"]):
+                continue  # (``masters_into`` says so)
+            want = tuple(local(self.param_groups[gi]["params"][pi])[1].shape)
+            for name, tag in layout.items():
+                if tag not in ("tensor", "dtensor") or (name != "master" and not elementwise):
+                    continue
+                have = shapes.get(states.key(gi, pi, name, states.cur.get((gi, pi), 0)))
+                if have is None or (name != "master" and len(have) != len(want)) or have == want:
+                    continue
+                raise ValueError(
+                    f"the optimizer state under {self.prefix!r} (step {self.completed_steps}) holds {name!r} of "
+                    f"shape {list(have)} for parameter {gi}.{pi}, whose shape is {list(want)}: the model changed "
+                    "since that run; load a checkpoint that fits it (load_state_dict) or start afresh (resume=False)")
 
     @property
     def completed_steps(self) -> int:
