@@ -204,18 +204,23 @@ class Connection:
                 log.exception("giving up the connection to %s", self.path)
         self._closed = Closed(f"this client's connection was given up: {why}, so whatever the daemon granted "
                               "for it goes back with the session; connect again")
-        try:
-            # a shutdown, not only a close: it wakes a thread of this client blocked reading the
-            # socket (a close would leave that read holding the socket, and the session, open);
-            # this process's own socket, as its forked children closed their copies
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self._end_socket()
+        self._fail_all(self._closed)
+
+    def _end_socket(self) -> None:
+        """Shut the socket down, then close it. A shutdown, not only a close: it wakes a
+        thread of this client blocked reading it (a close would leave that read holding the
+        socket, and the session, open). Never in a forked child: its copy was closed at the
+        fork, and the socket is the parent's."""
+        if self._parent is None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         try:
             self.sock.close()
         except OSError:
             pass
-        self._fail_all(self._closed)
 
     def _request(self, op: str, fields: dict[str, Any]) -> Any:
         if not self._recv_lock.acquire(blocking=False):
@@ -377,15 +382,7 @@ class Connection:
     def close(self) -> None:
         if self._closed is None:
             self._closed = Closed("this client is closed: connect again")
-        if self._parent is None:  # (a forked child closed its copy at the fork: the socket is the parent's)
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread of this client still blocked reading
-            except OSError:
-                pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self._end_socket()
         self._fail_all(DaemonUnavailable("connection closed by the client"))
 
 
